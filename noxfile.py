@@ -1,0 +1,209 @@
+#!/usr/bin/env -S uv run --script
+# /// script
+# dependencies = ["nox>=2025.10.16"]
+# ///
+"""leanlm tasks. `nox -l` lists them; `nox -t ci` is what CI runs.
+
+Venvs. Torch alone is ~900 MB per venv, so the sessions that need the ML stack share ONE pip venv
+(`.nox/stack`) instead of building one each. Isolation between packages is kept where it matters:
+before `tests(<pkg>)` runs, every workspace member is uninstalled from that venv and only `<pkg>`,
+its declared sibling dependencies and its `test` dependency group are installed (editable), so an
+undeclared sibling import fails; `tools/check_imports.py` also checks statically that each package
+imports only the standard library, itself and its declared dependencies. Every install goes
+through `constraints/cpu.txt` (torch must be exactly 2.13.0: pip finds the local CPU wheel).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import nox
+
+nox.needs_version = ">=2025.10.16"
+nox.options.default_venv_backend = "virtualenv"
+nox.options.reuse_venv = "yes"
+
+ROOT = Path(__file__).resolve().parent
+CONSTRAINTS = ROOT / "constraints" / "cpu.txt"
+STACK = ROOT / ".nox" / "stack"
+PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One workspace package: its directory, the siblings it depends on, its test requirements."""
+
+    name: str
+    path: Path
+    sibling_deps: tuple[str, ...]
+    test_requirements: tuple[str, ...]
+
+
+def _req_name(requirement: str) -> str:
+    for sep in "[=<>!~; ":
+        requirement = requirement.split(sep, 1)[0]
+    return requirement.strip().lower().replace("_", "-")
+
+
+def _load_members() -> dict[str, Member]:
+    tomls = {p.parent: nox.project.load_toml(p) for p in sorted(ROOT.glob("packages/*/pyproject.toml"))}
+    names = {toml["project"]["name"] for toml in tomls.values()}
+    members = {}
+    for path, toml in tomls.items():
+        deps = [_req_name(r) for r in toml["project"].get("dependencies", [])]
+        tests = toml.get("dependency-groups", {}).get("test", [])
+        name = toml["project"]["name"]
+        members[name] = Member(name, path, tuple(d for d in deps if d in names), tuple(tests))
+    return members
+
+
+MEMBERS = _load_members()
+PACKAGES = sorted(MEMBERS)
+
+
+def _closure(names: list[str]) -> list[Member]:
+    """`names` and the siblings they depend on, dependencies first."""
+    seen: list[Member] = []
+
+    def visit(name: str) -> None:
+        member = MEMBERS[name]
+        for dep in member.sibling_deps:
+            visit(dep)
+        if member not in seen:
+            seen.append(member)
+
+    for name in names:
+        visit(name)
+    return seen
+
+
+class Stack:
+    """The shared pip venv that holds torch and the rest of the ML stack."""
+
+    def __init__(self, session: nox.Session) -> None:
+        self.session = session
+        bindir = "Scripts" if sys.platform == "win32" else "bin"
+        self.python = str(STACK / bindir / ("python.exe" if sys.platform == "win32" else "python"))
+        if not Path(self.python).exists():
+            session.log(f"creating the shared venv {STACK}")
+            session.run_install(sys.executable, "-m", "venv", str(STACK))
+            self.pip("install", "--upgrade", "pip", "hatchling", "editables")
+        session.env["VIRTUAL_ENV"] = str(STACK)
+        session.env["PATH"] = os.pathsep.join([str(STACK / bindir), os.environ.get("PATH", "")])
+        session.env.setdefault("HF_HOME", str(ROOT / ".nox" / "hf-home"))
+
+    def pip(self, *args: str) -> None:
+        self.session.run_install(self.python, "-m", "pip", *args, "--quiet")
+
+    def install_only(self, names: list[str], *, extra: tuple[str, ...] = ()) -> None:
+        """Make `names` (with their sibling dependencies) the only workspace members installed."""
+        self.session.run_install(
+            self.python, "-m", "pip", "uninstall", "--yes", "--quiet", *PACKAGES, silent=True
+        )
+        members = _closure(names)
+        test_reqs = [r for m in members if m.name in names for r in m.test_requirements]
+        local = [r for r in test_reqs if _req_name(r) in MEMBERS]
+        members = _closure(names + [_req_name(r) for r in local])
+        external = [r for r in test_reqs if _req_name(r) not in MEMBERS] + list(extra)
+        editable = [arg for m in members for arg in ("-e", str(m.path))]
+        self.pip("install", "-c", str(CONSTRAINTS), "--no-build-isolation", *editable, *external)
+
+    def run(self, *args: str, **kwargs: object) -> object:
+        return self.session.run(self.python, *args, **kwargs)  # type: ignore[arg-type]
+
+
+def _pytest_env() -> dict[str, str]:
+    # The Triton interpreter must be chosen before any kernel module is imported.
+    return {"TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+@nox.session(venv_backend="none", tags=["ci"])
+@nox.parametrize("package", PACKAGES, ids=PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """CPU tests of one package, installed alone with its declared dependencies."""
+    stack = Stack(session)
+    stack.install_only([package])
+    stack.run(str(ROOT / "tools" / "check_imports.py"), str(MEMBERS[package].path))
+    stack.run(
+        "-m", "pytest", str(MEMBERS[package].path / "tests"), "-m", "not gpu and not slow",
+        *session.posargs, env=_pytest_env(), success_codes=[0, 5],  # 5: nothing selected
+    )
+
+
+@nox.session(venv_backend="none", tags=["ci"])
+def integration(session: nox.Session) -> None:
+    """Cross-package tests in integration_tests/ with every package installed."""
+    stack = Stack(session)
+    stack.install_only(PACKAGES)
+    stack.run(
+        "-m", "pytest", str(ROOT / "integration_tests"), "-m", "not gpu and not slow",
+        *session.posargs, env=_pytest_env(), success_codes=[0, 5],
+    )
+
+
+@nox.session(venv_backend="none", default=False)
+@nox.parametrize("package", PACKAGES, ids=PACKAGES)
+def gpu(session: nox.Session, package: str) -> None:
+    """GPU tests of one package (needs CUDA; compiles kernels for real, no interpreter)."""
+    stack = Stack(session)
+    stack.install_only([package])
+    stack.run("-m", "pytest", str(MEMBERS[package].path / "tests"), "-m", "gpu", *session.posargs)
+
+
+@nox.session(tags=["ci"])
+def lint(session: nox.Session) -> None:
+    """Ruff lint and format check over the whole repository."""
+    session.install(*nox.project.dependency_groups(PYPROJECT, "lint"))
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(venv_backend="none", tags=["ci"])
+def typecheck(session: nox.Session) -> None:
+    """mypy (strict) over every package's src/."""
+    stack = Stack(session)
+    stack.install_only(PACKAGES, extra=nox.project.dependency_groups(PYPROJECT, "typecheck"))
+    srcs = [str(m.path / "src") for m in MEMBERS.values()]
+    stack.run("-m", "mypy", *srcs, *session.posargs)
+
+
+@nox.session(tags=["ci"])
+def docs(session: nox.Session) -> None:
+    """Build the MkDocs site with --strict (warnings are errors)."""
+    session.install(*nox.project.dependency_groups(PYPROJECT, "docs"))
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / ".nox" / "site"))
+
+
+@nox.session(venv_backend="none")
+def demo(session: nox.Session) -> None:
+    """The main job: `leanlm demo` (arguments after `--` go to it, e.g. `-- --preset smoke`)."""
+    stack = Stack(session)
+    stack.install_only(["leanlm"])
+    session.run(str(STACK / "bin" / "leanlm"), "demo", *session.posargs)
+
+
+@nox.session(venv_backend="none", default=False)
+@nox.parametrize("package", PACKAGES, ids=PACKAGES)
+def bench(session: nox.Session, package: str) -> None:
+    """Every benchmarks/bench_*.py of one package (not in CI: benchmarks are not tests)."""
+    stack = Stack(session)
+    stack.install_only([package])
+    scripts = sorted((MEMBERS[package].path / "benchmarks").glob("bench_*.py"))
+    if not scripts:
+        session.skip(f"{package} has no benchmarks/bench_*.py")
+    for script in scripts:
+        stack.run(str(script), *session.posargs)
+
+
+@nox.session(venv_backend="none", default=False)
+def clean(session: nox.Session) -> None:
+    """Delete the shared venv (the next session rebuilds it)."""
+    shutil.rmtree(STACK, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    nox.main()

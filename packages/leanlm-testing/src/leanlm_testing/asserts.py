@@ -1,0 +1,45 @@
+"""Tensor comparisons that explain themselves when they fail."""
+
+from __future__ import annotations
+
+import torch
+
+
+def assert_verbose_allclose(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    atol: float,
+    rtol: float,
+    name: str = "tensor",
+    max_report: int = 5,
+) -> None:
+    """Assert `|actual - expected| <= atol + rtol * |expected|` elementwise, comparing in fp64.
+
+    On failure the message gives the number of mismatches, the largest absolute and relative
+    errors and the first `max_report` offending indices with both values, which is what one needs
+    to tell a tolerance problem from a bug.
+
+    Raises:
+        AssertionError: if shapes differ or any element is outside the tolerance.
+    """
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    nan_mismatch = torch.isnan(a) != torch.isnan(e)
+    diff = (a - e).abs()
+    bad = (diff > atol + rtol * e.abs()) | nan_mismatch
+    bad &= ~(torch.isnan(a) & torch.isnan(e))
+    if not bool(bad.any()):
+        return
+    rel = diff / e.abs().clamp_min(torch.finfo(torch.float64).tiny)
+    where = bad.nonzero()[:max_report]
+    samples = "\n".join(
+        f"  at {tuple(i.tolist())}: actual={a[tuple(i)].item():.8g} expected={e[tuple(i)].item():.8g}"
+        for i in where
+    )
+    raise AssertionError(
+        f"{name}: {int(bad.sum())} of {bad.numel()} elements differ beyond atol={atol}, rtol={rtol}; "
+        f"max abs err {diff[bad].max().item():.3g}, max rel err {rel[bad].max().item():.3g}\n{samples}"
+    )

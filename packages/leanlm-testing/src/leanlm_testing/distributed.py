@@ -1,0 +1,43 @@
+"""Run a function in several processes joined into a gloo process group."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(
+    rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple[Any, ...]
+) -> None:
+    # One thread per process: two processes on two cores, and reproducible reductions.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(
+    fn: Callable[..., Any], *args: Any, world_size: int = 2, tmp_path: str | os.PathLike[str]
+) -> None:
+    """Run `fn(rank, world_size, *args)` in `world_size` fresh processes (gloo, CPU).
+
+    The rendezvous is a file under `tmp_path` (no TCP port, safe under pytest-xdist). `fn` and
+    `args` must be picklable (define `fn` at module level). A failure in any worker is re-raised
+    here with the worker's traceback.
+    """
+    if world_size < 1:
+        raise ValueError(f"`world_size` ({world_size}) must be >= 1")
+    init_file = Path(tmp_path) / f"dist-init-{os.getpid()}-{id(fn)}"
+    init_file.unlink(missing_ok=True)
+    mp.spawn(_worker, args=(world_size, str(init_file), fn, args), nprocs=world_size, join=True)

@@ -1,0 +1,44 @@
+"""Tiny Hugging Face causal LMs built from config objects: no download, fast on CPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def tiny_llama_config(**overrides: Any) -> Any:
+    """A `LlamaConfig` with GQA (4 query heads, 2 KV heads), 2 layers, hidden 64, vocab 256."""
+    from transformers import LlamaConfig
+
+    kwargs: dict[str, Any] = {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": True,
+    }
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def tiny_llama(seed: int = 0, **overrides: Any) -> Any:
+    """A freshly initialised `LlamaForCausalLM` from `tiny_llama_config(**overrides)`."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_llama_config(**overrides)).eval()
+
+
+def random_batches(
+    vocab_size: int, *, batches: int = 2, batch_size: int = 2, seq_len: int = 16, seed: int = 0
+) -> list[dict[str, torch.Tensor]]:
+    """`batches` dicts of random `input_ids` (batch_size, seq_len), as a DataLoader would yield."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        {"input_ids": torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen)}
+        for _ in range(batches)
+    ]

@@ -1,0 +1,32 @@
+"""leanlm: train and compress LLMs with less memory, end to end.
+
+The pipeline runs the stages of a `RunConfig` (today: `pretrain`) and writes a report:
+`leanlm demo`, `leanlm run CONFIG.toml`, or `run_pipeline(config, out_dir)` from Python.
+"""
+
+from importlib.metadata import version
+
+from leanlm.config import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    PretrainConfig,
+    RunConfig,
+    TokenizerConfig,
+    load_toml,
+)
+from leanlm.presets import PRESETS
+
+__version__ = version("leanlm")
+
+__all__ = [
+    "PRESETS",
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "PretrainConfig",
+    "RunConfig",
+    "TokenizerConfig",
+    "__version__",
+    "load_toml",
+]

@@ -1,0 +1,271 @@
+"""Corpora: discovery, a fixed train/validation split, loading through `datasets`, token streams.
+
+The default corpus needs no network: the source of the running interpreter's standard library
+(found with `sysconfig`) plus `pydoc_data/topics.py`, whose ~0.7 MB of English prose keeps the
+model from seeing only code. Local text files and hub datasets go through the same path: a
+`datasets.DatasetDict` with `train` and `validation` splits and one `text` column.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import torch
+
+from leanlm.config import ConfigError, DataConfig
+
+PROSE_FILE = Path("pydoc_data") / "topics.py"
+"""The standard library's largest block of English prose (the `help()` topics)."""
+
+_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "idlelib", "lib2to3"})
+
+
+def stdlib_files(*, include_tests: bool = False, root: Path | None = None) -> list[Path]:
+    """Python source files of the standard library, `pydoc_data/topics.py` first, then sorted.
+
+    Args:
+        include_tests: also take the `test/` package (17 MB of mostly test code).
+        root: the standard library directory; default `sysconfig.get_paths()["stdlib"]`.
+
+    Returns:
+        Absolute paths in a deterministic order (sorted by path relative to `root`). Installed
+        third-party packages (`site-packages`), `idlelib` and `lib2to3` are never included.
+    """
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    excluded = _EXCLUDED_DIRS if include_tests else _EXCLUDED_DIRS | {"test"}
+    files = [
+        path
+        for path in root.rglob("*.py")
+        if not excluded.intersection(path.relative_to(root).parts[:-1])
+    ]
+    files.sort(key=lambda p: p.relative_to(root).as_posix())
+    prose = root / PROSE_FILE
+    if prose in files:
+        files.remove(prose)
+        files.insert(0, prose)
+    return files
+
+
+def take_bytes(files: list[Path], max_bytes: int) -> list[Path]:
+    """The first files of `files` whose sizes add up to at most `max_bytes` (0 = all)."""
+    if max_bytes <= 0:
+        return list(files)
+    taken, total = [], 0
+    for path in files:
+        size = path.stat().st_size
+        if taken and total + size > max_bytes:
+            break
+        taken.append(path)
+        total += size
+    return taken
+
+
+def split_by_file(
+    files: list[Path], validation_fraction: float, *, root: Path | None = None
+) -> tuple[list[Path], list[Path]]:
+    """Split files into (train, validation) by a hash of each file's name.
+
+    The split of a file does not depend on which other files are present or on the machine:
+    a file goes to validation when the SHA-256 of its path relative to `root` (its name if no
+    root) falls in the lowest `validation_fraction` of the hash range. At least one file lands on
+    each side when there are two or more files.
+    """
+    if len(files) < 2:
+        raise ValueError(f"need at least 2 files to split into train/validation, got {len(files)}")
+
+    def bucket(path: Path) -> float:
+        name = path.relative_to(root).as_posix() if root else path.name
+        return int(hashlib.sha256(name.encode()).hexdigest()[:12], 16) / 16**12
+
+    buckets = [bucket(p) for p in files]
+    val = [p for p, b in zip(files, buckets, strict=True) if b < validation_fraction]
+    if not val:  # tiny corpora: hold out the file with the lowest hash
+        val = [files[int(np.argmin(buckets))]]
+    if len(val) == len(files):
+        val = val[:-1]
+    held = set(val)
+    return [p for p in files if p not in held], val
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The text of a run: `dataset` has `train` and `validation` splits with a `text` column."""
+
+    dataset: datasets.DatasetDict
+    fingerprint: str
+    """Identifies the text (content hashes or the `datasets` fingerprints), for caches."""
+    description: str
+    """One line for logs and reports."""
+
+
+def _hash_files(files: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode())
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()[:16]
+
+
+def _load_files(train: list[Path], val: list[Path], cache_dir: Path) -> datasets.DatasetDict:
+    # One row per file ("document"): keeps line breaks, and EOS then separates files.
+    return datasets.load_dataset(
+        "text",
+        data_files={"train": [str(p) for p in train], "validation": [str(p) for p in val]},
+        sample_by="document",
+        cache_dir=str(cache_dir),
+    )
+
+
+def load_corpus(config: DataConfig, *, cache_dir: Path) -> Corpus:
+    """Load the corpus `config` describes as a `datasets.DatasetDict` (train / validation).
+
+    Raises:
+        ConfigError: if listed files are missing or the hub dataset lacks a split or column.
+    """
+    if config.source == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = take_bytes(stdlib_files(include_tests=config.include_tests, root=root), config.max_bytes)
+        train, val = split_by_file(files, config.validation_fraction, root=root)
+        size = sum(p.stat().st_size for p in files)
+        return Corpus(
+            _load_files(train, val, cache_dir),
+            fingerprint=_hash_files(train) + _hash_files(val),
+            description=f"CPython {sysconfig.get_python_version()} standard library: "
+            f"{len(train)} train / {len(val)} validation files, {size / 1e6:.1f} MB",
+        )
+    if config.source == "files":
+        paths = [Path(f) for f in config.files]
+        explicit_val = [Path(f) for f in config.validation_files]
+        for key, group in (("data.files", paths), ("data.validation_files", explicit_val)):
+            missing = [str(p) for p in group if not p.is_file()]
+            if missing:
+                raise ConfigError(key, f"files not found: {missing}")
+        paths = take_bytes(paths, config.max_bytes)
+        if explicit_val:
+            train, val = paths, explicit_val
+        else:
+            train, val = split_by_file(paths, config.validation_fraction)
+        return Corpus(
+            _load_files(train, val, cache_dir),
+            fingerprint=_hash_files(train) + _hash_files(val),
+            description=f"{len(train)} train / {len(val)} validation local files",
+        )
+    return _load_hub(config, cache_dir)
+
+
+def _load_hub(config: DataConfig, cache_dir: Path) -> Corpus:
+    loaded = datasets.load_dataset(config.hub_name, config.hub_config, cache_dir=str(cache_dir))
+    splits = {"train": config.hub_train_split, "validation": config.hub_validation_split}
+    out = {}
+    for ours, theirs in splits.items():
+        if theirs not in loaded:
+            raise ConfigError(
+                f"data.hub_{ours}_split",
+                f"{config.hub_name!r} has no split {theirs!r}; it has {sorted(loaded)}",
+            )
+        split = loaded[theirs]
+        if config.text_column not in split.column_names:
+            raise ConfigError(
+                "data.text_column",
+                f"{config.hub_name!r} split {theirs!r} has no column {config.text_column!r}; "
+                f"columns: {split.column_names}",
+            )
+        split = split.select_columns([config.text_column])
+        if config.text_column != "text":
+            split = split.rename_column(config.text_column, "text")
+        out[ours] = split
+    dataset = datasets.DatasetDict(out)
+    name = config.hub_name + (f"/{config.hub_config}" if config.hub_config else "")
+    return Corpus(
+        dataset,
+        fingerprint=hashlib.sha256(
+            "".join(dataset[s]._fingerprint for s in ("train", "validation")).encode()
+        ).hexdigest()[:16],
+        description=f"{name}: {len(dataset['train'])} train / {len(dataset['validation'])} "
+        "validation rows",
+    )
+
+
+@dataclass(frozen=True)
+class TokenStreams:
+    """Each split tokenized and concatenated (EOS after every row) into one 1-D int64 tensor."""
+
+    train: torch.Tensor
+    validation: torch.Tensor
+
+
+def tokenize_corpus(corpus: Corpus, tokenizer: Any, *, tokenizer_key: str) -> TokenStreams:
+    """Tokenize both splits with `tokenizer` (a fast HF tokenizer), cached by `datasets`.
+
+    The cache entry is named by the corpus and tokenizer fingerprints, so a second run (or a
+    second process, after the first) reads the token ids instead of tokenizing again.
+    """
+    eos = tokenizer.eos_token_id
+
+    def encode(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
+        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [row + [eos] for row in ids]}
+
+    streams = {}
+    for split in ("train", "validation"):
+        tokenized = corpus.dataset[split].map(
+            encode,
+            batched=True,
+            remove_columns=corpus.dataset[split].column_names,
+            new_fingerprint=hashlib.sha256(
+                f"leanlm:{corpus.fingerprint}:{tokenizer_key}:{split}".encode()
+            ).hexdigest()[:32],
+            desc=f"tokenizing {split}",
+        )
+        rows = tokenized.with_format("numpy")["input_ids"]
+        flat = np.concatenate(list(rows)) if len(rows) else np.zeros(0, dtype=np.int64)
+        streams[split] = torch.from_numpy(flat.astype(np.int64))
+    return TokenStreams(train=streams["train"], validation=streams["validation"])
+
+
+def blocks(stream: torch.Tensor, seq_len: int, *, limit: int = 0) -> torch.Tensor:
+    """Cut a token stream into non-overlapping windows `(N, seq_len)`; drops the ragged tail.
+
+    Args:
+        stream: 1-D token ids.
+        seq_len: window length.
+        limit: keep at most this many windows (0 = all).
+
+    Raises:
+        ValueError: if the stream is shorter than one window.
+    """
+    n = stream.numel() // seq_len
+    if n == 0:
+        raise ValueError(
+            f"a token stream of {stream.numel()} tokens is shorter than one window of "
+            f"`data.seq_len` ({seq_len}) tokens; use more data or a shorter seq_len"
+        )
+    if limit:
+        n = min(n, limit)
+    return stream[: n * seq_len].view(n, seq_len)
+
+
+def global_batch_indices(step: int, *, global_batch: int, num_blocks: int, seed: int) -> torch.Tensor:
+    """Indices of the training blocks of optimizer step `step` (0-based), shape `(global_batch,)`.
+
+    The order is a fresh permutation of all blocks each epoch, seeded by `(seed, epoch)`, so the
+    batch of any step is a pure function of the step: resuming needs only the step number, and
+    any number of processes sees the same global batch.
+    """
+    start = step * global_batch
+    out = torch.empty(global_batch, dtype=torch.int64)
+    filled = 0
+    while filled < global_batch:
+        epoch, offset = divmod(start + filled, num_blocks)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        perm = torch.randperm(num_blocks, generator=gen)
+        take = min(global_batch - filled, num_blocks - offset)
+        out[filled : filled + take] = perm[offset : offset + take]
+        filled += take
+    return out

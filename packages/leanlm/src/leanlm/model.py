@@ -1,0 +1,51 @@
+"""The model: a transformers `LlamaForCausalLM` built from a `ModelConfig` (no download)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from leanlm.config import ModelConfig
+
+
+def llama_config(config: ModelConfig, *, vocab_size: int, bos_id: int, eos_id: int, pad_id: int) -> LlamaConfig:
+    """The `LlamaConfig` for `config` with the tokenizer's vocabulary and special ids."""
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        tie_word_embeddings=config.tie_word_embeddings,
+        initializer_range=config.initializer_range,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        use_cache=False,
+    )
+
+
+def build_model(config: ModelConfig, *, tokenizer: object, seed: int) -> LlamaForCausalLM:
+    """A freshly initialised Llama (fp32) whose vocabulary matches `tokenizer`.
+
+    Initialisation is seeded by `seed` alone, so every process builds identical weights.
+    """
+    cfg = llama_config(
+        config,
+        vocab_size=len(tokenizer),  # type: ignore[arg-type]
+        bos_id=tokenizer.bos_token_id,  # type: ignore[attr-defined]
+        eos_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
+        pad_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg)
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Distinct parameters (a tied embedding counts once)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,46 @@
+"""Recipes: Python functions that return a whole `RunConfig`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from leanlm.config import DataConfig, ModelConfig, PretrainConfig, RunConfig, TokenizerConfig
+
+
+def smoke() -> RunConfig:
+    """CI-sized: a ~0.2M-parameter Llama on 1.5 MB of the standard library, well under 2 min."""
+    return RunConfig(
+        name="smoke",
+        data=DataConfig(max_bytes=1_500_000, seq_len=128, eval_windows=32),
+        tokenizer=TokenizerConfig(vocab_size=2048),
+        model=ModelConfig(
+            hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        ),
+        pretrain=PretrainConfig(
+            steps=200, micro_batch_size=8, lr=3e-3, warmup_steps=20, eval_every=50,
+            checkpoint_every=50,
+        ),
+    )
+
+
+def default() -> RunConfig:
+    """The README demo: a ~5M-parameter Llama (GQA) on the whole standard library (~12 MB)."""
+    return RunConfig(
+        name="default",
+        mixed_precision="bf16",
+        data=DataConfig(seq_len=256, eval_windows=64),
+        tokenizer=TokenizerConfig(vocab_size=8192),
+        model=ModelConfig(
+            hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        ),
+        pretrain=PretrainConfig(
+            steps=300, micro_batch_size=16, lr=2e-3, warmup_steps=30, eval_every=100,
+            checkpoint_every=100,
+        ),
+    )
+
+
+PRESETS: dict[str, Callable[[], RunConfig]] = {"smoke": smoke, "default": default}
+"""Presets by name (`leanlm demo --preset NAME`)."""

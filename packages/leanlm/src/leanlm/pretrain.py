@@ -1,0 +1,184 @@
+"""Stage `pretrain`: train a Llama from scratch with accelerate.
+
+One optimizer step consumes a global batch of `micro_batch_size x grad_accum_steps x processes`
+sequences chosen by `data.global_batch_indices(step)`; process r takes the r-th contiguous slice.
+Every micro-batch has the same number of tokens (fixed-length blocks, no padding), so the mean of
+micro-batch losses, averaged over processes by DDP, is exactly the loss of the global batch: one
+process with `grad_accum_steps = k` and k processes with 1 optimise the same objective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, ClassVar
+
+import torch
+from tqdm.auto import tqdm
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+from leanlm.checkpoint import Checkpointer, save_atomically
+from leanlm.config import PretrainConfig
+from leanlm.data import global_batch_indices
+from leanlm.evaluate import EvalResult, evaluate_perplexity
+from leanlm.metrics import MetricsLog, peak_memory_mib
+from leanlm.model import build_model, count_parameters
+from leanlm.stages import StageContext, StageResult, register_stage
+
+
+def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two groups: matrices (decayed) and vectors such as norm weights (not decayed)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+@register_stage
+class Pretrain:
+    """Train `config.model` from scratch on the run's corpus (AdamW, warmup + cosine)."""
+
+    name: ClassVar[str] = "pretrain"
+
+    def run(self, ctx: StageContext) -> StageResult:
+        """Train, checkpointing and evaluating as configured; save the model folder."""
+        cfg: PretrainConfig = ctx.config.pretrain
+        acc = ctx.accelerator
+        res = ctx.resources
+        tokenizer = res.tokenizer
+        train_blocks, val_windows = res.train_blocks, res.validation_windows
+
+        model = build_model(ctx.config.model, tokenizer=tokenizer, seed=ctx.config.seed)
+        n_params = count_parameters(model)
+        optimizer = torch.optim.AdamW(
+            adamw_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas
+        )
+        # The scheduler is stepped by us once per optimizer step and not passed to `prepare`:
+        # accelerate would step it once per process, changing the schedule with the world size.
+        scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+            optimizer, cfg.warmup_steps, cfg.steps, min_lr_rate=cfg.min_lr_ratio
+        )
+        model, optimizer = acc.prepare(model, optimizer)
+        model.train()
+
+        world, rank = acc.num_processes, acc.process_index
+        per_rank = cfg.micro_batch_size * cfg.grad_accum_steps
+        global_batch = per_rank * world
+        seq_len = ctx.config.data.seq_len
+        tokens_per_step = global_batch * seq_len
+
+        checkpoints = Checkpointer(ctx.stage_dir / "checkpoints", acc, keep=cfg.keep_checkpoints)
+        start_step, tokens, train_time, wall_before = 0, 0, 0.0, 0.0
+        latest = checkpoints.latest() if ctx.resume else None
+        if latest is not None:
+            state = checkpoints.load(latest, scheduler)
+            if state["config_hash"] != ctx.config_hash:
+                raise ValueError(
+                    f"checkpoint {latest} was written by a different configuration "
+                    f"(hash {state['config_hash']} != {ctx.config_hash}); delete "
+                    f"{ctx.stage_dir} or use another --out"
+                )
+            start_step, tokens = state["step"], state["tokens"]
+            train_time, wall_before = state["train_time_s"], state["wall_time_s"]
+            acc.print(f"[pretrain] resuming from {latest.name} (step {start_step})")
+
+        log = MetricsLog(
+            ctx.stage_dir / "metrics.jsonl", enabled=acc.is_main_process, resume_step=start_step
+        )
+        acc.print(
+            f"[pretrain] {n_params:,} params, {train_blocks.shape[0]:,} train sequences of "
+            f"{seq_len} tokens, global batch {global_batch} ({tokens_per_step:,} tokens) on "
+            f"{world} process(es), {cfg.steps} steps"
+        )
+        bar = tqdm(
+            total=cfg.steps, initial=start_step, desc="pretrain", mininterval=2.0,
+            disable=not acc.is_local_main_process,
+        )
+        evaluation: EvalResult | None = None
+        wall_start = time.perf_counter()
+        for step in range(start_step, cfg.steps):
+            t0 = time.perf_counter()
+            indices = global_batch_indices(
+                step, global_batch=global_batch, num_blocks=train_blocks.shape[0], seed=ctx.config.seed
+            )
+            mine = train_blocks[indices[rank * per_rank : (rank + 1) * per_rank]].to(acc.device)
+            loss_sum = torch.zeros((), device=acc.device)
+            for micro in range(cfg.grad_accum_steps):
+                batch = mine[micro * cfg.micro_batch_size : (micro + 1) * cfg.micro_batch_size]
+                last = micro == cfg.grad_accum_steps - 1
+                # Gradients are all-reduced only on the last micro-batch of the step.
+                with contextlib.nullcontext() if last else acc.no_sync(model):
+                    loss = model(input_ids=batch, labels=batch).loss / cfg.grad_accum_steps
+                    acc.backward(loss)
+                loss_sum += loss.detach()
+            grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip else None
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            train_time += time.perf_counter() - t0
+            tokens += tokens_per_step
+            done = step + 1
+
+            if done % cfg.log_every == 0 or done == cfg.steps:
+                loss_value = acc.reduce(loss_sum, reduction="mean").item()
+                row: dict[str, Any] = {
+                    "step": done, "loss": loss_value, "lr": scheduler.get_last_lr()[0],
+                    "tokens": tokens, "tokens_per_s": tokens / train_time, "time_s": train_time,
+                }
+                if grad_norm is not None:
+                    row["grad_norm"] = float(grad_norm)
+                log.log(row)
+                bar.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                evaluation = evaluate_perplexity(
+                    acc.unwrap_model(model), val_windows, batch_size=cfg.eval_batch_size,
+                    autocast=acc.autocast,
+                )
+                log.log({"step": done, "val_loss": evaluation.loss, "val_perplexity": evaluation.perplexity})
+            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+                checkpoints.save(
+                    done, scheduler,
+                    {
+                        "tokens": tokens, "train_time_s": train_time, "config_hash": ctx.config_hash,
+                        "wall_time_s": wall_before + time.perf_counter() - wall_start,
+                    },
+                )
+            bar.update(1)
+        bar.close()
+        log.close()
+
+        if evaluation is None:  # resumed after the last step: score the final weights
+            evaluation = evaluate_perplexity(
+                acc.unwrap_model(model), val_windows, batch_size=cfg.eval_batch_size,
+                autocast=acc.autocast,
+            )
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            final = acc.unwrap_model(model)
+
+            def write(folder: Any) -> None:
+                final.save_pretrained(folder)
+                tokenizer.save_pretrained(folder)
+
+            save_atomically(ctx.model_dir, write)
+        acc.wait_for_everyone()
+        peak = peak_memory_mib(acc.device)
+        acc.free_memory()  # drop references so a later stage's save_state sees only its objects
+        return StageResult(
+            stage=self.name,
+            config_hash=ctx.config_hash,
+            model_dir=str(ctx.model_dir),
+            metrics={
+                "params": n_params,
+                "tokens": tokens,
+                "wall_time_s": wall_before + time.perf_counter() - wall_start,
+                "train_time_s": train_time,
+                "tokens_per_s": tokens / train_time if train_time else 0.0,
+                "val_loss": evaluation.loss,
+                "val_perplexity": evaluation.perplexity,
+                "eval_tokens": evaluation.tokens,
+                "peak_rss_mib": peak,
+                "processes": world,
+            },
+        )
