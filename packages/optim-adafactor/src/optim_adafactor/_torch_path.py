@@ -49,6 +49,7 @@ class Work:
     rows: int  # global size of dim -2 (the column-mean divisor) for factored tensors
     numel: int  # global number of elements
     index: int  # position in the step (seeds stochastic rounding)
+    fused: bool = False  # phases 1, 3, 4 run as Triton kernels (`_kernels`)
     psq: Tensor | None = None
     colsum: Tensor | None = None
     rowema_sum: Tensor | None = None

@@ -96,6 +96,8 @@ class Adafactor(Optimizer):
         self._workspaces: dict[torch.device, Tensor] = {}
         #: Number of collectives the last `step()` issued (row-sharded parameters only).
         self.last_step_collectives = 0
+        # Base seed of the kernels' stochastic rounding (CPU generator: no device sync).
+        self._sr_seed = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ construction helpers
@@ -195,6 +197,7 @@ class Adafactor(Optimizer):
         self.__dict__.setdefault("_workspaces", {})
         self.__dict__.setdefault("backend", "auto")
         self.__dict__.setdefault("last_step_collectives", 0)
+        self.__dict__.setdefault("_sr_seed", 0)
 
     def _workspace(self, like: Tensor) -> Tensor:
         """A reusable fp32 scratch buffer shaped like `like` (grown to the largest parameter)."""
@@ -205,10 +208,9 @@ class Adafactor(Optimizer):
         return buf[: like.numel()].view(like.shape)
 
     # ------------------------------------------------------------------ the step
-    def _use_triton(self, p: Tensor, work: Work) -> bool:
-        if self.backend == "torch" or not work.factored or work.opts.semantics == "torch":
-            if self.backend == "triton" and work.opts.semantics == "torch":
-                raise ValueError("backend='triton' supports semantics 'hf' and 't2t' only")
+    def _use_triton(self, p: Tensor, opts: GroupOptions) -> bool:
+        """Fused kernels for factored (>=2-D, contiguous) params with hf/t2t semantics."""
+        if self.backend == "torch":
             return False
         if self.backend == "auto" and p.device.type != "cuda":
             return False
@@ -221,9 +223,10 @@ class Adafactor(Optimizer):
                     "`triton` extra, use a CUDA device, or set TRITON_INTERPRET=1 for CPU)"
                 )
             return False
-        return True
+        # Vectors, non-contiguous params and torch semantics take the PyTorch path.
+        return p.dim() >= 2 and p.is_contiguous() and opts.semantics != "torch"
 
-    def _prepare(self, p: Tensor, group: dict[str, Any], opts: GroupOptions, index: int) -> Work:
+    def _prepare(self, p: Tensor, opts: GroupOptions, index: int, fused: bool) -> Work:
         grad = cast(Tensor, p.grad)
         if grad.is_sparse:
             raise RuntimeError("Adafactor does not support sparse gradients")
@@ -241,10 +244,12 @@ class Adafactor(Optimizer):
         shape = shard.global_shape if shard is not None else tuple(p.shape)
         factored = p.dim() >= 2
         eps1 = opts.eps1 if opts.eps1 is not None else torch.finfo(p.dtype).eps
+        if not fused:  # the PyTorch path computes in fp32 copies; the kernels upcast on load
+            grad = grad if grad.dtype == torch.float32 else grad.float()
         return Work(
             param=p,
-            p32=p if p.dtype == torch.float32 else p.float(),
-            grad=grad if grad.dtype == torch.float32 else grad.float(),
+            p32=p if p.dtype == torch.float32 or fused else p.float(),
+            grad=grad,
             state=state,
             opts=opts,
             step=state["step"],
@@ -254,6 +259,7 @@ class Adafactor(Optimizer):
             rows=shape[-2] if factored else 1,
             numel=max(1, _numel(shape)),
             index=index,
+            fused=fused,
         )
 
     def _write_back(self, w: Work) -> None:
@@ -265,23 +271,35 @@ class Adafactor(Optimizer):
         else:
             p.copy_(w.p32)
 
-    def _step_local(self, w: Work) -> None:
-        """All four phases for an unsharded parameter (no collectives)."""
-        if self._use_triton(w.param, w):
+    def _phases(self, w: Work) -> Any:
+        """The module implementing phases 1, 3 and 4 for `w` (kernels or PyTorch)."""
+        if w.fused:
             from optim_adafactor import _kernels
 
-            _kernels.step_factored(w)
-            self._write_back(w)
-            return
-        buf = self._workspace(w.grad)
-        _torch_path.local_stats(w, buf)
+            return _kernels
+        return _torch_path
+
+    def _apply(self, w: Work, usq: Tensor | None, *, u_in_buf: bool) -> None:
+        phases = self._phases(w)
+        buf = None if phases is not _torch_path else self._workspace(w.grad)
+        if phases is _torch_path:
+            _torch_path.apply(w, usq, cast(Tensor, buf), u_in_buf=u_in_buf)
+        else:
+            seed = (self._sr_seed + 1_000_003 * w.step + 7919 * w.index) % (2**31 - 1)
+            phases.apply(w, usq, seed=seed)
+        self._write_back(w)
+
+    def _step_local(self, w: Work) -> None:
+        """All four phases for an unsharded parameter (no collectives)."""
+        phases = self._phases(w)
+        buf = self._workspace(w.grad) if phases is _torch_path else None
+        phases.local_stats(w, buf)
         _torch_path.finish_stats(w)
         usq = None
         if w.opts.clip_threshold is not None:
-            usq = _torch_path.update_sumsq(w, buf, gsq_in_buf=True)
+            usq = phases.update_sumsq(w, buf, gsq_in_buf=True)
         u_in_buf = usq is not None and (not w.factored or w.opts.semantics == "torch")
-        _torch_path.apply(w, usq, buf, u_in_buf=u_in_buf)
-        self._write_back(w)
+        self._apply(w, usq, u_in_buf=u_in_buf)
 
     def _step_sharded(self, works: list[Work]) -> None:
         """Phases with two bucketed all-reduces per process group for row-sharded parameters."""
@@ -289,7 +307,8 @@ class Adafactor(Optimizer):
         handles: list[dict[str, tuple[int, int]]] = []
         for w in works:
             assert w.shard is not None
-            _torch_path.local_stats(w, self._workspace(w.grad))
+            phases = self._phases(w)
+            phases.local_stats(w, self._workspace(w.grad) if phases is _torch_path else None)
             h: dict[str, tuple[int, int]] = {}
             if w.psq is not None:
                 h["psq"] = bucket.add(w.shard.group, w.psq)
@@ -309,13 +328,13 @@ class Adafactor(Optimizer):
             if w.opts.clip_threshold is None:
                 clip_handles.append(None)
                 continue
-            usq = _torch_path.update_sumsq(w, self._workspace(w.grad), gsq_in_buf=False)
+            phases = self._phases(w)
+            buf = self._workspace(w.grad) if phases is _torch_path else None
+            usq = phases.update_sumsq(w, buf, gsq_in_buf=False)
             clip_handles.append(bucket.add(w.shard.group, usq))
         bucket.all_reduce()
         for w, ch in zip(works, clip_handles, strict=True):
-            usq_global = None if ch is None else bucket.get(ch)
-            _torch_path.apply(w, usq_global, self._workspace(w.grad), u_in_buf=False)
-            self._write_back(w)
+            self._apply(w, None if ch is None else bucket.get(ch), u_in_buf=False)
         self.last_step_collectives = bucket.collectives
 
     @torch.no_grad()
@@ -333,7 +352,7 @@ class Adafactor(Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                w = self._prepare(p, group, opts, index)
+                w = self._prepare(p, opts, index, fused=self._use_triton(p, opts))
                 index += 1
                 if w.shard is not None:
                     sharded.append(w)

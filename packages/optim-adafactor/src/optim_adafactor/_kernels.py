@@ -1,0 +1,313 @@
+# Triton convention: upper-case constexpr kernel arguments, many positional kernel arguments.
+# ruff: noqa: N803, PLR0917
+"""Fused Triton kernels for the factored (>=2-D) Adafactor step, launchers and references.
+
+A factored step on a tensor viewed as (B, n, m) needs three streaming passes over the elements,
+because the update's RMS (the clip) is a global reduction that must finish before the parameter
+can be written (research note §7: `3G + 2P (+P for RMS(p)) + 2M` bytes per element):
+
+1. `_stats_kernel`: row sums `Σ_j g²` (one program owns a block of rows, so no atomics), per
+   row-block partial column sums `Σ_i g²` and partial `Σ p²`. The partials are summed by torch in
+   a fixed order, so the result is deterministic.
+2. `_sumsq_kernel`: partial `Σ (g·rf_i·cf_j)²` per row block (the clip statistic).
+3. `_apply_kernel`: `m = β1 m + g·rs_i·cf_j` (momentum) and `p = p·decay - (m or g·rs_i·cf_j)`,
+   with `rs = rf · lr_t / max(1, RMS(u)/d) (· (1-β1))` computed on the device beforehand, so no
+   value ever goes to the host. bf16/fp16 parameters are read and written in their own dtype
+   (fp32 math), optionally with stochastic rounding for bf16.
+
+The small O(n + m) work between passes (EMAs of r and c, `rsqrt` factors, the clip scale) is done
+with torch ops on vectors and is shared with the PyTorch path (`_torch_path.finish_stats`).
+Every kernel has a pure-PyTorch reference (`*_reference`) that the tests compare against.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from optim_adafactor._torch_path import Work
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+# Tiles: BLOCK_N rows x BLOCK_M columns. Small under the interpreter (~0.5 ms per program).
+BLOCK_N = 16
+BLOCK_M = 64 if _INTERPRET else 256
+
+
+def available(device: torch.device) -> bool:
+    """Whether the Triton kernels can run on `device` (CUDA, or CPU under the interpreter)."""
+    if not HAS_TRITON:
+        return False
+    return device.type == "cuda" or (_INTERPRET and device.type == "cpu")
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _stats_kernel(  # type: ignore[no-untyped-def]
+        g_ptr,
+        p_ptr,
+        rowsum_ptr,
+        colpart_ptr,
+        ppart_ptr,
+        n_rows,
+        n_cols,
+        n_row_blocks,
+        HAS_P: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        """Row sums and partial column sums of g², partial Σ p²; fp32 accumulation."""
+        pid_b = tl.program_id(0)
+        pid_r = tl.program_id(1)
+        rows = pid_r * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < n_rows
+        base = pid_b.to(tl.int64) * n_rows * n_cols
+        part = (pid_b * n_row_blocks + pid_r).to(tl.int64)
+        acc_row = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_p = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_M):
+            cols = start + tl.arange(0, BLOCK_M)
+            col_mask = cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = base + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # upcast first
+            g2 = g * g
+            acc_row += tl.sum(g2, axis=1)
+            tl.store(colpart_ptr + part * n_cols + cols, tl.sum(g2, axis=0), mask=col_mask)
+            if HAS_P:
+                p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                acc_p += tl.sum(p * p, axis=1)
+        tl.store(rowsum_ptr + pid_b.to(tl.int64) * n_rows + rows, acc_row, mask=row_mask)
+        if HAS_P:
+            tl.store(ppart_ptr + part, tl.sum(acc_p, axis=0))
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _sumsq_kernel(  # type: ignore[no-untyped-def]
+        g_ptr,
+        rf_ptr,
+        cf_ptr,
+        upart_ptr,
+        n_rows,
+        n_cols,
+        n_row_blocks,
+        BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        """Partial Σ u² per row block, u = g · rf_i · cf_j (fp32)."""
+        pid_b = tl.program_id(0)
+        pid_r = tl.program_id(1)
+        rows = pid_r * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < n_rows
+        base = pid_b.to(tl.int64) * n_rows * n_cols
+        rf = tl.load(rf_ptr + pid_b.to(tl.int64) * n_rows + rows, mask=row_mask, other=0.0)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_M):
+            cols = start + tl.arange(0, BLOCK_M)
+            col_mask = cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = base + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            cf = tl.load(cf_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
+            u = g * rf[:, None] * cf[None, :]
+            acc += tl.sum(u * u, axis=1)
+        tl.store(upart_ptr + pid_b * n_row_blocks + pid_r, tl.sum(acc, axis=0))
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _apply_kernel(  # type: ignore[no-untyped-def]
+        g_ptr,
+        p_ptr,
+        m_ptr,
+        rs_ptr,
+        cf_ptr,
+        decay_ptr,
+        beta1,
+        seed,
+        n_rows,
+        n_cols,
+        HAS_M: tl.constexpr,
+        HAS_DECAY: tl.constexpr,
+        SR: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        """`m = β1 m + g·rs_i·cf_j`; `p = p·decay - (m or g·rs_i·cf_j)`; store in p's dtype.
+
+        With SR, the fp32 result gets uniform 16-bit noise added to its bit pattern and is
+        truncated to bf16 (unbiased stochastic rounding); the noise comes from
+        `tl.randint(seed, element offset)`.
+        """
+        pid_b = tl.program_id(0)
+        pid_r = tl.program_id(1)
+        rows = pid_r * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < n_rows
+        base = pid_b.to(tl.int64) * n_rows * n_cols
+        rs = tl.load(rs_ptr + pid_b.to(tl.int64) * n_rows + rows, mask=row_mask, other=0.0)
+        decay = 1.0
+        if HAS_DECAY:
+            decay = tl.load(decay_ptr)
+        for start in range(0, n_cols, BLOCK_M):
+            cols = start + tl.arange(0, BLOCK_M)
+            col_mask = cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = base + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            cf = tl.load(cf_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
+            upd = g * rs[:, None] * cf[None, :]
+            if HAS_M:
+                m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+                m = beta1 * m + upd
+                tl.store(m_ptr + offs, m, mask=mask)
+                upd = m
+            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_DECAY:
+                p = p * decay
+            p = p - upd
+            if SR:
+                noise = tl.randint(seed, offs.to(tl.int32)) & 0xFFFF
+                bits = p.to(tl.int32, bitcast=True) + noise.to(tl.int32)
+                p = (bits & -65536).to(tl.float32, bitcast=True)
+            tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------- references
+def stats_reference(g: Tensor, p: Tensor | None, block_n: int = BLOCK_N) -> tuple[Tensor, ...]:
+    """Reference of `_stats_kernel` on (B, n, m): row sums, (B, blocks, m) partials, Σp² parts."""
+    g2 = g.float().square()
+    b, n, m = g2.shape
+    blocks = -(-n // block_n)
+    pad = blocks * block_n - n
+    padded = torch.nn.functional.pad(g2, (0, 0, 0, pad))
+    colpart = padded.view(b, blocks, block_n, m).sum(dim=2)
+    ppart = None
+    if p is not None:
+        p2 = torch.nn.functional.pad(p.float().square(), (0, 0, 0, pad))
+        ppart = p2.view(b, blocks, block_n * m).sum(dim=-1).reshape(-1)
+    return g2.sum(dim=-1), colpart, *((ppart,) if ppart is not None else ())
+
+
+def sumsq_reference(g: Tensor, rf: Tensor, cf: Tensor) -> Tensor:
+    """Reference of `_sumsq_kernel`, summed: Σ (g · rf ⊗ cf)²."""
+    return (g.float() * rf.unsqueeze(-1) * cf.unsqueeze(-2)).square().sum()
+
+
+def apply_reference(
+    g: Tensor,
+    p: Tensor,
+    m: Tensor | None,
+    rs: Tensor,
+    cf: Tensor,
+    decay: Tensor | None,
+    beta1: float,
+) -> None:
+    """Reference of `_apply_kernel` (round-to-nearest store), in place on `p` and `m`."""
+    upd = g.float() * rs.unsqueeze(-1) * cf.unsqueeze(-2)
+    if m is not None:
+        m.mul_(beta1).add_(upd)
+        upd = m
+    p32 = p.float()
+    if decay is not None:
+        p32 = p32 * decay
+    p.copy_(p32 - upd)
+
+
+# ---------------------------------------------------------------------------------- launchers
+def _as_3d(t: Tensor) -> Tensor:
+    return t.reshape(-1, t.shape[-2], t.shape[-1])
+
+
+def _check(w: Work) -> tuple[Tensor, Tensor, int, int, int, int]:
+    p, g = w.param, w.grad
+    if p.dim() < 2:
+        raise ValueError(f"the fused kernels handle >=2-D tensors, got shape {tuple(p.shape)}")
+    if not p.is_contiguous():
+        raise ValueError("the fused kernels need a contiguous parameter")
+    if g.shape != p.shape or g.device != p.device:
+        raise ValueError("gradient and parameter must have the same shape and device")
+    g3 = _as_3d(g.contiguous())
+    b, n, m = g3.shape
+    return _as_3d(p), g3, b, n, m, -(-n // BLOCK_N)
+
+
+def local_stats(w: Work, buf: Tensor | None = None) -> None:
+    """Phase 1 with `_stats_kernel`; same contract as `_torch_path.local_stats`."""
+    p3, g3, b, n, m, blocks = _check(w)
+    o, st = w.opts, w.state
+    f32: dict[str, Any] = {"dtype": torch.float32, "device": g3.device}
+    rowsum = torch.empty((b, n), **f32)
+    colpart = torch.empty((b, blocks, m), **f32)
+    ppart = torch.empty((b * blocks,), **f32) if o.needs_param_rms else rowsum
+    if b * n * m > 0:
+        _stats_kernel[(b, blocks)](
+            g3, p3, rowsum, colpart, ppart, n, m, blocks,
+            HAS_P=o.needs_param_rms, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
+        )  # fmt: skip
+    else:
+        rowsum.zero_()
+        colpart.zero_()
+        ppart.zero_()
+    if o.needs_param_rms:
+        w.psq = ppart.sum()
+    beta2 = o.beta2(w.step)
+    lead = w.param.shape[:-2]
+    row = st["exp_avg_sq_row"]
+    row_in = rowsum.view(*lead, n).div_(m).add_(w.eps1)
+    row.mul_(beta2).add_(row_in, alpha=1.0 - beta2)
+    w.colsum = colpart.sum(dim=1).view(*lead, m)
+    w.rowema_sum = row.sum(dim=-1)
+
+
+def update_sumsq(w: Work, buf: Tensor | None = None, *, gsq_in_buf: bool = False) -> Tensor:
+    """Phase 3 with `_sumsq_kernel`: Σ u² (the clip statistic)."""
+    _, g3, b, n, m, blocks = _check(w)
+    assert w.rf is not None
+    assert w.cf is not None
+    upart = torch.zeros((b * blocks,), dtype=torch.float32, device=g3.device)
+    if b * n * m > 0:
+        _sumsq_kernel[(b, blocks)](
+            g3, w.rf.reshape(b, n).contiguous(), w.cf.reshape(b, m).contiguous(), upart,
+            n, m, blocks, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
+        )  # fmt: skip
+    return upart.sum()
+
+
+def apply(
+    w: Work, usq: Tensor | None, buf: Tensor | None = None, *, u_in_buf: bool = False, seed: int = 0
+) -> None:
+    """Phase 4 with `_apply_kernel`: clip scale on the device, then one fused pass."""
+    p3, g3, b, n, m, blocks = _check(w)
+    o = w.opts
+    assert w.rf is not None
+    assert w.cf is not None
+    scale: Tensor | float = w.lr_t
+    if usq is not None:
+        assert o.clip_threshold is not None
+        denom = usq.div(w.numel).sqrt_().div_(o.clip_threshold).clamp_(min=1.0)
+        scale = denom.reciprocal_().mul_(scale)
+    if o.maximize:
+        scale = -scale
+    beta1 = o.beta1
+    rs = (w.rf * (scale * (1.0 - beta1) if beta1 is not None else scale)).reshape(b, n)
+    decay = None
+    if o.weight_decay != 0:
+        decay = torch.ones(1, dtype=torch.float32, device=g3.device).sub_(
+            w.lr_t * o.weight_decay if isinstance(w.lr_t, float) else w.lr_t.mul(o.weight_decay)
+        )
+    m_state = w.state.get("exp_avg") if beta1 is not None else None
+    sr = o.stochastic_rounding and w.param.dtype == torch.bfloat16
+    if b * n * m == 0:
+        return
+    _apply_kernel[(b, blocks)](
+        g3, p3, m_state if m_state is not None else g3, rs.contiguous(),
+        w.cf.reshape(b, m).contiguous(), decay if decay is not None else rs,
+        0.0 if beta1 is None else beta1, seed, n, m,
+        HAS_M=m_state is not None, HAS_DECAY=decay is not None, SR=sr,
+        BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
+    )  # fmt: skip
