@@ -50,7 +50,9 @@ def _req_name(requirement: str) -> str:
 
 
 def _load_members() -> dict[str, Member]:
-    tomls = {p.parent: nox.project.load_toml(p) for p in sorted(ROOT.glob("packages/*/pyproject.toml"))}
+    tomls = {
+        p.parent: nox.project.load_toml(p) for p in sorted(ROOT.glob("packages/*/pyproject.toml"))
+    }
     names = {toml["project"]["name"] for toml in tomls.values()}
     members = {}
     for path, toml in tomls.items():
@@ -129,8 +131,14 @@ def tests(session: nox.Session, package: str) -> None:
     stack.install_only([package])
     stack.run(str(ROOT / "tools" / "check_imports.py"), str(MEMBERS[package].path))
     stack.run(
-        "-m", "pytest", str(MEMBERS[package].path / "tests"), "-m", "not gpu and not slow",
-        *session.posargs, env=_pytest_env(), success_codes=[0, 5],  # 5: nothing selected
+        "-m",
+        "pytest",
+        str(MEMBERS[package].path / "tests"),
+        "-m",
+        "not gpu and not slow",
+        *session.posargs,
+        env=_pytest_env(),
+        success_codes=[0, 5],  # 5: nothing selected
     )
 
 
@@ -140,8 +148,14 @@ def integration(session: nox.Session) -> None:
     stack = Stack(session)
     stack.install_only(PACKAGES)
     stack.run(
-        "-m", "pytest", str(ROOT / "integration_tests"), "-m", "not gpu and not slow",
-        *session.posargs, env=_pytest_env(), success_codes=[0, 5],
+        "-m",
+        "pytest",
+        str(ROOT / "integration_tests"),
+        "-m",
+        "not gpu and not slow",
+        *session.posargs,
+        env=_pytest_env(),
+        success_codes=[0, 5],
     )
 
 

@@ -24,7 +24,9 @@ def assert_verbose_allclose(
         AssertionError: if shapes differ or any element is outside the tolerance.
     """
     if actual.shape != expected.shape:
-        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+        raise AssertionError(
+            f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
+        )
     a = actual.detach().to("cpu", torch.float64)
     e = expected.detach().to("cpu", torch.float64)
     nan_mismatch = torch.isnan(a) != torch.isnan(e)
@@ -35,11 +37,12 @@ def assert_verbose_allclose(
         return
     rel = diff / e.abs().clamp_min(torch.finfo(torch.float64).tiny)
     where = bad.nonzero()[:max_report]
-    samples = "\n".join(
-        f"  at {tuple(i.tolist())}: actual={a[tuple(i)].item():.8g} expected={e[tuple(i)].item():.8g}"
-        for i in where
-    )
+    lines = []
+    for index in where:
+        at = tuple(index.tolist())
+        lines.append(f"  at {at}: actual={a[at].item():.8g} expected={e[at].item():.8g}")
     raise AssertionError(
-        f"{name}: {int(bad.sum())} of {bad.numel()} elements differ beyond atol={atol}, rtol={rtol}; "
-        f"max abs err {diff[bad].max().item():.3g}, max rel err {rel[bad].max().item():.3g}\n{samples}"
+        f"{name}: {int(bad.sum())} of {bad.numel()} elements differ beyond "
+        f"atol={atol}, rtol={rtol}; max abs err {diff[bad].max().item():.3g}, "
+        f"max rel err {rel[bad].max().item():.3g}\n" + "\n".join(lines)
     )

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import spawn as mp_spawn
 
 
 def _worker(
@@ -40,4 +40,5 @@ def spawn(
         raise ValueError(f"`world_size` ({world_size}) must be >= 1")
     init_file = Path(tmp_path) / f"dist-init-{os.getpid()}-{id(fn)}"
     init_file.unlink(missing_ok=True)
-    mp.spawn(_worker, args=(world_size, str(init_file), fn, args), nprocs=world_size, join=True)
+    args_ = (world_size, str(init_file), fn, args)
+    mp_spawn(_worker, args=args_, nprocs=world_size, join=True)  # type: ignore[no-untyped-call]

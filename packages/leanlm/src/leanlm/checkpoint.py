@@ -40,7 +40,8 @@ class Checkpointer:
         if not self.directory.is_dir():
             return []
         found = [
-            p for p in self.directory.iterdir()
+            p
+            for p in self.directory.iterdir()
             if _STEP_DIR.match(p.name) and (p / TRAINER_STATE).is_file()
         ]
         return sorted(found, key=lambda p: p.name)

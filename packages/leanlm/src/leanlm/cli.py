@@ -21,8 +21,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the main job on the built-in corpus (no download)")
-    demo.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                      help="size of the run (smoke: CI-sized, < 2 min; default: the README demo)")
+    demo.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="default",
+        help="size of the run (smoke: CI-sized, < 2 min; default: the README demo)",
+    )
     demo.add_argument("--out", type=Path, help="run directory (default: runs/demo-<preset>)")
     demo.add_argument("--resume", action="store_true", help="continue the run in --out")
     run = sub.add_parser("run", help="run what a TOML config describes")

@@ -105,12 +105,14 @@ class TokenizerConfig:
         _positive(self, "min_frequency")
         if self.vocab_size < 260:
             # 256 byte symbols + the special tokens must fit.
-            raise ConfigError("vocab_size", f"must be >= 260 (256 bytes + specials), got {self.vocab_size}")
+            raise ConfigError(
+                "vocab_size", f"must be >= 260 (256 bytes + specials), got {self.vocab_size}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A Llama decoder (`transformers.LlamaForCausalLM`); the vocabulary comes from the tokenizer."""
+    """A Llama decoder (`LlamaForCausalLM`); its vocabulary comes from the tokenizer."""
 
     hidden_size: int = 256
     """Width of the residual stream."""
@@ -133,8 +135,15 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _positive(
-            self, "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "max_position_embeddings", "rope_theta", "initializer_range",
+            self,
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "rope_theta",
+            "initializer_range",
         )
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
@@ -183,8 +192,17 @@ class PretrainConfig:
     """Write a `metrics.jsonl` / TensorBoard row every this many steps."""
 
     def __post_init__(self) -> None:
-        _positive(self, "steps", "micro_batch_size", "grad_accum_steps", "lr", "eval_every",
-                  "eval_batch_size", "keep_checkpoints", "log_every")
+        _positive(
+            self,
+            "steps",
+            "micro_batch_size",
+            "grad_accum_steps",
+            "lr",
+            "eval_every",
+            "eval_batch_size",
+            "keep_checkpoints",
+            "log_every",
+        )
         for name in ("warmup_steps", "weight_decay", "grad_clip", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)!r}")
@@ -235,7 +253,8 @@ class RunConfig:
             raise ConfigError("stages", f"lists a stage twice: {list(self.stages)}")
         if self.stages[0] != "pretrain":
             raise ConfigError(
-                "stages", f"{self.stages[0]!r} needs a previous stage's model; start with 'pretrain'"
+                "stages",
+                f"{self.stages[0]!r} needs a previous stage's model; start with 'pretrain'",
             )
         if self.model.max_position_embeddings < self.data.seq_len:
             raise ConfigError(
@@ -287,14 +306,16 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             return tuple(_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
         if len(value) != len(args):
             raise ConfigError(key, f"must have {len(args)} items, got {len(value)}: {value!r}")
-        return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
+        return tuple(
+            _convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True))
+        )
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(key, f"must be a table, got {type(value).__name__} {value!r}")
         return from_dict(tp, value, prefix=key)  # type: ignore[arg-type]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if tp in (int, float) and isinstance(value, bool) or not isinstance(value, tp):
+    if (tp in (int, float) and isinstance(value, bool)) or not isinstance(value, tp):
         raise ConfigError(key, f"must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
     return value
 

@@ -53,44 +53,56 @@ def stdlib_files(*, include_tests: bool = False, root: Path | None = None) -> li
 
 
 def take_bytes(files: list[Path], max_bytes: int) -> list[Path]:
-    """The first files of `files` whose sizes add up to at most `max_bytes` (0 = all)."""
+    """Files of `files`, in order, that fit in `max_bytes` together (0 = all).
+
+    A file that would overflow the budget is skipped and later (smaller) ones are still tried,
+    so a small budget skips the 0.7 MB prose file instead of ending there. Never empty: if no file
+    fits, the smallest one is returned.
+    """
     if max_bytes <= 0:
         return list(files)
     taken, total = [], 0
     for path in files:
         size = path.stat().st_size
-        if taken and total + size > max_bytes:
-            break
-        taken.append(path)
-        total += size
-    return taken
+        if total + size <= max_bytes:
+            taken.append(path)
+            total += size
+    return taken or [min(files, key=lambda p: p.stat().st_size)]
 
 
 def split_by_file(
     files: list[Path], validation_fraction: float, *, root: Path | None = None
 ) -> tuple[list[Path], list[Path]]:
-    """Split files into (train, validation) by a hash of each file's name.
+    """Split files into (train, validation), whole files on each side.
 
-    The split of a file does not depend on which other files are present or on the machine:
-    a file goes to validation when the SHA-256 of its path relative to `root` (its name if no
-    root) falls in the lowest `validation_fraction` of the hash range. At least one file lands on
-    each side when there are two or more files.
+    Files are ranked by the SHA-256 of their path relative to `root` (their name if no root),
+    which depends on neither the machine nor the input order, and taken into validation in that
+    rank until they hold `validation_fraction` of the bytes. At least one file lands on each side;
+    empty files never go to validation.
+
+    Raises:
+        ValueError: if fewer than two files are given.
     """
     if len(files) < 2:
         raise ValueError(f"need at least 2 files to split into train/validation, got {len(files)}")
 
-    def bucket(path: Path) -> float:
+    def rank(path: Path) -> str:
         name = path.relative_to(root).as_posix() if root else path.name
-        return int(hashlib.sha256(name.encode()).hexdigest()[:12], 16) / 16**12
+        return hashlib.sha256(name.encode()).hexdigest()
 
-    buckets = [bucket(p) for p in files]
-    val = [p for p, b in zip(files, buckets, strict=True) if b < validation_fraction]
-    if not val:  # tiny corpora: hold out the file with the lowest hash
-        val = [files[int(np.argmin(buckets))]]
-    if len(val) == len(files):
-        val = val[:-1]
-    held = set(val)
-    return [p for p in files if p not in held], val
+    sizes = {p: p.stat().st_size for p in files}
+    budget = validation_fraction * sum(sizes.values())
+    val: list[Path] = []
+    held = 0
+    for path in sorted((p for p in files if sizes[p] > 0), key=rank):
+        if (val and held >= budget) or len(val) == len(files) - 1:
+            break
+        val.append(path)
+        held += sizes[path]
+    if not val:
+        val = [sorted(files, key=rank)[0]]
+    chosen = set(val)
+    return [p for p in files if p not in chosen], sorted(val, key=files.index)
 
 
 @dataclass(frozen=True)
@@ -130,7 +142,9 @@ def load_corpus(config: DataConfig, *, cache_dir: Path) -> Corpus:
     """
     if config.source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
-        files = take_bytes(stdlib_files(include_tests=config.include_tests, root=root), config.max_bytes)
+        files = take_bytes(
+            stdlib_files(include_tests=config.include_tests, root=root), config.max_bytes
+        )
         train, val = split_by_file(files, config.validation_fraction, root=root)
         size = sum(p.stat().st_size for p in files)
         return Corpus(
@@ -210,7 +224,7 @@ def tokenize_corpus(corpus: Corpus, tokenizer: Any, *, tokenizer_key: str) -> To
 
     def encode(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
         ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-        return {"input_ids": [row + [eos] for row in ids]}
+        return {"input_ids": [[*row, eos] for row in ids]}
 
     streams = {}
     for split in ("train", "validation"):
@@ -251,7 +265,9 @@ def blocks(stream: torch.Tensor, seq_len: int, *, limit: int = 0) -> torch.Tenso
     return stream[: n * seq_len].view(n, seq_len)
 
 
-def global_batch_indices(step: int, *, global_batch: int, num_blocks: int, seed: int) -> torch.Tensor:
+def global_batch_indices(
+    step: int, *, global_batch: int, num_blocks: int, seed: int
+) -> torch.Tensor:
     """Indices of the training blocks of optimizer step `step` (0-based), shape `(global_batch,)`.
 
     The order is a fresh permutation of all blocks each epoch, seeded by `(seed, epoch)`, so the

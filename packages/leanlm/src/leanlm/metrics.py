@@ -25,7 +25,11 @@ class MetricsLog:
         if not enabled:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [row for row in read_metrics(path) if row.get("step", 0) <= resume_step] if resume_step else []
+        kept = (
+            [row for row in read_metrics(path) if row.get("step", 0) <= resume_step]
+            if resume_step
+            else []
+        )
         path.write_text("".join(json.dumps(row) + "\n" for row in kept))
         from torch.utils.tensorboard import SummaryWriter
 

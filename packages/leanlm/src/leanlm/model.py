@@ -8,7 +8,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from leanlm.config import ModelConfig
 
 
-def llama_config(config: ModelConfig, *, vocab_size: int, bos_id: int, eos_id: int, pad_id: int) -> LlamaConfig:
+def llama_config(
+    config: ModelConfig, *, vocab_size: int, bos_id: int, eos_id: int, pad_id: int
+) -> LlamaConfig:
     """The `LlamaConfig` for `config` with the tokenizer's vocabulary and special ids."""
     return LlamaConfig(
         vocab_size=vocab_size,

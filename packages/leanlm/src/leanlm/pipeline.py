@@ -28,13 +28,18 @@ def make_accelerator(config: RunConfig) -> Accelerator:
 
 
 def stage_hash(config: RunConfig, stage: str, previous_hash: str) -> str:
-    """Hash of what a stage's output depends on: data, tokenizer, model, seed, its section, and
-    the previous stage's hash."""
+    """Hash of what a stage's output depends on.
+
+    That is data, tokenizer, model, seed, precision, the stage's own section, and the previous
+    stage's hash (so changing an early stage invalidates every later one).
+    """
     own = config.fingerprint("seed", "mixed_precision", "data", "tokenizer", "model", stage)
     return hashlib.sha256(f"{own}:{previous_hash}".encode()).hexdigest()[:16]
 
 
-def run_pipeline(config: RunConfig, out_dir: str | Path, *, resume: bool = False) -> list[StageResult]:
+def run_pipeline(
+    config: RunConfig, out_dir: str | Path, *, resume: bool = False
+) -> list[StageResult]:
     """Run `config.stages` in order into `out_dir`; returns each stage's result.
 
     Every stage writes `out_dir/<stage>/` (its model folder, metrics, checkpoints, result). With
@@ -70,8 +75,14 @@ def run_pipeline(config: RunConfig, out_dir: str | Path, *, resume: bool = False
             result = stored
         else:
             ctx = StageContext(
-                config=config, run_dir=out_dir, stage_dir=stage_dir, input_dir=previous_dir,
-                accelerator=accelerator, resources=resources, resume=resume, config_hash=digest,
+                config=config,
+                run_dir=out_dir,
+                stage_dir=stage_dir,
+                input_dir=previous_dir,
+                accelerator=accelerator,
+                resources=resources,
+                resume=resume,
+                config_hash=digest,
             )
             result = STAGES[name]().run(ctx)
             if accelerator.is_main_process:
@@ -81,8 +92,6 @@ def run_pipeline(config: RunConfig, out_dir: str | Path, *, resume: bool = False
         previous_dir, previous_hash = Path(result.model_dir), digest
     if accelerator.is_main_process:
         report = write_report(out_dir, config, results, corpus=resources.corpus.description)
-        accelerator.print(
-            f"[leanlm] done in {time.perf_counter() - start:.0f} s; report: {report}"
-        )
+        accelerator.print(f"[leanlm] done in {time.perf_counter() - start:.0f} s; report: {report}")
     accelerator.wait_for_everyone()
     return results

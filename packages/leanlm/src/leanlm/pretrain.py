@@ -92,7 +92,10 @@ class Pretrain:
             f"{world} process(es), {cfg.steps} steps"
         )
         bar = tqdm(
-            total=cfg.steps, initial=start_step, desc="pretrain", mininterval=2.0,
+            total=cfg.steps,
+            initial=start_step,
+            desc="pretrain",
+            mininterval=2.0,
             disable=not acc.is_local_main_process,
         )
         evaluation: EvalResult | None = None
@@ -100,7 +103,10 @@ class Pretrain:
         for step in range(start_step, cfg.steps):
             t0 = time.perf_counter()
             indices = global_batch_indices(
-                step, global_batch=global_batch, num_blocks=train_blocks.shape[0], seed=ctx.config.seed
+                step,
+                global_batch=global_batch,
+                num_blocks=train_blocks.shape[0],
+                seed=ctx.config.seed,
             )
             mine = train_blocks[indices[rank * per_rank : (rank + 1) * per_rank]].to(acc.device)
             loss_sum = torch.zeros((), device=acc.device)
@@ -112,7 +118,9 @@ class Pretrain:
                     loss = model(input_ids=batch, labels=batch).loss / cfg.grad_accum_steps
                     acc.backward(loss)
                 loss_sum += loss.detach()
-            grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip else None
+            grad_norm = (
+                acc.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip else None
+            )
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -123,8 +131,12 @@ class Pretrain:
             if done % cfg.log_every == 0 or done == cfg.steps:
                 loss_value = acc.reduce(loss_sum, reduction="mean").item()
                 row: dict[str, Any] = {
-                    "step": done, "loss": loss_value, "lr": scheduler.get_last_lr()[0],
-                    "tokens": tokens, "tokens_per_s": tokens / train_time, "time_s": train_time,
+                    "step": done,
+                    "loss": loss_value,
+                    "lr": scheduler.get_last_lr()[0],
+                    "tokens": tokens,
+                    "tokens_per_s": tokens / train_time,
+                    "time_s": train_time,
                 }
                 if grad_norm is not None:
                     row["grad_norm"] = float(grad_norm)
@@ -132,15 +144,26 @@ class Pretrain:
                 bar.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 evaluation = evaluate_perplexity(
-                    acc.unwrap_model(model), val_windows, batch_size=cfg.eval_batch_size,
+                    acc.unwrap_model(model),
+                    val_windows,
+                    batch_size=cfg.eval_batch_size,
                     autocast=acc.autocast,
                 )
-                log.log({"step": done, "val_loss": evaluation.loss, "val_perplexity": evaluation.perplexity})
+                log.log(
+                    {
+                        "step": done,
+                        "val_loss": evaluation.loss,
+                        "val_perplexity": evaluation.perplexity,
+                    }
+                )
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
                 checkpoints.save(
-                    done, scheduler,
+                    done,
+                    scheduler,
                     {
-                        "tokens": tokens, "train_time_s": train_time, "config_hash": ctx.config_hash,
+                        "tokens": tokens,
+                        "train_time_s": train_time,
+                        "config_hash": ctx.config_hash,
                         "wall_time_s": wall_before + time.perf_counter() - wall_start,
                     },
                 )
@@ -150,7 +173,9 @@ class Pretrain:
 
         if evaluation is None:  # resumed after the last step: score the final weights
             evaluation = evaluate_perplexity(
-                acc.unwrap_model(model), val_windows, batch_size=cfg.eval_batch_size,
+                acc.unwrap_model(model),
+                val_windows,
+                batch_size=cfg.eval_batch_size,
                 autocast=acc.autocast,
             )
         acc.wait_for_everyone()

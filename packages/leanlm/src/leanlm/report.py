@@ -39,7 +39,9 @@ def stage_table(results: list[StageResult]) -> str:
     header = "| " + " | ".join(title for _, title in COLUMNS) + " |"
     rule = "|" + "|".join("---" if key == "stage" else "---:" for key, _ in COLUMNS) + "|"
     rows = [
-        "| " + " | ".join(_fmt({"stage": r.stage, **r.metrics}.get(key)) for key, _ in COLUMNS) + " |"
+        "| "
+        + " | ".join(_fmt({"stage": r.stage, **r.metrics}.get(key)) for key, _ in COLUMNS)
+        + " |"
         for r in results
     ]
     return "\n".join([header, rule, *rows])
@@ -60,7 +62,12 @@ def plot_losses(run_dir: Path, results: list[StageResult], path: Path) -> None:
         if train:
             line = ax.plot(*zip(*train, strict=True), label=f"{result.stage} train", lw=1)[0]
             if val:
-                ax.plot(*zip(*val, strict=True), "o--", color=line.get_color(), label=f"{result.stage} val")
+                ax.plot(
+                    *zip(*val, strict=True),
+                    "o--",
+                    color=line.get_color(),
+                    label=f"{result.stage} val",
+                )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (nats / token)")
     ax.grid(alpha=0.3)

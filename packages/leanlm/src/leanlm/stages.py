@@ -153,5 +153,3 @@ def register_stage(cls: type[Stage]) -> type[Stage]:
         raise ValueError(f"a stage named {cls.name!r} is already registered: {STAGES[cls.name]}")
     STAGES[cls.name] = cls
     return cls
-
-

@@ -1,4 +1,4 @@
-"""A byte-level BPE tokenizer trained with `tokenizers`, wrapped for transformers, cached on disk."""
+"""A byte-level BPE trained with `tokenizers`, wrapped for transformers, cached on disk."""
 
 from __future__ import annotations
 

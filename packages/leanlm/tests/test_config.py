@@ -1,0 +1,128 @@
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from leanlm import PRESETS, ConfigError, RunConfig, load_toml
+from leanlm.cli import main
+from leanlm.config import ModelConfig, dumps_toml, from_dict
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_round_trip_through_toml(name, tmp_path):
+    config = PRESETS[name]()
+    path = tmp_path / "c.toml"
+    path.write_text(dumps_toml(config))
+    assert load_toml(path) == config
+
+
+def test_default_preset_is_about_5m_params_with_gqa():
+    model = PRESETS["default"]().model
+    assert model.num_key_value_heads < model.num_attention_heads
+
+
+def test_fingerprint_changes_only_with_the_named_sections():
+    a = RunConfig()
+    b = dataclasses.replace(a, seed=1)
+    assert a.fingerprint("model") == b.fingerprint("model")
+    assert a.fingerprint("seed") != b.fingerprint("seed")
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "text"),
+    [
+        ({"sed": 1}, "sed", "did you mean `seed`"),
+        ({"model": {"hiden_size": 8}}, "model.hiden_size", "did you mean `hidden_size`"),
+        ({"pretrain": {"zzz": 1}}, "pretrain.zzz", "valid keys"),
+        ({"seed": "1"}, "seed", "must be int, got str '1'"),
+        ({"seed": True}, "seed", "must be int, got bool"),
+        ({"pretrain": {"lr": "fast"}}, "pretrain.lr", "must be float"),
+        ({"pretrain": {"betas": [0.9]}}, "pretrain.betas", "must have 2 items"),
+        ({"pretrain": {"betas": 0.9}}, "pretrain.betas", "must be a list"),
+        ({"mixed_precision": "fp8"}, "mixed_precision", "must be one of ['no', 'bf16', 'fp16']"),
+        ({"data": {"source": "web"}}, "data.source", "must be one of"),
+        ({"data": 3}, "data", "must be a table"),
+        ({"stages": ["pretrain", "quantize"]}, "stages", "unknown stage 'quantize'"),
+        ({"stages": []}, "stages", "at least one stage"),
+        (
+            {"model": {"hidden_size": 30, "num_attention_heads": 4}},
+            "model.num_attention_heads",
+            "(4) must divide `hidden_size` (30)",
+        ),
+        (
+            {"model": {"num_attention_heads": 4, "num_key_value_heads": 3}},
+            "model.num_key_value_heads",
+            "(3) must divide `num_attention_heads` (4)",
+        ),
+        ({"model": {"num_hidden_layers": 0}}, "model.num_hidden_layers", "must be > 0, got 0"),
+        (
+            {"pretrain": {"steps": 10, "warmup_steps": 10}},
+            "pretrain.warmup_steps",
+            "(10) must be < `steps` (10)",
+        ),
+        ({"pretrain": {"betas": [0.9, 1.0]}}, "pretrain.betas", "must both be in [0, 1)"),
+        ({"tokenizer": {"vocab_size": 100}}, "tokenizer.vocab_size", "must be >= 260"),
+        ({"data": {"source": "files"}}, "data.files", "at least one file"),
+        ({"data": {"source": "hub"}}, "data.hub_name", "must name a dataset"),
+        ({"data": {"validation_fraction": 1.5}}, "data.validation_fraction", "must be in (0, 1)"),
+        (
+            {"data": {"seq_len": 2048}},
+            "model.max_position_embeddings",
+            "(1024) must be >= `data.seq_len` (2048)",
+        ),
+    ],
+)
+def test_bad_values_name_the_key(data, key, text):
+    with pytest.raises(ConfigError) as info:
+        from_dict(RunConfig, data)
+    assert info.value.key == key
+    assert text in str(info.value)
+    assert str(info.value).startswith(f"config key `{key}`")
+
+
+def test_int_is_accepted_where_float_is_expected():
+    assert from_dict(RunConfig, {"pretrain": {"lr": 1}}).pretrain.lr == 1.0
+
+
+@given(
+    heads=st.integers(1, 8),
+    kv_divisor=st.integers(1, 8),
+    head_dim=st.integers(1, 16),
+)
+def test_model_shapes_validate_consistently(heads, kv_divisor, head_dim):
+    kwargs = {
+        "hidden_size": heads * head_dim,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_divisor,
+    }
+    if heads % kv_divisor:
+        with pytest.raises(ConfigError, match="num_key_value_heads"):
+            ModelConfig(**kwargs)
+    else:
+        assert ModelConfig(**kwargs).num_key_value_heads == kv_divisor
+
+
+def test_invalid_toml_is_a_clear_error(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("seed = = 1")
+    with pytest.raises(ValueError, match="is not valid TOML"):
+        load_toml(path)
+
+
+def test_cli_reports_bad_config_before_any_work(tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_text("[model]\nnum_attention_heads = 3\n")
+    assert main(["run", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "config key `model.num_attention_heads`" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_help_lists_commands(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "demo" in out
+    assert "run" in out

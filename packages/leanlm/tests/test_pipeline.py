@@ -1,0 +1,103 @@
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from leanlm.config import dumps_toml
+from leanlm.pipeline import run_pipeline
+from leanlm.stages import StageResult
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, cache_dir):
+    import dataclasses
+
+    from leanlm.config import DataConfig, ModelConfig, PretrainConfig, RunConfig, TokenizerConfig
+
+    config = RunConfig(
+        name="tiny",
+        cache_dir=str(cache_dir),
+        data=DataConfig(max_bytes=400_000, seq_len=32, eval_windows=8),
+        tokenizer=TokenizerConfig(vocab_size=512),
+        model=ModelConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        ),
+        pretrain=PretrainConfig(
+            steps=30,
+            micro_batch_size=4,
+            grad_accum_steps=2,
+            warmup_steps=3,
+            eval_every=10,
+            checkpoint_every=10,
+            eval_batch_size=4,
+        ),
+    )
+    out = tmp_path_factory.mktemp("run")
+    results = run_pipeline(config, out)
+    return dataclasses.replace(config), out, results
+
+
+def test_outputs_and_report(finished_run):
+    config, out, results = finished_run
+    assert [r.stage for r in results] == ["pretrain"]
+    metrics = results[0].metrics
+    assert metrics["tokens"] == 30 * 4 * 2 * 32
+    assert metrics["params"] > 20_000
+    assert metrics["val_perplexity"] < 512  # better than uniform over the vocabulary
+    report = (out / "report.md").read_text()
+    assert "| pretrain |" in report
+    assert "val perplexity" in report
+    assert (out / "loss.png").stat().st_size > 1000
+    assert (out / "config.toml").read_text() == dumps_toml(config)
+    rows = [
+        json.loads(line) for line in (out / "pretrain" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 31))
+    assert [r["step"] for r in rows if "val_loss" in r] == [10, 20, 30]
+    assert list((out / "pretrain" / "tensorboard").iterdir())
+    # Checkpoints at steps 10 and 20 (none at the final step: the model folder is the output).
+    names = sorted(p.name for p in (out / "pretrain" / "checkpoints").iterdir())
+    assert names == ["step-00000010", "step-00000020"]
+
+
+def test_loss_decreases(finished_run):
+    _, out, _ = finished_run
+    rows = [
+        json.loads(line) for line in (out / "pretrain" / "metrics.jsonl").read_text().splitlines()
+    ]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+
+
+def test_stage_output_reloads_with_auto_classes(finished_run):
+    _, _, results = finished_run
+    folder = results[0].model_dir
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer("def main():\n    return 0\n", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], len(tokenizer))
+    assert model.config.num_key_value_heads == 2
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
+
+
+def test_existing_run_needs_resume(finished_run):
+    config, out, _ = finished_run
+    with pytest.raises(FileExistsError, match="pass --resume"):
+        run_pipeline(config, out)
+
+
+def test_resume_skips_a_finished_stage(finished_run):
+    config, out, results = finished_run
+    stamp = (out / "pretrain" / "model" / "model.safetensors").stat().st_mtime_ns
+    again = run_pipeline(config, out, resume=True)
+    assert again == results
+    assert (out / "pretrain" / "model" / "model.safetensors").stat().st_mtime_ns == stamp
+    assert StageResult.load(out / "pretrain") == results[0]

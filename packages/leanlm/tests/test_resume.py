@@ -1,0 +1,65 @@
+"""A run killed with SIGKILL and resumed ends bit-identical to an uninterrupted run (CPU, fp32)."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from leanlm.config import dumps_toml
+
+
+def _leanlm(*args, **kwargs):
+    return [sys.executable, "-m", "leanlm", *map(str, args)]
+
+
+def _loss_rows(run_dir):
+    rows = [
+        json.loads(line)
+        for line in (run_dir / "pretrain" / "metrics.jsonl").read_text().splitlines()
+    ]
+    keep = ("step", "loss", "lr", "grad_norm", "val_loss")
+    return [{k: r[k] for k in keep if k in r} for r in rows]
+
+
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_config):
+    config = tiny_config(pretrain={"steps": 160, "checkpoint_every": 10, "eval_every": 40})
+    path = tmp_path / "run.toml"
+    path.write_text(dumps_toml(config))
+    full, killed = tmp_path / "full", tmp_path / "killed"
+
+    subprocess.run(
+        _leanlm("run", path, "--out", full), check=True, capture_output=True, timeout=300
+    )
+
+    proc = subprocess.Popen(
+        _leanlm("run", path, "--out", killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    target = killed / "pretrain" / "checkpoints" / "step-00000020"
+    deadline = time.monotonic() + 240
+    while not target.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert target.exists(), "the run ended before its second checkpoint; cannot test the kill"
+    assert not (killed / "pretrain" / "result.json").exists(), "the run finished before the kill"
+
+    resumed = subprocess.run(
+        _leanlm("run", path, "--out", killed, "--resume"),
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "resuming from step-000000" in resumed.stdout + resumed.stderr
+
+    a = load_file(full / "pretrain" / "model" / "model.safetensors")
+    b = load_file(killed / "pretrain" / "model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
+    assert _loss_rows(full) == _loss_rows(killed)
+    assert not list((killed / "pretrain" / "checkpoints").glob(".tmp-*"))
