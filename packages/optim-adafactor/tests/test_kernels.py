@@ -6,8 +6,8 @@ Tolerances: fp32 sums in a different order (tile-wise) differ by a few ulp: rtol
 
 import pytest
 import torch
-from leanlm_testing import assert_verbose_allclose
 
+from leanlm_testing import assert_verbose_allclose
 from optim_adafactor import Adafactor, _kernels
 
 pytestmark = pytest.mark.skipif(not _kernels.HAS_TRITON, reason="triton is not installed")

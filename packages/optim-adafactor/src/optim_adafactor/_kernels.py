@@ -23,6 +23,7 @@ Every kernel has a pure-PyTorch reference (`*_reference`) that the tests compare
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from typing import Any
 
@@ -220,7 +221,7 @@ def apply_reference(
 
 # ---------------------------------------------------------------------------------- launchers
 def _as_3d(t: Tensor) -> Tensor:
-    return t.reshape(-1, t.shape[-2], t.shape[-1])
+    return t.reshape(math.prod(t.shape[:-2]), t.shape[-2], t.shape[-1])
 
 
 def _check(w: Work) -> tuple[Tensor, Tensor, int, int, int, int]:
