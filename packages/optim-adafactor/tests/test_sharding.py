@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from leanlm_testing import assert_verbose_allclose, spawn
 
+from leanlm_testing import assert_verbose_allclose, spawn
 from optim_adafactor import ROW_SHARD_ATTR, Adafactor, RowShard
 from optim_adafactor.sharding import make_row_shard
 
@@ -48,7 +48,7 @@ def _worker(rank: int, world_size: int, config: str) -> None:
     ref = Adafactor(list(ref_params.values()), **{**kw, "backend": "torch"})
 
     local, offsets = {}, {}
-    for name, (shape, split) in LAYOUT.items():
+    for name, (_, split) in LAYOUT.items():
         start = sum(split[:rank])
         offsets[name] = start
         local[name] = full[name][start : start + split[rank]].clone().requires_grad_()
@@ -69,10 +69,8 @@ def _worker(rank: int, world_size: int, config: str) -> None:
         grads["replicated"] = torch.ones(4, 4) * (step + 1) * 0.01
         for name, g in grads.items():
             ref_params[name].grad = g.clone()
-            if name in offsets:
-                start = offsets[name]
-                g = g[start : start + local[name].shape[0]]
-            local[name].grad = g.clone()
+            start, rows = offsets.get(name, 0), local[name].shape[0]
+            local[name].grad = g[start : start + rows].clone()
         ref.step()
         opt.step()
         clip_on = kw.get("clip_threshold", 1.0) is not None
