@@ -192,12 +192,12 @@ def docs(session: nox.Session) -> None:
     session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / ".nox" / "site"))
 
 
-@nox.session(venv_backend="none")
+@nox.session(venv_backend="none", default=False)
 def demo(session: nox.Session) -> None:
     """The main job: `leanlm demo` (arguments after `--` go to it, e.g. `-- --preset smoke`)."""
     stack = Stack(session)
     stack.install_only(["leanlm"])
-    session.run(str(STACK / "bin" / "leanlm"), "demo", *session.posargs)
+    stack.run("-m", "leanlm", "demo", *session.posargs)
 
 
 @nox.session(venv_backend="none", default=False)

@@ -1,4 +1,5 @@
 import dataclasses
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -126,3 +127,11 @@ def test_cli_help_lists_commands(capsys):
     out = capsys.readouterr().out
     assert "demo" in out
     assert "run" in out
+
+
+def test_example_configs_load():
+    configs = sorted((Path(__file__).parents[1] / "configs").glob("*.toml"))
+    assert configs, "packages/leanlm/configs/ should hold example configs"
+    for path in configs:
+        config = load_toml(path)
+        assert config.stages[0] == "pretrain", path

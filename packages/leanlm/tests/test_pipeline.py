@@ -76,8 +76,9 @@ def test_loss_decreases(finished_run):
 
 
 def test_stage_output_reloads_with_auto_classes(finished_run):
-    _, _, results = finished_run
-    folder = results[0].model_dir
+    _, out, results = finished_run
+    assert results[0].model_dir == "pretrain/model"  # relative: the run folder can move
+    folder = out / results[0].model_dir
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = tokenizer("def main():\n    return 0\n", return_tensors="pt")["input_ids"]

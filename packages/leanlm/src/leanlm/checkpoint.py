@@ -52,12 +52,16 @@ class Checkpointer:
         return done[-1] if done else None
 
     def save(self, step: int, scheduler: Any, state: dict[str, Any]) -> Path:
-        """Write the checkpoint of `step` atomically; every process must call this."""
+        """Write the checkpoint of `step` atomically; every process must call this.
+
+        Half-written folders of a killed run (`.tmp-step-*`) are deleted first.
+        """
         acc = self.accelerator
         final = self.directory / f"step-{step:08d}"
         tmp = self.directory / f".tmp-step-{step:08d}"
         if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
+            for stale in self.directory.glob(".tmp-step-*"):  # left by a killed run
+                shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
         acc.save_state(str(tmp))  # model, optimizer, per-process RNG states
@@ -97,7 +101,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_atomically(target: Path, write: Callable[[Path], None]) -> None:
-    """Call `write(tmp_dir)`, then replace `target` by `tmp_dir` in one rename."""
+    """Call `write(tmp_dir)`, then move `tmp_dir` to `target`.
+
+    A new `target` appears in one rename. An existing one is first renamed aside to
+    `.old-<name>`, so a crash between the two renames leaves no `target` (the stage then has no
+    result and reruns) but never a half-written one.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".tmp-{target.name}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--resume", action="store_true", help="continue the run in --out")
     run = sub.add_parser("run", help="run what a TOML config describes")
     run.add_argument("config", type=Path, help="a TOML file (see packages/leanlm/configs/)")
-    run.add_argument("--out", type=Path, help="run directory (default: runs/<config name>)")
+    run.add_argument("--out", type=Path, help="run directory (default: runs/<config file stem>)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out")
     return parser
 
@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         run_pipeline(config, out, resume=args.resume)
-    except (FileExistsError, ConfigError) as err:
+    except (FileExistsError, ValueError) as err:
         print(f"leanlm: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -89,7 +89,7 @@ def run_pipeline(
                 result.save(stage_dir)
             accelerator.wait_for_everyone()
         results.append(result)
-        previous_dir, previous_hash = Path(result.model_dir), digest
+        previous_dir, previous_hash = out_dir / result.model_dir, digest
     if accelerator.is_main_process:
         report = write_report(out_dir, config, results, corpus=resources.corpus.description)
         accelerator.print(f"[leanlm] done in {time.perf_counter() - start:.0f} s; report: {report}")

@@ -193,7 +193,7 @@ class Pretrain:
         return StageResult(
             stage=self.name,
             config_hash=ctx.config_hash,
-            model_dir=str(ctx.model_dir),
+            model_dir=ctx.model_dir.relative_to(ctx.run_dir).as_posix(),
             metrics={
                 "params": n_params,
                 "tokens": tokens,

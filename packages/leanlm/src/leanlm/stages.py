@@ -6,8 +6,9 @@ reads the previous stage's Hugging Face model folder (`ctx.input_dir`, `None` fo
 stage), writes its own under `ctx.stage_dir / "model"` (`save_pretrained` + tokenizer), and
 returns the numbers the report shows. The pipeline stores each result with a hash of everything
 the stage depends on, so a finished stage is skipped on `--resume` unless its inputs changed.
-Adding a stage (prune, distill, ...) means a new module with a registered class and a config
-section; the pipeline loop does not change.
+Adding a stage (prune, distill, ...) takes a new module with a registered class, its config
+section (a `RunConfig` field and an entry in `config.STAGE_NAMES`) and one import in
+`pipeline.py` that registers it; the pipeline loop itself does not change.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ class StageResult:
     stage: str
     config_hash: str
     model_dir: str
+    """The stage's model folder, relative to the run directory (the run can be moved)."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """Report columns: `params`, `tokens`, `wall_time_s`, `tokens_per_s`, `val_loss`,
     `val_perplexity`, `peak_rss_mib` (a stage fills what applies)."""
