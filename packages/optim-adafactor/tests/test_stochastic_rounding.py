@@ -32,7 +32,7 @@ def test_mean_of_rounded_updates_matches_fp32_update() -> None:
     assert (sr.mean(0) - exact).abs().max() < bound
     # round-to-nearest loses (almost) every update: biased by the whole update
     assert (rtn == p0.float()).float().mean() > 0.9
-    assert (rtn - exact).abs().mean() > 10 * bound / 6
+    assert (rtn - exact).abs().mean() > 3 * (sr.mean(0) - exact).abs().mean()
 
 
 def test_stochastic_rounding_only_rounds_to_neighbours() -> None:
