@@ -1,0 +1,311 @@
+"""Minitron activation-based importance, collected with forward hooks (no gradients).
+
+Scores follow Minitron (arXiv 2407.14679, Sec. 2.2) with its chosen aggregation, **mean over the
+sequence, then L2 over the batch** (Table 11):
+
+* attention heads: the L2 norm of each head's attention output (the input of the output
+  projection, before it mixes heads), per token;
+* MLP neurons: the magnitude of the activation entering the down projection (post activation /
+  gating, as NVIDIA's code does);
+* hidden channels: the magnitude of every norm layer's output, per norm, summed over all norms into
+  one model-wide ranking;
+* layers: Block Importance ``1 - cos(input, output)`` averaged over tokens (ShortGPT), and the
+  increase of the LM loss when the layer is skipped.
+
+Padding positions (``attention_mask == 0``) are excluded from every mean; accumulation is fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prune_distill._arch import arch_of, dims_of, layers_of, model_device
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImportanceScores:
+    """Importance of every prunable structure of one model (higher = more important).
+
+    All tensors are fp32 on the CPU.
+    """
+
+    hidden: torch.Tensor
+    """(hidden_size,): one score per residual channel, summed over all norm layers."""
+    heads: torch.Tensor
+    """(num_layers, num_attention_heads): per query head."""
+    neurons: torch.Tensor
+    """(num_layers, intermediate_size): per MLP neuron."""
+    block_importance: torch.Tensor
+    """(num_layers,): ``1 - mean cos(layer input, layer output)`` over tokens."""
+    lm_loss_increase: torch.Tensor | None
+    """(num_layers,): mean token LM loss with the layer skipped minus the full model's; None when
+    not collected."""
+    num_samples: int
+    """Sequences seen."""
+    num_tokens: int
+    """Non-padding tokens seen."""
+
+    def save(self, path: str | Path) -> None:
+        """Write the scores to `path` (``torch.save`` of plain tensors and ints)."""
+        torch.save({f.name: getattr(self, f.name) for f in fields(self)}, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ImportanceScores:
+        """Read scores written by `save`."""
+        data = torch.load(path, weights_only=True)
+        return cls(**data)
+
+
+def _masked_mean_seq(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over the sequence of (B, S, ...) `x`, counting only positions where `mask` is 1."""
+    m = mask.to(x.dtype).reshape(*mask.shape, *([1] * (x.dim() - 2)))
+    count = m.sum(dim=1).clamp_min(1.0)
+    return (x * m).sum(dim=1) / count
+
+
+def _rows(batch: Mapping[str, Any]) -> int:
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError("each batch must be a dict with an `input_ids` tensor of shape (B, S)")
+    return int(ids.shape[0])
+
+
+def _take(batch: Mapping[str, Any], rows: int, device: torch.device) -> dict[str, Any]:
+    """The first `rows` sequences of `batch`, moved to `device`."""
+    n = _rows(batch)
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            rows_of = value[:rows] if value.dim() > 0 and value.shape[0] == n else value
+            out[key] = rows_of.to(device)
+        else:
+            out[key] = value
+    return out
+
+
+def calibration_batches(
+    batches: Iterable[Mapping[str, Any]], num_samples: int | None, device: torch.device
+) -> Iterator[dict[str, Any]]:
+    """Yield batches on `device` until `num_samples` sequences have been produced (all if None)."""
+    if num_samples is not None and num_samples < 1:
+        raise ValueError(f"`num_samples` ({num_samples}) must be >= 1 or None")
+    seen = 0
+    for batch in batches:
+        rows = _rows(batch)
+        if num_samples is not None:
+            rows = min(rows, num_samples - seen)
+        yield _take(batch, rows, device)
+        seen += rows
+        if num_samples is not None and seen >= num_samples:
+            return
+
+
+def lm_targets(batch: Mapping[str, Any]) -> torch.Tensor:
+    """Next-token targets (B, S-1): `labels` if given, else `input_ids`, -100 on padding."""
+    labels = batch.get("labels")
+    if labels is None:
+        labels = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            labels = labels.masked_fill(mask == 0, -100)
+    assert isinstance(labels, torch.Tensor)
+    return labels[:, 1:]
+
+
+def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The batch without `labels` (losses are computed here, not by the model)."""
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-token NLL (fp32) and the number of target tokens."""
+    flat = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    tgt = targets.reshape(-1)
+    nll = F.cross_entropy(flat, tgt, ignore_index=-100, reduction="sum")
+    return nll, int((tgt != -100).sum())
+
+
+def _hidden_from(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    x = args[0] if args else kwargs["hidden_states"]
+    assert isinstance(x, torch.Tensor)
+    return x
+
+
+def _output_tensor(output: Any) -> torch.Tensor:
+    x = output[0] if isinstance(output, tuple) else output
+    assert isinstance(x, torch.Tensor)
+    return x
+
+
+@torch.no_grad()
+def collect_importance(
+    model: nn.Module,
+    batches: Iterable[Mapping[str, Any]],
+    *,
+    num_samples: int | None = 1024,
+    layer_loss: bool = True,
+) -> ImportanceScores:
+    """Score heads, MLP neurons, hidden channels and layers of `model` on calibration batches.
+
+    Forward passes only (``torch.no_grad``), in eval mode; the model's hooks, mode and weights are
+    left as they were.
+
+    Args:
+        model: a supported causal LM (Llama, Mistral, Qwen2, GPT-2 classes of transformers).
+        batches: iterable of dicts the model accepts as keyword arguments: ``input_ids`` (B, S),
+            optional ``attention_mask`` (B, S) (0 marks padding, excluded from every statistic),
+            optional ``labels`` (B, S) used for the LM loss instead of ``input_ids``.
+        num_samples: stop after this many sequences (Minitron uses 1024); None uses every batch.
+        layer_loss: also measure the LM-loss increase when each layer is skipped (one extra
+            forward pass per layer and batch).
+
+    Returns:
+        The scores; pass them to `prune`.
+    """
+    spec = arch_of(model)
+    dims = dims_of(model, spec)
+    layers = layers_of(model, spec)
+    device = model_device(model)
+    L = dims.layers
+
+    head_acc = torch.zeros(L, dims.heads, dtype=torch.float32, device=device)
+    neuron_acc = torch.zeros(L, dims.ffn, dtype=torch.float32, device=device)
+    norm_names = [f"{spec.layers}.{i}.{n}" for i in range(L) for n in spec.layer_norms]
+    norm_names.append(spec.final_norm)
+    hidden_acc = torch.zeros(len(norm_names), dims.hidden, dtype=torch.float32, device=device)
+    cos_sum = torch.zeros(L, dtype=torch.float64, device=device)
+    state: dict[str, Any] = {"mask": None, "layer_in": [None] * L}
+
+    def head_hook(i: int) -> Any:
+        def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0].float()
+            per_head = x.reshape(*x.shape[:2], dims.heads, -1).norm(dim=-1)  # (B, S, heads)
+            head_acc[i] += _masked_mean_seq(per_head, state["mask"]).square().sum(0)
+
+        return hook
+
+    def neuron_hook(i: int) -> Any:
+        def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0].float().abs()
+            neuron_acc[i] += _masked_mean_seq(x, state["mask"]).square().sum(0)
+
+        return hook
+
+    def norm_hook(j: int) -> Any:
+        def hook(_module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
+            x = _output_tensor(output).float().abs()
+            hidden_acc[j] += _masked_mean_seq(x, state["mask"]).square().sum(0)
+
+        return hook
+
+    def layer_in_hook(i: int) -> Any:
+        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            state["layer_in"][i] = _hidden_from(args, kwargs)
+
+        return hook
+
+    def layer_out_hook(i: int) -> Any:
+        def hook(_module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
+            x_in = state["layer_in"][i].float()
+            x_out = _output_tensor(output).float()
+            cos = F.cosine_similarity(x_in, x_out, dim=-1)  # (B, S)
+            cos_sum[i] += (cos * state["mask"]).sum().double()
+            state["layer_in"][i] = None
+
+        return hook
+
+    handles = []
+    was_training = model.training
+    model.eval()
+    num_rows = 0
+    num_tokens = 0
+    loss_base = torch.zeros((), dtype=torch.float64, device=device)
+    loss_drop = torch.zeros(L, dtype=torch.float64, device=device)
+    loss_tokens = 0
+    try:
+        for i, layer in enumerate(layers):
+            handles.append(
+                layer.get_submodule(spec.attn_out).register_forward_pre_hook(head_hook(i))
+            )
+            handles.append(
+                layer.get_submodule(spec.mlp_out).register_forward_pre_hook(neuron_hook(i))
+            )
+            handles.append(layer.register_forward_pre_hook(layer_in_hook(i), with_kwargs=True))
+            handles.append(layer.register_forward_hook(layer_out_hook(i)))
+        for j, name in enumerate(norm_names):
+            handles.append(model.get_submodule(name).register_forward_hook(norm_hook(j)))
+
+        for batch in calibration_batches(batches, num_samples, device):
+            ids = batch["input_ids"]
+            mask = batch.get("attention_mask")
+            if mask is None:
+                mask = torch.ones_like(ids)
+            state["mask"] = mask.float()
+            num_rows += int(ids.shape[0])
+            num_tokens += int(mask.sum())
+            logits = model(**model_inputs(batch), use_cache=False).logits
+            if layer_loss:
+                targets = lm_targets(batch)
+                nll, count = _token_nll(logits, targets)
+                loss_base += nll.double()
+                loss_tokens += count
+                loss_drop += _skipped_layer_nll(model, layers, batch, targets, state).double()
+        if num_rows == 0:
+            raise ValueError("`batches` yielded no sequences: nothing to calibrate on")
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+
+    lm_increase = None
+    if layer_loss:
+        denom = max(loss_tokens, 1)
+        lm_increase = ((loss_drop - loss_base) / denom).float().cpu()
+    return ImportanceScores(
+        hidden=hidden_acc.sqrt().sum(0).cpu(),
+        heads=head_acc.sqrt().cpu(),
+        neurons=neuron_acc.sqrt().cpu(),
+        block_importance=(1.0 - cos_sum / max(num_tokens, 1)).float().cpu(),
+        lm_loss_increase=lm_increase,
+        num_samples=num_rows,
+        num_tokens=num_tokens,
+    )
+
+
+def _skipped_layer_nll(
+    model: nn.Module,
+    layers: nn.ModuleList,
+    batch: dict[str, Any],
+    targets: torch.Tensor,
+    state: dict[str, Any],
+) -> torch.Tensor:
+    """Summed NLL of `batch` with each layer in turn replaced by the identity, shape (L,)."""
+    out = torch.zeros(len(layers), dtype=torch.float64, device=targets.device)
+    # The statistic hooks must not see these passes: point them at an all-zero mask.
+    mask = state["mask"]
+    state["mask"] = torch.zeros_like(mask)
+    try:
+        for i, layer in enumerate(layers):
+
+            def skip(
+                _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+            ) -> Any:
+                x = _hidden_from(args, kwargs)
+                return (x, *output[1:]) if isinstance(output, tuple) else x
+
+            handle = layer.register_forward_hook(skip, with_kwargs=True)
+            try:
+                logits = model(**model_inputs(batch), use_cache=False).logits
+            finally:
+                handle.remove()
+            out[i] = _token_nll(logits, targets)[0].double()
+    finally:
+        state["mask"] = mask
+    return out
