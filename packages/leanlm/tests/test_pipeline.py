@@ -102,3 +102,32 @@ def test_resume_skips_a_finished_stage(finished_run):
     assert again == results
     assert (out / "pretrain" / "model" / "model.safetensors").stat().st_mtime_ns == stamp
     assert StageResult.load(out / "pretrain") == results[0]
+
+
+def test_pretrain_with_adafactor(tmp_path, tiny_config):
+    config = tiny_config(pretrain={"optimizer": "adafactor", "lr": 1e-2, "steps": 20})
+    results = run_pipeline(config, tmp_path / "run")
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "pretrain" / "metrics.jsonl").read_text().splitlines()
+    ]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3
+    assert results[0].metrics["val_perplexity"] < 512
+    # The checkpoint holds Adafactor's factored state (row/col statistics), not AdamW's.
+    state = torch.load(
+        tmp_path / "run" / "pretrain" / "checkpoints" / "step-00000018" / "optimizer.bin",
+        weights_only=False,
+    )
+    shapes = {
+        tuple(p.shape)
+        for p in AutoModelForCausalLM.from_pretrained(
+            tmp_path / "run" / "pretrain" / "model"
+        ).parameters()
+        if p.ndim == 2
+    }
+    matrices = [s for s in state["state"].values() if "exp_avg_sq_row" in s]
+    assert matrices
+    assert all("exp_avg" not in s for s in state["state"].values())  # no first moment (beta1=None)
+    for s in matrices:  # factored: one statistic per row and per column, not per element
+        assert (s["exp_avg_sq_row"].numel(), s["exp_avg_sq_col"].numel()) in shapes

@@ -160,8 +160,10 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PretrainConfig:
-    """Stage `pretrain`: train the model from scratch with AdamW, warmup + cosine schedule."""
+    """Stage `pretrain`: train the model from scratch, warmup + cosine schedule."""
 
+    optimizer: Literal["adamw", "adafactor"] = "adamw"
+    """`adamw` (torch) or `adafactor` (optim-adafactor: factored second moments, less memory)."""
     steps: int = 200
     """Optimizer steps."""
     micro_batch_size: int = 8
@@ -177,7 +179,7 @@ class PretrainConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (norm weights are not decayed)."""
     betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas."""
+    """AdamW betas (unused by Adafactor)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 = no clipping)."""
     eval_every: int = 50

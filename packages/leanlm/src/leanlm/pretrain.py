@@ -23,21 +23,13 @@ from leanlm.data import global_batch_indices
 from leanlm.evaluate import EvalResult, evaluate_perplexity
 from leanlm.metrics import MetricsLog, peak_memory_mib
 from leanlm.model import build_model, count_parameters
+from leanlm.optim import build_optimizer
 from leanlm.stages import StageContext, StageResult, register_stage
-
-
-def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two groups: matrices (decayed) and vectors such as norm weights (not decayed)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
 
 
 @register_stage
 class Pretrain:
-    """Train `config.model` from scratch on the run's corpus (AdamW, warmup + cosine)."""
+    """Train `config.model` from scratch on the run's corpus (warmup + cosine schedule)."""
 
     name: ClassVar[str] = "pretrain"
 
@@ -51,8 +43,8 @@ class Pretrain:
 
         model = build_model(ctx.config.model, tokenizer=tokenizer, seed=ctx.config.seed)
         n_params = count_parameters(model)
-        optimizer = torch.optim.AdamW(
-            adamw_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas
+        optimizer = build_optimizer(
+            cfg.optimizer, model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas
         )
         # The scheduler is stepped by us once per optimizer step and not passed to `prepare`:
         # accelerate would step it once per process, changing the schedule with the world size.
