@@ -1,0 +1,162 @@
+"""Distillation: loss semantics, the loop's mechanics, and prune -> distill end to end."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prune_distill import (
+    DistillConfig,
+    PruneTarget,
+    collect_importance,
+    distill,
+    evaluate_kl,
+    prune,
+)
+
+
+def _state(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_student_equal_to_teacher_has_zero_loss(make, data):
+    teacher = make("llama")
+    student = copy.deepcopy(teacher)
+    result = distill(student, teacher, data(2), DistillConfig(lr=0.0))
+    assert result.steps == 2
+    assert max(result.losses) < 1e-6
+    assert max(result.kl) < 1e-6
+
+
+def test_distillation_lowers_heldout_kl_and_leaves_teacher_alone(arch, make, data):
+    teacher = make(arch, initializer_range=0.1).train()  # peaked enough to have a real KL
+    before = _state(teacher)
+    student = prune(
+        teacher,
+        collect_importance(teacher, data(2), layer_loss=False),
+        PruneTarget(intermediate_size=48, num_hidden_layers=2),
+    )
+    heldout = data(2, seed=99)
+    kl_before = evaluate_kl(student, teacher, heldout)
+    result = distill(student, teacher, data(60, batch_size=4, seed=1), DistillConfig(lr=1e-3))
+    kl_after = evaluate_kl(student, teacher, heldout)
+    assert result.steps == 60
+    assert kl_after < 0.8 * kl_before, (kl_before, kl_after)
+    assert teacher.training
+    assert all(torch.equal(v, before[k]) for k, v in teacher.state_dict().items())
+    assert all(p.grad is None for p in teacher.parameters())
+
+
+def test_grad_accumulation_equals_one_big_batch(make, data):
+    teacher = make("qwen2", seed=1)
+    base = make("qwen2", seed=2)
+    micro = data(2, batch_size=2, seed=3)
+    big = [{"input_ids": torch.cat([b["input_ids"] for b in micro])}]
+
+    def sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.5)
+
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    cfg = DistillConfig(optimizer=sgd, max_grad_norm=None, lm_loss_weight=0.5)
+    ra = distill(a, teacher, micro, dataclasses_replace(cfg, grad_accumulation_steps=2))
+    rb = distill(b, teacher, big, cfg)
+    assert ra.steps == rb.steps == 1
+    assert ra.losses[0] == pytest.approx(rb.losses[0], rel=1e-5)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def dataclasses_replace(cfg: DistillConfig, **changes: Any) -> DistillConfig:
+    import dataclasses
+
+    return dataclasses.replace(cfg, **changes)
+
+
+def test_topk_full_vocab_step_equals_dense_and_options(make, data):
+    teacher = make("mistral", seed=1)
+    base = make("mistral", seed=2)
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    steps: list[int] = []
+
+    def sched(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        s = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: steps.append(i) or 1.0)
+        return s
+
+    batches = data(5)
+    ra = distill(a, teacher, batches, DistillConfig(top_k=128, max_steps=2, scheduler=sched))
+    rb = distill(b, teacher, batches, DistillConfig(max_steps=2, chunk_size=None))
+    assert ra.steps == rb.steps == 2
+    assert len(steps) == 1 + 2  # LambdaLR evaluates once at construction, then per step
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6)
+    rc = distill(copy.deepcopy(base), teacher, batches, DistillConfig(top_k=8, max_steps=1))
+    assert rc.steps == 1
+
+
+def test_padding_is_excluded(make, data):
+    teacher = make("llama", seed=1)
+    student = make("llama", seed=2)
+    ids = data(1, batch_size=1, seq_len=10)[0]["input_ids"]
+    padded = torch.cat([ids, torch.randint(0, 128, (1, 6))], 1)
+    mask = torch.ones_like(padded)
+    mask[:, 10:] = 0
+    kl_a = evaluate_kl(student, teacher, [{"input_ids": ids}])
+    kl_b = evaluate_kl(student, teacher, [{"input_ids": padded, "attention_mask": mask}])
+    assert kl_a == pytest.approx(kl_b, rel=1e-5)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="`temperature`"):
+        DistillConfig(temperature=0.0)
+    with pytest.raises(ValueError, match="nothing to train on"):
+        DistillConfig(kl_weight=0.0)
+    with pytest.raises(ValueError, match="`top_k`"):
+        DistillConfig(top_k=0)
+    with pytest.raises(ValueError, match="`grad_accumulation_steps`"):
+        DistillConfig(grad_accumulation_steps=0)
+
+
+def _pattern_batches(n: int, seed: int, vocab: int = 128) -> list[dict[str, torch.Tensor]]:
+    """Learnable sequences: arithmetic progressions mod vocab with a per-sequence stride."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        start = torch.randint(0, vocab, (8, 1), generator=gen)
+        stride = torch.randint(1, 4, (8, 1), generator=gen)
+        out.append({"input_ids": (start + stride * torch.arange(24)) % vocab})
+    return out
+
+
+def test_end_to_end_train_prune_distill(make):
+    torch.manual_seed(0)
+    teacher = make("llama", num_hidden_layers=4)
+    opt = torch.optim.AdamW(teacher.parameters(), lr=3e-3)
+    teacher.train()
+    for batch in _pattern_batches(40, seed=0):  # a few steps: the teacher learns the pattern
+        loss = teacher(**batch, labels=batch["input_ids"], use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    teacher.eval()
+    heldout = _pattern_batches(3, seed=123)
+    with torch.no_grad():
+        ce = F.cross_entropy(
+            teacher(**heldout[0]).logits[:, :-1].reshape(-1, 128),
+            heldout[0]["input_ids"][:, 1:].reshape(-1),
+        )
+    assert ce < 3.0  # well below log(128) = 4.85: the teacher has learned something
+
+    scores = collect_importance(teacher, _pattern_batches(4, seed=7))
+    target = PruneTarget(
+        hidden_size=48, intermediate_size=48, num_attention_heads=4, num_hidden_layers=3
+    )
+    student = prune(teacher, scores, target)
+    kl0 = evaluate_kl(student, teacher, heldout)
+    result = distill(student, teacher, _pattern_batches(25, seed=1), DistillConfig(lr=3e-3))
+    kl1 = evaluate_kl(student, teacher, heldout)
+    assert result.kl[-1] < result.kl[0]
+    assert kl1 < 0.5 * kl0, (kl0, kl1)
