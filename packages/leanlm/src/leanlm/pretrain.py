@@ -195,6 +195,7 @@ class Pretrain:
                 "val_loss": evaluation.loss,
                 "val_perplexity": evaluation.perplexity,
                 "eval_tokens": evaluation.tokens,
+                "eval_tokens_per_s": evaluation.tokens_per_s,
                 "peak_rss_mib": peak,
                 "processes": world,
             },
