@@ -131,3 +131,17 @@ def test_pretrain_with_adafactor(tmp_path, tiny_config):
     assert all("exp_avg" not in s for s in state["state"].values())  # no first moment (beta1=None)
     for s in matrices:  # factored: one statistic per row and per column, not per element
         assert (s["exp_avg_sq_row"].numel(), s["exp_avg_sq_col"].numel()) in shapes
+
+
+def test_resume_after_a_config_change_reruns_the_stage(tmp_path, tiny_config):
+    first = tiny_config(pretrain={"steps": 12})
+    out = tmp_path / "run"
+    before = run_pipeline(first, out)[0]
+    changed = tiny_config(pretrain={"steps": 14})
+    after = run_pipeline(changed, out, resume=True)[0]
+    assert after.config_hash != before.config_hash
+    assert after.metrics["tokens"] == 14 * 4 * 32  # trained from step 0, not from a checkpoint
+    names = sorted(p.name for p in (out / "pretrain" / "checkpoints").iterdir())
+    assert names == ["step-00000006", "step-00000012"]  # the new run's, old ones dropped
+    rows = (out / "pretrain" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows if '"loss"' in r] == list(range(1, 15))

@@ -46,10 +46,22 @@ class Checkpointer:
         ]
         return sorted(found, key=lambda p: p.name)
 
-    def latest(self) -> Path | None:
-        """The newest whole checkpoint, or `None`."""
-        done = self.complete()
+    def latest(self, *, config_hash: str | None = None) -> Path | None:
+        """The newest whole checkpoint (written under `config_hash`, if given), or `None`."""
+        done = [p for p in self.complete() if config_hash is None or _hash_of(p) == config_hash]
         return done[-1] if done else None
+
+    def discard_mismatched(self, config_hash: str) -> int:
+        """Delete checkpoints written under another configuration; returns how many there were.
+
+        Every process may call this; only the main process deletes.
+        """
+        stale = [p for p in self.complete() if _hash_of(p) != config_hash]
+        if self.accelerator.is_main_process:
+            for path in stale:
+                shutil.rmtree(path, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        return len(stale)
 
     def save(self, step: int, scheduler: Any, state: dict[str, Any]) -> Path:
         """Write the checkpoint of `step` atomically; every process must call this.
@@ -83,6 +95,11 @@ class Checkpointer:
         scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
         state: dict[str, Any] = json.loads((path / TRAINER_STATE).read_text())
         return state
+
+
+def _hash_of(path: Path) -> str | None:
+    value = json.loads((path / TRAINER_STATE).read_text()).get("config_hash")
+    return value if isinstance(value, str) else None
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

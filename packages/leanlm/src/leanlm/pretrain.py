@@ -62,15 +62,12 @@ class Pretrain:
 
         checkpoints = Checkpointer(ctx.stage_dir / "checkpoints", acc, keep=cfg.keep_checkpoints)
         start_step, tokens, train_time, wall_before = 0, 0, 0.0, 0.0
-        latest = checkpoints.latest() if ctx.resume else None
+        latest = checkpoints.latest(config_hash=ctx.config_hash) if ctx.resume else None
+        stale = checkpoints.discard_mismatched(ctx.config_hash) if ctx.resume else 0
+        if stale:
+            acc.print(f"[pretrain] config changed: dropped {stale} checkpoint(s), starting over")
         if latest is not None:
             state = checkpoints.load(latest, scheduler)
-            if state["config_hash"] != ctx.config_hash:
-                raise ValueError(
-                    f"checkpoint {latest} was written by a different configuration "
-                    f"(hash {state['config_hash']} != {ctx.config_hash}); delete "
-                    f"{ctx.stage_dir} or use another --out"
-                )
             start_step, tokens = state["step"], state["tokens"]
             train_time, wall_before = state["train_time_s"], state["wall_time_s"]
             acc.print(f"[pretrain] resuming from {latest.name} (step {start_step})")
