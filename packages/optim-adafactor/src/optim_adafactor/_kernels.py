@@ -25,12 +25,13 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from optim_adafactor._torch_path import Work
+if TYPE_CHECKING:
+    from optim_adafactor._torch_path import Work
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -50,6 +51,17 @@ def available(device: torch.device) -> bool:
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def stochastic_round_bf16(x, seed, offs):  # type: ignore[no-untyped-def]
+        """fp32 `x` -> fp32 values representable in bf16, stochastically rounded (unbiased).
+
+        Adds uniform 16-bit noise from `tl.randint(seed, offs)` to the fp32 bit pattern and
+        truncates the low 16 bits: rounds up with probability equal to the discarded fraction.
+        """
+        noise = tl.randint(seed, offs.to(tl.int32)) & 0xFFFF
+        bits = x.to(tl.int32, bitcast=True) + noise.to(tl.int32)
+        return (bits & -65536).to(tl.float32, bitcast=True)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _stats_kernel(  # type: ignore[no-untyped-def]
@@ -172,9 +184,7 @@ if HAS_TRITON:
                 p = p * decay
             p = p - upd
             if SR:
-                noise = tl.randint(seed, offs.to(tl.int32)) & 0xFFFF
-                bits = p.to(tl.int32, bitcast=True) + noise.to(tl.int32)
-                p = (bits & -65536).to(tl.float32, bitcast=True)
+                p = stochastic_round_bf16(p, seed, offs)
             tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
 
 
@@ -220,8 +230,51 @@ def apply_reference(
 
 
 # ---------------------------------------------------------------------------------- launchers
-def _as_3d(t: Tensor) -> Tensor:
+def as_3d(t: Tensor) -> Tensor:
+    """View (..., n, m) as (B, n, m)."""
     return t.reshape(math.prod(t.shape[:-2]), t.shape[-2], t.shape[-1])
+
+
+_as_3d = as_3d
+
+
+def launch_stats(g3: Tensor, p3: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Launch `_stats_kernel` on contiguous (B, n, m) tensors.
+
+    Returns the row sums (B, n) and row-block partial column sums (B, blocks, m) of g², and (if
+    `p3` is given) the partial Σ p² (B·blocks,).
+    """
+    b, n, m = g3.shape
+    blocks = -(-n // BLOCK_N)
+    f32: dict[str, Any] = {"dtype": torch.float32, "device": g3.device}
+    rowsum = torch.empty((b, n), **f32)
+    colpart = torch.empty((b, blocks, m), **f32)
+    ppart = torch.empty((b * blocks,), **f32) if p3 is not None else None
+    if b * n * m > 0:
+        _stats_kernel[(b, blocks)](
+            g3, p3 if p3 is not None else g3, rowsum, colpart,
+            ppart if ppart is not None else rowsum, n, m, blocks,
+            HAS_P=p3 is not None, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
+        )  # fmt: skip
+    else:
+        rowsum.zero_()
+        colpart.zero_()
+        if ppart is not None:
+            ppart.zero_()
+    return rowsum, colpart, ppart
+
+
+def launch_sumsq(g3: Tensor, rf: Tensor, cf: Tensor) -> Tensor:
+    """`_sumsq_kernel`: Σ (g · rf ⊗ cf)² for contiguous (B, n, m) `g3`, (B, n) `rf`, (B, m) `cf`."""
+    b, n, m = g3.shape
+    blocks = -(-n // BLOCK_N)
+    upart = torch.zeros((b * blocks,), dtype=torch.float32, device=g3.device)
+    if b * n * m > 0:
+        _sumsq_kernel[(b, blocks)](
+            g3, rf.reshape(b, n).contiguous(), cf.reshape(b, m).contiguous(), upart,
+            n, m, blocks, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
+        )  # fmt: skip
+    return upart.sum()
 
 
 def _check(w: Work) -> tuple[Tensor, Tensor, int, int, int, int]:
@@ -232,51 +285,34 @@ def _check(w: Work) -> tuple[Tensor, Tensor, int, int, int, int]:
         raise ValueError("the fused kernels need a contiguous parameter")
     if g.shape != p.shape or g.device != p.device:
         raise ValueError("gradient and parameter must have the same shape and device")
-    g3 = _as_3d(g.contiguous())
+    g3 = as_3d(g.contiguous())
     b, n, m = g3.shape
-    return _as_3d(p), g3, b, n, m, -(-n // BLOCK_N)
+    return as_3d(p), g3, b, n, m, -(-n // BLOCK_N)
 
 
 def local_stats(w: Work, buf: Tensor | None = None) -> None:
     """Phase 1 with `_stats_kernel`; same contract as `_torch_path.local_stats`."""
-    p3, g3, b, n, m, blocks = _check(w)
+    from optim_adafactor.factored import ema_  # lazy: `factored` imports this module
+
+    p3, g3, _, n, m, _ = _check(w)
     o, st = w.opts, w.state
-    f32: dict[str, Any] = {"dtype": torch.float32, "device": g3.device}
-    rowsum = torch.empty((b, n), **f32)
-    colpart = torch.empty((b, blocks, m), **f32)
-    ppart = torch.empty((b * blocks,), **f32) if o.needs_param_rms else rowsum
-    if b * n * m > 0:
-        _stats_kernel[(b, blocks)](
-            g3, p3, rowsum, colpart, ppart, n, m, blocks,
-            HAS_P=o.needs_param_rms, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
-        )  # fmt: skip
-    else:
-        rowsum.zero_()
-        colpart.zero_()
-        ppart.zero_()
-    if o.needs_param_rms:
+    rowsum, colpart, ppart = launch_stats(g3, p3 if o.needs_param_rms else None)
+    if ppart is not None:
         w.psq = ppart.sum()
     beta2 = o.beta2(w.step)
     lead = w.param.shape[:-2]
     row = st["exp_avg_sq_row"]
-    row_in = rowsum.view(*lead, n).div_(m).add_(w.eps1)
-    row.mul_(beta2).add_(row_in, alpha=1.0 - beta2)
+    ema_(row, rowsum.view(*lead, n).div_(m), beta2, w.eps1)
     w.colsum = colpart.sum(dim=1).view(*lead, m)
     w.rowema_sum = row.sum(dim=-1)
 
 
 def update_sumsq(w: Work, buf: Tensor | None = None, *, gsq_in_buf: bool = False) -> Tensor:
     """Phase 3 with `_sumsq_kernel`: Σ u² (the clip statistic)."""
-    _, g3, b, n, m, blocks = _check(w)
+    g3 = _check(w)[1]
     assert w.rf is not None
     assert w.cf is not None
-    upart = torch.zeros((b * blocks,), dtype=torch.float32, device=g3.device)
-    if b * n * m > 0:
-        _sumsq_kernel[(b, blocks)](
-            g3, w.rf.reshape(b, n).contiguous(), w.cf.reshape(b, m).contiguous(), upart,
-            n, m, blocks, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
-        )  # fmt: skip
-    return upart.sum()
+    return launch_sumsq(g3, w.rf, w.cf)
 
 
 def apply(

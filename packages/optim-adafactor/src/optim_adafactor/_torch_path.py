@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from optim_adafactor._options import GroupOptions
+from optim_adafactor.factored import ema_, factors
 from optim_adafactor.sharding import RowShard
 
 Scalar = Tensor | float
@@ -78,7 +79,7 @@ def local_stats(w: Work, buf: Tensor) -> None:
         if o.semantics == "torch":
             row.lerp_(row_in, 1.0 - beta2)
         else:
-            row.mul_(beta2).add_(row_in.add_(w.eps1), alpha=1.0 - beta2)
+            ema_(row, row_in, beta2, w.eps1)
         w.colsum = buf.sum(dim=-2)
         w.rowema_sum = row.sum(dim=-1)
     else:
@@ -86,7 +87,7 @@ def local_stats(w: Work, buf: Tensor) -> None:
         if o.semantics == "torch":
             var.lerp_(buf, 1.0 - beta2)
         else:
-            var.mul_(beta2).add_(buf.add_(w.eps1), alpha=1.0 - beta2)
+            ema_(var, buf, beta2, w.eps1)
 
 
 def finish_stats(w: Work) -> None:
@@ -111,9 +112,8 @@ def finish_stats(w: Work) -> None:
         col.lerp_(col_in, 1.0 - beta2)
         w.norm = row_mean.clamp_(min=w.eps1)
     else:
-        col.mul_(beta2).add_(col_in.add_(w.eps1), alpha=1.0 - beta2)
-        w.rf = (row / row_mean).rsqrt_()
-        w.cf = col.rsqrt()
+        ema_(col, col_in, beta2, w.eps1)
+        w.rf, w.cf = factors(row, col, row_mean)
 
 
 def _materialise_update(w: Work, buf: Tensor) -> Tensor:

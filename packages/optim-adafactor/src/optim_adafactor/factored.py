@@ -1,0 +1,112 @@
+"""Public building blocks of factored second-moment optimizers (Adafactor, CAME).
+
+`optim_adafactor.Adafactor` is built from these, and `optim-came` reuses them: the EMA and
+factor helpers of the PyTorch path, the Triton launchers of the two statistics passes, the
+stochastic-rounding store, and (in `optim_adafactor.sharding`) the row-sharding protocol and its
+bucketed all-reduce. Nothing here synchronises with the host.
+
+For a tensor viewed as (..., n, m) and a non-negative statistic `x` (the squared gradient in
+Adafactor, also the instability `(û - m)²` in CAME), the factored second moment is
+
+.. code-block:: text
+
+    r = β r + (1-β) (mean_j x + ε)      c = β c + (1-β) (mean_i x + ε)     (`ema_`)
+    rf = rsqrt(r / mean(r))             cf = rsqrt(c)                      (`factors`)
+    x_ij ≈ (r_i c_j / mean(r)),  so  x_ij^-1/2 ≈ rf_i cf_j
+
+`mean(r)` is the mean over the last dim of `r` (the rows of the logical tensor). Under row
+sharding the caller all-reduces the column sums and `Σ_i r_i` before calling `factors`.
+
+Triton launchers (`sq_stats`, `scaled_sumsq`, and the `stochastic_round_bf16` JIT helper for
+kernels of other packages) need `triton` and a CUDA device, or `TRITON_INTERPRET=1` on CPU;
+check `triton_available(device)` first.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from optim_adafactor import _kernels
+from optim_adafactor._stochastic import copy_stochastic_
+
+__all__ = [
+    "BLOCK_N",
+    "as_3d",
+    "copy_stochastic_",
+    "ema_",
+    "factors",
+    "scaled_sumsq",
+    "sq_stats",
+    "triton_available",
+]
+
+#: Rows per program of the Triton statistics kernels (the row-block partial sums are per BLOCK_N).
+BLOCK_N = _kernels.BLOCK_N
+
+if _kernels.HAS_TRITON:
+    #: `@triton.jit` helper: `stochastic_round_bf16(x_fp32, seed, offsets)` returns fp32 values
+    #: exactly representable in bf16, rounded up with probability equal to the discarded fraction
+    #: (unbiased). Call it from another kernel just before a bf16 store.
+    stochastic_round_bf16 = _kernels.stochastic_round_bf16
+    __all__ += ["stochastic_round_bf16"]
+
+
+def ema_(avg: Tensor, mean: Tensor, beta: float, eps: float) -> Tensor:
+    """`avg ← β·avg + (1-β)·(mean + ε)` in place and return `avg`; `mean` is used as scratch.
+
+    Args:
+        avg: The running statistic (fp32), updated in place.
+        mean: This step's mean of the statistic, same shape as `avg`; overwritten.
+        beta: EMA coefficient in [0, 1).
+        eps: Added to `mean` before the EMA (Adafactor's ε1, CAME's ε1 or ε2).
+    """
+    return avg.mul_(beta).add_(mean.add_(eps), alpha=1.0 - beta)
+
+
+def factors(row: Tensor, col: Tensor, row_mean: Tensor) -> tuple[Tensor, Tensor]:
+    """The factored inverse square root: `rf = rsqrt(row / row_mean)` and `cf = rsqrt(col)`.
+
+    Args:
+        row: Row statistic, shape (..., n).
+        col: Column statistic, shape (..., m).
+        row_mean: Mean of `row` over the logical tensor's rows, shape (..., 1).
+
+    Returns:
+        `(rf, cf)` of shapes (..., n) and (..., m): `rsqrt(x_ij) ≈ rf_i · cf_j`.
+    """
+    return (row / row_mean).rsqrt_(), col.rsqrt()
+
+
+def triton_available(device: torch.device) -> bool:
+    """Whether the Triton launchers can run on `device` (CUDA, or CPU with TRITON_INTERPRET=1)."""
+    return _kernels.available(device)
+
+
+def as_3d(t: Tensor) -> Tensor:
+    """View a (..., n, m) tensor as (B, n, m) (a copy only if the leading dims do not flatten)."""
+    return _kernels.as_3d(t)
+
+
+def sq_stats(x3: Tensor) -> tuple[Tensor, Tensor]:
+    """Row and column sums of `x²` for a contiguous (B, n, m) tensor, in one Triton pass.
+
+    Accumulates in fp32 (bf16/fp16 inputs are upcast on load). Deterministic: the column sums
+    are per-row-block partials summed in a fixed order, without atomics.
+
+    Returns:
+        `(rowsum, colsum)`: fp32 tensors of shapes (B, n) and (B, m).
+    """
+    rowsum, colpart, _ = _kernels.launch_stats(x3, None)
+    return rowsum, colpart.sum(dim=1)
+
+
+def scaled_sumsq(x3: Tensor, rf: Tensor, cf: Tensor) -> Tensor:
+    """`Σ (x_bij · rf_bi · cf_bj)²` for a contiguous (B, n, m) `x3`, as a 0-dim fp32 tensor.
+
+    Args:
+        x3: (B, n, m) tensor (any float dtype; upcast on load).
+        rf: (B, n) fp32 row factors.
+        cf: (B, m) fp32 column factors.
+    """
+    return _kernels.launch_sumsq(x3, rf, cf)
