@@ -1,0 +1,223 @@
+# Triton convention: upper-case constexpr kernel arguments, many positional kernel arguments.
+# ruff: noqa: N803, PLR0917
+"""Fused Triton kernels for the factored (>= 2-D) CAME step, launchers and references.
+
+CAME (Luo et al., ACL 2023, arXiv:2307.02047) on a tensor viewed as (B, n, m) needs four
+streaming passes, because two global reductions sit between the gradient and the write: the
+update RMS (the clip) and the instability factors (research note §7: `3G + 3M + 2P` bytes per
+element, 22 B with bf16 g/p and fp32 m):
+
+1. row / column sums of `g²` (optim-adafactor's `sq_stats` kernel, reused);
+2. `Σ u²` with `u = g · rf ⊗ cf` (optim-adafactor's `scaled_sumsq` kernel, reused);
+3. `_momentum_kernel`: `d = m - g·rs_i·cf_j` (`rs = rf · clip`), `m ← m - (1-β1) d`, and the row
+   sums and row-block partial column sums of `d²` (the instability is `β1² d²`, see
+   `_torch_path.momentum`);
+4. `_apply_kernel`: `p ← p·(1 - lr·wd) - m · rRs_i · cR_j` (`rRs = lr · rsqrt(R/mean(R))`,
+   `cR = rsqrt(C)`), stored in p's
+   dtype, optionally with stochastic rounding for bf16.
+
+Between passes the O(n + m) work (EMAs of the factor vectors, `rsqrt`, the clip scale) runs as
+torch ops on vectors, shared with the PyTorch path, and never leaves the device. All sums are
+fp32 and deterministic (per-row-block partials summed in a fixed order, no atomics). bf16/fp16
+inputs are upcast right after `tl.load`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from optim_adafactor import factored
+from optim_came._torch_path import Work, clip_scale
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+BLOCK_N = factored.BLOCK_N  # rows per program: same row blocks as the statistics kernels
+BLOCK_M = 64 if _INTERPRET else 256
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels can run on `device` (CUDA, or CPU under the interpreter)."""
+    return HAS_TRITON and factored.triton_available(device)
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _momentum_kernel(  # type: ignore[no-untyped-def]
+        g_ptr,
+        m_ptr,
+        rs_ptr,
+        cf_ptr,
+        rowsum_ptr,
+        colpart_ptr,
+        beta1,
+        n_rows,
+        n_cols,
+        n_row_blocks,
+        BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        """`d = m - g·rs_i·cf_j`; `m ← m - (1-β1)·d`; row sums and partial column sums of d².
+
+        One program owns BLOCK_N rows (row sums without atomics) and writes one row-block
+        partial of the column sums; fp32 math, m stored back in its own dtype.
+        """
+        pid_b = tl.program_id(0)
+        pid_r = tl.program_id(1)
+        rows = pid_r * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < n_rows
+        base = pid_b.to(tl.int64) * n_rows * n_cols
+        part = (pid_b * n_row_blocks + pid_r).to(tl.int64)
+        rs = tl.load(rs_ptr + pid_b.to(tl.int64) * n_rows + rows, mask=row_mask, other=0.0)
+        acc_row = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_M):
+            cols = start + tl.arange(0, BLOCK_M)
+            col_mask = cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = base + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # upcast first
+            cf = tl.load(cf_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
+            m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            d = m - g * rs[:, None] * cf[None, :]
+            m = m - (1.0 - beta1) * d
+            tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+            d2 = d * d  # masked lanes: g = m = 0, so d = 0
+            acc_row += tl.sum(d2, axis=1)
+            tl.store(colpart_ptr + part * n_cols + cols, tl.sum(d2, axis=0), mask=col_mask)
+        tl.store(rowsum_ptr + pid_b.to(tl.int64) * n_rows + rows, acc_row, mask=row_mask)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _apply_kernel(  # type: ignore[no-untyped-def]
+        p_ptr,
+        m_ptr,
+        rrs_ptr,
+        cr_ptr,
+        decay,
+        seed,
+        n_rows,
+        n_cols,
+        HAS_DECAY: tl.constexpr,
+        SR: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        """`p ← p·decay - m·rRs_i·cR_j` in fp32, stored in p's dtype (SR: stochastic, bf16)."""
+        pid_b = tl.program_id(0)
+        pid_r = tl.program_id(1)
+        rows = pid_r * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < n_rows
+        base = pid_b.to(tl.int64) * n_rows * n_cols
+        rrs = tl.load(rrs_ptr + pid_b.to(tl.int64) * n_rows + rows, mask=row_mask, other=0.0)
+        for start in range(0, n_cols, BLOCK_M):
+            cols = start + tl.arange(0, BLOCK_M)
+            col_mask = cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = base + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+            cr = tl.load(cr_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
+            m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_DECAY:
+                p = p * decay
+            p = p - m * rrs[:, None] * cr[None, :]
+            if SR:
+                p = factored.stochastic_round_bf16(p, seed, offs)
+            tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------- references
+def momentum_reference(
+    g: Tensor, m: Tensor, rs: Tensor, cf: Tensor, beta1: float
+) -> tuple[Tensor, Tensor]:
+    """Reference of `_momentum_kernel` on (B, n, m), in place on `m`; returns d² row/col sums."""
+    d = m.float() - g.float() * rs.unsqueeze(-1) * cf.unsqueeze(-2)
+    m.copy_(m.float() - (1.0 - beta1) * d)
+    d2 = d.square()
+    return d2.sum(dim=-1), d2.sum(dim=-2)
+
+
+def apply_reference(p: Tensor, m: Tensor, rrs: Tensor, cr: Tensor, decay: float) -> None:
+    """Reference of `_apply_kernel` (round-to-nearest store), in place on `p`."""
+    p.copy_(p.float() * decay - m.float() * rrs.unsqueeze(-1) * cr.unsqueeze(-2))
+
+
+# ---------------------------------------------------------------------------------- launchers
+def _shape(w: Work) -> tuple[Tensor, int, int, int, int]:
+    p, g = w.param, w.grad
+    if p.dim() < 2 or not p.is_contiguous():
+        raise ValueError(
+            f"the fused kernels need a contiguous >=2-D parameter, got shape {tuple(p.shape)}"
+        )
+    if g.shape != p.shape or g.device != p.device:
+        raise ValueError("gradient and parameter must have the same shape and device")
+    g3 = factored.as_3d(g.contiguous())
+    b, n, m = g3.shape
+    return g3, b, n, m, -(-n // BLOCK_N)
+
+
+def grad_stats(w: Work, buf: Tensor | None = None) -> None:
+    """Phase 1 with the reused statistics kernel; same contract as `_torch_path.grad_stats`."""
+    g3, _, n, m, _ = _shape(w)
+    o, st = w.opts, w.state
+    rowsum, colsum = factored.sq_stats(g3)
+    lead = w.param.shape[:-2]
+    row = st["exp_avg_sq_row"]
+    factored.ema_(row, rowsum.view(*lead, n).div_(m), o.beta2, o.eps1)
+    w.colsum = colsum.view(*lead, m)
+    w.rowema_sum = row.sum(dim=-1)
+
+
+def update_sumsq(w: Work, buf: Tensor | None = None, *, gsq_in_buf: bool = False) -> Tensor:
+    """Phase 3 with the reused `scaled_sumsq` kernel: Σ u²."""
+    g3, b, n, m, _ = _shape(w)
+    assert w.rf is not None
+    assert w.cf is not None
+    return factored.scaled_sumsq(g3, w.rf.reshape(b, n), w.cf.reshape(b, m))
+
+
+def momentum(w: Work, usq: Tensor, buf: Tensor | None = None, *, u_in_buf: bool = False) -> None:
+    """Phase 4 with `_momentum_kernel`; same contract as `_torch_path.momentum`."""
+    g3, b, n, m, blocks = _shape(w)
+    o, st = w.opts, w.state
+    assert w.rf is not None
+    assert w.cf is not None
+    w.clip = clip_scale(usq, w.numel, o.clip_threshold)
+    f32: dict[str, Any] = {"dtype": torch.float32, "device": g3.device}
+    rowsum = torch.zeros((b, n), **f32)
+    colpart = torch.zeros((b, blocks, m), **f32)
+    if b * n * m > 0:
+        _momentum_kernel[(b, blocks)](
+            g3, st["exp_avg"], (w.rf * w.clip).reshape(b, n).contiguous(),
+            w.cf.reshape(b, m).contiguous(), rowsum, colpart, o.beta1, n, m, blocks,
+            BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
+        )  # fmt: skip
+    beta1_sq = o.beta1 * o.beta1
+    lead = w.param.shape[:-2]
+    res_row = st["exp_avg_res_row"]
+    factored.ema_(res_row, rowsum.view(*lead, n).mul_(beta1_sq / m), o.beta3, o.eps2)
+    w.res_colsum = colpart.sum(dim=1).view(*lead, m).mul_(beta1_sq)
+    w.res_rowema_sum = res_row.sum(dim=-1)
+
+
+def apply(w: Work, buf: Tensor | None = None, *, seed: int = 0) -> None:
+    """Phase 6 with `_apply_kernel`: one pass over p and m."""
+    _, b, n, m, blocks = _shape(w)
+    o = w.opts
+    assert w.res_rf is not None
+    assert w.res_cf is not None
+    if b * n * m == 0:
+        return
+    sr = o.stochastic_rounding and w.param.dtype == torch.bfloat16
+    _apply_kernel[(b, blocks)](
+        factored.as_3d(w.param), w.state["exp_avg"],
+        (w.res_rf * o.lr).reshape(b, n).contiguous(),
+        w.res_cf.reshape(b, m).contiguous(), 1.0 - o.lr * o.weight_decay, seed, n, m,
+        HAS_DECAY=o.weight_decay != 0, SR=sr, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
+    )  # fmt: skip

@@ -1,0 +1,190 @@
+"""The PyTorch path of one CAME step, split into the phases that row sharding needs.
+
+For a factored parameter (>= 2 dims, viewed as (..., n, m)) a step is six phases. Between phases
+1-2, 3-4 and 4-5 a row-sharded parameter all-reduces its partial sums (bucketed over all
+parameters, see `optimizer.py`); an unsharded one just goes on:
+
+1. `grad_stats`: `g²` into the workspace, row EMA `r = β2 r + (1-β2)(mean_j g² + ε1)`, local column
+   sums of `g²` and `Σ_i r_i`.
+2. `grad_factors`: column EMA `c`, factors `rf = rsqrt(r / mean(r))`, `cf = rsqrt(c)` (times
+   `sqrt(1-β2^t)` with bias correction).
+3. `update_sumsq`: `Σ u²`, `u = g · rf ⊗ cf`, computed as `Σ_i rf_i² Σ_j g²_ij cf_j²` (a mat-vec on
+   the `g²` still in the workspace), so `u` is never materialised.
+4. `momentum`: `û = u / max(1, RMS(u)/d)` (the clip scale stays a device tensor),
+   `m = β1 m + (1-β1) û`, and the instability statistics of `(û - m)²`: the row EMA `R` and the
+   local column sums. `û - m_new = β1 (û - m_old)`, so the workspace holds `m_old - û` once and
+   serves both the momentum update and the instability.
+5. `instability_factors`: column EMA `C`, factors `res_rf = rsqrt(R / mean(R))`,
+   `res_cf = rsqrt(C)` (times `sqrt(1-β3^t)`).
+6. `apply`: `p ← p - lr·wd·p - lr · m · res_rf ⊗ res_cf`.
+
+Vectors and scalars keep a full `v = β2 v + (1-β2)(g² + ε1)`, `u = g / √v`, the same clip and
+momentum, and step `p ← p - lr·wd·p - lr·m` (no confidence term, as in came-pytorch).
+
+Every N-sized temporary lives in one reusable fp32 workspace (`buf`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from optim_adafactor.factored import ema_, factors
+from optim_adafactor.sharding import RowShard
+from optim_came._options import GroupOptions
+
+
+@dataclass(slots=True)
+class Work:
+    """One parameter's step in flight: inputs, resolved constants and phase results."""
+
+    param: Tensor
+    p32: Tensor  # the parameter (fp32) or an fp32 copy (bf16/fp16 on the PyTorch path)
+    grad: Tensor  # fp32 gradient on the PyTorch path; the raw gradient on the fused path
+    state: dict[str, Any]
+    opts: GroupOptions
+    step: int
+    shard: RowShard | None
+    rows: int  # global size of dim -2 (the column-mean divisor) of factored tensors
+    numel: int  # global number of elements
+    index: int  # position in the step (seeds stochastic rounding)
+    fused: bool = False
+    colsum: Tensor | None = None
+    rowema_sum: Tensor | None = None
+    rf: Tensor | None = None
+    cf: Tensor | None = None
+    clip: Tensor | None = None  # 1 / max(1, RMS(u)/d), 0-dim device tensor
+    res_colsum: Tensor | None = None
+    res_rowema_sum: Tensor | None = None
+    res_rf: Tensor | None = None
+    res_cf: Tensor | None = None
+
+    @property
+    def factored(self) -> bool:
+        """Whether the second moment is factored (>= 2 dims)."""
+        return self.param.dim() >= 2
+
+    @property
+    def reduce_factors(self) -> bool:
+        """Whether column sums and row-EMA sums are reduced over the shard group (2-D only).
+
+        For >= 3-D tensors dim 0 is a batch dim, so the factored dims are local to a rank.
+        """
+        return self.shard is not None and self.param.dim() == 2
+
+
+def grad_stats(w: Work, buf: Tensor) -> None:
+    """Phase 1. Leaves `g²` in `buf`."""
+    o, g, st = w.opts, w.grad, w.state
+    torch.mul(g, g, out=buf)
+    if not w.factored:
+        ema_(st["exp_avg_sq"], buf, o.beta2, o.eps1)
+        return
+    row = st["exp_avg_sq_row"]
+    ema_(row, buf.sum(dim=-1).div_(g.shape[-1]), o.beta2, o.eps1)
+    w.colsum = buf.sum(dim=-2)
+    w.rowema_sum = row.sum(dim=-1)
+
+
+def grad_factors(w: Work) -> None:
+    """Phase 2: column EMA and the factors of the second moment, from (reduced) sums."""
+    if not w.factored:
+        return
+    assert w.colsum is not None
+    assert w.rowema_sum is not None
+    o, st = w.opts, w.state
+    row, col = st["exp_avg_sq_row"], st["exp_avg_sq_col"]
+    ema_(col, w.colsum.div_(w.rows), o.beta2, o.eps1)
+    w.rf, w.cf = factors(row, col, w.rowema_sum.div(w.rows).unsqueeze(-1))
+    correction = o.second_moment_correction(w.step)
+    if correction != 1.0:  # rsqrt(c / (1-β2^t)); r's correction cancels in r / mean(r)
+        w.cf.mul_(math.sqrt(correction))
+
+
+def _vector_update(w: Work, buf: Tensor) -> Tensor:
+    """`u = g / sqrt(v / (1-β2^t))` into `buf` (vectors and scalars)."""
+    torch.rsqrt(w.state["exp_avg_sq"], out=buf)
+    correction = w.opts.second_moment_correction(w.step)
+    if correction != 1.0:
+        buf.mul_(math.sqrt(correction))
+    return buf.mul_(w.grad)
+
+
+def update_sumsq(w: Work, buf: Tensor, *, gsq_in_buf: bool) -> Tensor:
+    """Phase 3: local `Σ u²`. `gsq_in_buf`: `buf` still holds phase 1's `g²`.
+
+    Vectors leave `u` in `buf`.
+    """
+    if not w.factored:
+        return torch.linalg.vector_norm(_vector_update(w, buf)).square()  # type: ignore[no-any-return]
+    assert w.rf is not None
+    assert w.cf is not None
+    if not gsq_in_buf:
+        torch.mul(w.grad, w.grad, out=buf)
+    weighted = torch.matmul(buf, w.cf.square().unsqueeze(-1)).squeeze(-1)
+    return weighted.mul_(w.rf.square()).sum()
+
+
+def clip_scale(usq: Tensor, numel: int, clip_threshold: float) -> Tensor:
+    """`1 / max(1, RMS(u) / d)` as a 0-dim device tensor (no host sync)."""
+    return usq.div(numel).sqrt_().div_(clip_threshold).clamp_(min=1.0).reciprocal_()
+
+
+def momentum(w: Work, usq: Tensor, buf: Tensor, *, u_in_buf: bool) -> None:
+    """Phase 4: clip, momentum, local instability statistics (factored tensors).
+
+    `usq` is the (reduced) `Σ u²`; `u_in_buf`: a vector's `u` is still in `buf` from phase 3.
+    """
+    o, g, st = w.opts, w.grad, w.state
+    w.clip = clip_scale(usq, w.numel, o.clip_threshold)
+    m = st["exp_avg"]
+    if not w.factored:
+        u = buf if u_in_buf else _vector_update(w, buf)
+        m.mul_(o.beta1).addcmul_(u, w.clip * (1.0 - o.beta1))
+        return
+    assert w.rf is not None
+    assert w.cf is not None
+    # buf = m_old - û, with û = g · (rf · clip) ⊗ cf
+    torch.mul(g, (w.rf * w.clip).unsqueeze(-1), out=buf)
+    torch.addcmul(m, buf, w.cf.unsqueeze(-2), value=-1.0, out=buf)
+    m.add_(buf, alpha=-(1.0 - o.beta1))  # m_new = m_old - (1-β1)(m_old - û)
+    # instability (û - m_new)² = β1² (m_old - û)²; its ε2 is added to the means by `ema_`
+    buf.square_()
+    beta1_sq = o.beta1 * o.beta1
+    res_row = st["exp_avg_res_row"]
+    ema_(res_row, buf.sum(dim=-1).mul_(beta1_sq / g.shape[-1]), o.beta3, o.eps2)
+    w.res_colsum = buf.sum(dim=-2).mul_(beta1_sq)
+    w.res_rowema_sum = res_row.sum(dim=-1)
+
+
+def instability_factors(w: Work) -> None:
+    """Phase 5: column EMA of the instability and its factors, from (reduced) sums."""
+    if not w.factored:
+        return
+    assert w.res_colsum is not None
+    assert w.res_rowema_sum is not None
+    o, st = w.opts, w.state
+    row, col = st["exp_avg_res_row"], st["exp_avg_res_col"]
+    ema_(col, w.res_colsum.div_(w.rows), o.beta3, o.eps2)
+    w.res_rf, w.res_cf = factors(row, col, w.res_rowema_sum.div(w.rows).unsqueeze(-1))
+    correction = o.instability_correction(w.step)
+    if correction != 1.0:
+        w.res_cf.mul_(math.sqrt(correction))
+
+
+def apply(w: Work, buf: Tensor) -> None:
+    """Phase 6: decoupled weight decay, then the confidence-scaled step (into `w.p32`)."""
+    o, p, m = w.opts, w.p32, w.state["exp_avg"]
+    if o.weight_decay != 0:
+        p.mul_(1.0 - o.lr * o.weight_decay)
+    if not w.factored:
+        p.add_(m, alpha=-o.lr)
+        return
+    assert w.res_rf is not None
+    assert w.res_cf is not None
+    torch.mul(m, (w.res_rf * o.lr).unsqueeze(-1), out=buf)
+    p.addcmul_(buf, w.res_cf.unsqueeze(-2), value=-1.0)
