@@ -1,0 +1,66 @@
+"""`ZeroConfig`: what to shard, in which dtypes, and how to bucket communication."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """How `prepare` shards a model and its optimizer.
+
+    Attributes:
+        stage: 1 shards optimizer state (and fp32 master weights); 2 also shards gradients
+            (reduce-scattered during backward); 3 also shards parameters at rest (gathered per
+            wrapping unit in forward and backward, freed after use).
+        param_dtype: dtype of the compute parameters the model runs with (e.g. `torch.bfloat16`
+            for mixed precision). None keeps the model's dtype. Master weights, gradient
+            accumulation and optimizer inputs are always fp32.
+        reduce_dtype: dtype gradients are communicated in. None means fp32.
+        min_shard_numel: parameters with fewer elements than this (and 0-dim ones) are not
+            sharded: every rank keeps and steps a full replica, with gradients all-reduced.
+        bucket_numel: target number of elements per flat communication bucket (stages 1 and 2;
+            stage 3 uses one bucket per wrapping unit).
+        wrap_policy: stage 3 only: `policy(name, module) -> bool` marks the modules whose
+            parameters are gathered and freed together. None wraps every child of every
+            `nn.ModuleList` (the decoder layers of a Hugging Face model). Parameters outside
+            every unit belong to the root unit, gathered once per step.
+        prefetch: stage 3 only: start gathering the next unit (forward) / previous unit
+            (backward) while the current one computes.
+    """
+
+    stage: Literal[1, 2, 3] = 2
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    min_shard_numel: int = 16384
+    bucket_numel: int = 2**24
+    wrap_policy: Callable[[str, nn.Module], bool] | None = None
+    prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
+            raise ValueError(f"`stage` ({self.stage!r}) must be 1, 2 or 3")
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in _FLOAT_DTYPES:
+                raise ValueError(
+                    f"`{name}` ({value!r}) must be None, torch.float32, torch.bfloat16 or "
+                    "torch.float16"
+                )
+        for name in ("min_shard_numel", "bucket_numel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"`{name}` must be an int, got {value!r}")
+        if self.min_shard_numel < 0:
+            raise ValueError(f"`min_shard_numel` ({self.min_shard_numel}) must be >= 0")
+        if self.bucket_numel < 1:
+            raise ValueError(f"`bucket_numel` ({self.bucket_numel}) must be >= 1")
+        if self.wrap_policy is not None and not callable(self.wrap_policy):
+            raise TypeError(f"`wrap_policy` must be callable or None, got {self.wrap_policy!r}")

@@ -1,0 +1,110 @@
+"""`ZeroOptimizer`: the wrapped optimizer's step, plus gradient reduction and weight gathering."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from shard_zero._engine import ZeroEngine
+
+
+class ZeroOptimizer(Optimizer):
+    """Steps the optimizer built over the local fp32 shards and keeps the model in sync.
+
+    It shares `param_groups`, `state` and `defaults` with the wrapped optimizer (so LR schedulers
+    work unchanged). `step()` first finishes gradient reduction, then steps the shards, then makes
+    the model's parameters equal the updated shards (all-gather in stages 1-2; stage 3 gathers
+    lazily in the next forward).
+
+    Attributes:
+        optimizer: the optimizer `make_optimizer` built over the shards.
+    """
+
+    def __init__(self, optimizer: Optimizer, engine: ZeroEngine) -> None:
+        # Optimizer.__init__ is deliberately not called: groups and state are the wrapped ones.
+        self.optimizer = optimizer
+        self.engine = engine
+        self._share()
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+
+    def _share(self) -> None:
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+        self.defaults = self.optimizer.defaults
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Reduce outstanding gradients, step the shards, then update the model's parameters."""
+        if closure is not None:
+            raise ValueError("`closure` is not supported by shard-zero (run backward yourself)")
+        self.engine.reduce_leftover()
+        loss = self.optimizer.step()
+        self.engine.push_params()
+        self.engine.comm.end_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the shards' gradients and any gradient still accumulated under `no_sync()`."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for e in self.engine.entries:
+            e.acc = None
+            e.param.grad = None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the shards' gradients by the norm of the *whole* gradient, across all ranks.
+
+        Same formula as `torch.nn.utils.clip_grad_norm_` on the unsharded model: the gradients
+        are scaled by `min(1, max_norm / (total_norm + 1e-6))`.
+
+        Returns:
+            The total (global) gradient norm before clipping, a 0-dim fp32 tensor.
+        """
+        engine = self.engine
+        engine.reduce_leftover()
+        if norm_type <= 0:
+            raise ValueError(f"`norm_type` ({norm_type}) must be > 0 (or math.inf)")
+        sharded = [e.master.grad for e in engine.sharded if e.master.grad is not None]
+        replicated = [e.master.grad for e in engine.replicated if e.master.grad is not None]
+        if engine.rank != 0:
+            replicated = []  # every rank holds the same replicated gradients: count them once
+        grads = [g for g in sharded + replicated if g.numel() > 0]
+        if math.isinf(norm_type):
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
+            total = local.float().reshape(1)
+            engine.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
+            total_norm = total[0]
+        else:
+            local = (
+                torch.stack([g.float().abs().pow(norm_type).sum() for g in grads]).sum()
+                if grads
+                else torch.zeros(())
+            )
+            total = local.reshape(1).clone()
+            engine.comm.all_reduce(total)
+            total_norm = total[0].pow(1.0 / norm_type)
+        coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+        for e in engine.entries:
+            if e.master.grad is not None:
+                e.master.grad.mul_(coef)
+        return total_norm
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict (this rank's shards only; see `save_checkpoint`)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict produced by `state_dict()` on the same rank and world size."""
+        self.optimizer.load_state_dict(state_dict)
+        self._share()
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer(stage={self.engine.stage}, {self.optimizer!r})"

@@ -1,0 +1,89 @@
+"""Full state dicts and per-rank memory accounting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shard_zero._api import engine_of
+from shard_zero._optimizer import ZeroOptimizer
+
+
+def full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The unsharded state dict of `model` with its original keys (a collective).
+
+    Trainable parameters come from the fp32 master shards (all-gathered), so they carry full
+    precision even under mixed precision; buffers and frozen parameters are copied as they are.
+    Tied parameters appear under every key they had. Call it on every rank; every rank gets the
+    whole dict (e.g. save it from rank 0 with `save_pretrained(..., state_dict=...)`).
+
+    Args:
+        model: a model returned by `prepare`.
+        dtype: cast trainable parameters to this dtype (None: fp32).
+    """
+    engine = engine_of(model)
+    gathered = engine.gather_masters()
+    out: dict[str, Any] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        full = gathered.get(value) if isinstance(value, nn.Parameter) else None
+        if full is not None:
+            out[key] = full if dtype is None else full.to(dtype)
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().clone()
+        else:
+            out[key] = value
+    return out
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _bytes(tensors: list[torch.Tensor], seen: set[tuple[int, int]]) -> int:
+    """Bytes of the distinct storages of `tensors` not already in `seen` (updated)."""
+    total = 0
+    for t in tensors:
+        key = _storage_key(t)
+        if key[1] == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += key[1]
+    return total
+
+
+def memory_stats(model: nn.Module, optimizer: ZeroOptimizer | None = None) -> dict[str, Any]:
+    """Bytes of model state this rank holds now, and the last step's communication.
+
+    Storages are counted once, at their allocated size (a stage-3 parameter counts only while
+    gathered; a master shard that aliases the model's parameter counts under `params`).
+
+    Returns:
+        A dict with `params` (the model's compute parameters, all of them), `master_params`
+        (fp32 master shards not aliasing `params`), `grads` (shard gradients plus any full-size
+        accumulators), `optimizer_state` (tensors in the optimizer's state), `total`, and
+        `communication`: `{kind: {"calls": n, "bytes": b}}` for the last completed step.
+    """
+    engine = engine_of(model)
+    seen: set[tuple[int, int]] = set()
+    params = _bytes(list(model.parameters()), seen)
+    masters = _bytes([e.master for e in engine.entries], seen)
+    grad_tensors = [e.master.grad for e in engine.entries if e.master.grad is not None]
+    grad_tensors += [e.acc for e in engine.entries if e.acc is not None]
+    grad_tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    grads = _bytes(grad_tensors, seen)
+    state_tensors: list[torch.Tensor] = []
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            state_tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    opt_state = _bytes(state_tensors, seen)
+    return {
+        "params": params,
+        "master_params": masters,
+        "grads": grads,
+        "optimizer_state": opt_state,
+        "total": params + masters + grads + opt_state,
+        "communication": dict(engine.comm.last_step),
+    }
