@@ -288,7 +288,8 @@ class CAME(Optimizer):
         usqs: list[tuple[Work, dict[str, Tensor]]] = []
         for w in works:  # phases 2-3; reduce Σ u²
             _torch_path.grad_factors(w)
-            usqs.append((w, {"clip": self._phases(w).update_sumsq(w, self._buf(w))}))
+            usq = self._phases(w).update_sumsq(w, self._buf(w), gsq_in_buf=False)
+            usqs.append((w, {"clip": usq}))
         reduce(usqs)  # `w.clip` holds the reduced Σ u² until phase 4 turns it into the scale
         pairs = []
         for w in works:  # phase 4; reduce the instability column sums and row-EMA sums

@@ -1,0 +1,318 @@
+"""State dicts (ours and came-pytorch's), aliasing and the research-note §3 bugs, skipped params,
+param groups, argument validation, host syncs, bf16 first moment and stochastic rounding."""
+
+import copy
+
+import pytest
+import torch
+
+from leanlm_testing import assert_verbose_allclose
+from optim_came import CAME
+
+came_pytorch = pytest.importorskip("came_pytorch")
+
+SHAPES = [(10, 6), (6,), (2, 3, 4), ()]
+KW = {"lr": 1e-2, "weight_decay": 0.1}
+
+
+def _params(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in SHAPES]
+
+
+def _grads(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen) for s in SHAPES]
+
+
+def _run(opt, params, seeds):
+    for seed in seeds:
+        for p, g in zip(params, _grads(seed), strict=True):
+            p.grad = g.to(p.dtype)
+        opt.step()
+
+
+def _clone(params):
+    return [p.detach().clone().requires_grad_() for p in params]
+
+
+def _assert_same_state(a_opt, a_params, b_opt, b_params) -> None:
+    for a, b in zip(a_params, b_params, strict=True):
+        assert torch.equal(a, b)
+        for key, value in a_opt.state[a].items():
+            other = b_opt.state[b][key]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        KW,
+        {**KW, "bias_correction": True, "instability_init": 1.0},
+        {**KW, "state_dtype": torch.bfloat16},
+    ],
+    ids=["default", "extras", "bf16_state"],
+)
+def test_state_dict_round_trip_continues_identically(kw) -> None:
+    params = _params()
+    opt = CAME(params, **kw)
+    _run(opt, params, range(10))
+    saved = copy.deepcopy(opt.state_dict())
+    resumed_params = _clone(params)
+    resumed = CAME(resumed_params, **kw)
+    resumed.load_state_dict(saved)
+    _run(opt, params, range(10, 25))
+    _run(resumed, resumed_params, range(10, 25))
+    _assert_same_state(opt, params, resumed, resumed_params)
+    assert opt.state[params[0]]["exp_avg"].dtype == kw.get("state_dtype", torch.float32)
+
+
+def test_loads_came_pytorch_state_dict_and_continues_like_it() -> None:
+    theirs_params = _params()
+    theirs = came_pytorch.CAME(theirs_params, **KW)
+    _run(theirs, theirs_params, range(10))
+    ours_params = _clone(theirs_params)
+    ours = CAME(ours_params, **KW)
+    ours.load_state_dict(copy.deepcopy(theirs.state_dict()))
+    assert "RMS" not in ours.state[ours_params[0]]
+    assert ours.param_groups[0]["bias_correction"] is False  # defaults filled in
+    _run(theirs, theirs_params, range(10, 40))
+    _run(ours, ours_params, range(10, 40))
+    for a, b in zip(theirs_params, ours_params, strict=True):
+        assert_verbose_allclose(b, a, atol=1e-6, rtol=1e-5)
+
+
+def test_came_pytorch_loads_our_state_dict_and_continues_like_us() -> None:
+    ours_params = _params()
+    ours = CAME(ours_params, **KW)
+    _run(ours, ours_params, range(10))
+    theirs_params = _clone(ours_params)
+    theirs = came_pytorch.CAME(theirs_params, **KW)
+    theirs.load_state_dict(copy.deepcopy(ours.state_dict()))
+    _run(theirs, theirs_params, range(10, 40))
+    _run(ours, ours_params, range(10, 40))
+    for a, b in zip(theirs_params, ours_params, strict=True):
+        assert_verbose_allclose(b, a, atol=1e-6, rtol=1e-5)
+
+
+def test_load_keeps_fp32_statistics_for_bf16_params() -> None:
+    params = _params(torch.bfloat16)
+    opt = CAME(params, lr=1e-3)
+    _run(opt, params, range(2))
+    other = CAME(_clone(params), lr=1e-3)
+    other.load_state_dict(opt.state_dict())  # torch's default would cast the state to bf16
+    for state in other.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                assert value.dtype == torch.float32
+
+
+def test_no_state_buffers_alias() -> None:
+    """ColossalAI's DistributedCAME aliases exp_avg_res_* to exp_avg_sq_* from step 2 on."""
+    params = _params()
+    opt = CAME(params, **KW)
+    _run(opt, params, range(3))
+    tensors = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    ptrs = [t.untyped_storage().data_ptr() for t in tensors + params]
+    assert len(ptrs) == len(set(ptrs))
+    state = opt.state[params[0]]
+    assert not torch.equal(state["exp_avg_res_row"], state["exp_avg_sq_row"])
+
+
+def test_vector_step_keeps_momentum_unscaled() -> None:
+    """came-pytorch 0.1.2 / pytorch_optimizer scale `exp_avg` by lr in place on the 1-D path."""
+    p = torch.zeros(8, requires_grad=True)
+    lr, beta1 = 0.5, 0.9
+    opt = CAME([p], lr=lr)
+    g = torch.linspace(-1, 1, 8)
+    expected_m = torch.zeros(8)
+    expected_p = torch.zeros(8)
+    v = torch.zeros(8)
+    for _ in range(3):
+        p.grad = g.clone()
+        opt.step()
+        v = 0.999 * v + 0.001 * (g * g + 1e-30)
+        u = g / v.sqrt()
+        u = u / max(1.0, u.square().mean().sqrt().item())
+        expected_m = beta1 * expected_m + (1 - beta1) * u
+        expected_p -= lr * expected_m
+        assert_verbose_allclose(opt.state[p]["exp_avg"], expected_m, atol=1e-7, rtol=1e-6)
+        assert_verbose_allclose(p, expected_p, atol=1e-7, rtol=1e-6)
+
+
+def test_params_without_grads_are_skipped() -> None:
+    params = _params()
+    frozen = params[0]
+    before = frozen.detach().clone()
+    opt = CAME(params, **KW)
+    for seed in range(3):
+        for p, g in zip(params[1:], _grads(seed)[1:], strict=True):
+            p.grad = g
+        opt.step()
+    assert frozen not in opt.state or len(opt.state[frozen]) == 0
+    assert torch.equal(frozen, before)
+    assert opt.state[params[1]]["step"] == 3
+
+
+def test_param_groups_use_their_own_options() -> None:
+    a, b = _params()[:2]
+    ref_a, ref_b = _clone([a, b])
+    opt = CAME([{"params": [a], "lr": 1e-3}, {"params": [b], "weight_decay": 0.5}], lr=2e-2)
+    single_a = CAME([ref_a], lr=1e-3)
+    single_b = CAME([ref_b], lr=2e-2, weight_decay=0.5)
+    for seed in range(5):
+        g = _grads(seed)
+        a.grad, ref_a.grad, b.grad, ref_b.grad = g[0], g[0].clone(), g[1], g[1].clone()
+        opt.step()
+        single_a.step()
+        single_b.step()
+    assert torch.equal(a, ref_a)
+    assert torch.equal(b, ref_b)
+
+
+def test_lr_schedule_is_followed_and_group_lr_is_never_written() -> None:
+    p = torch.randn(4, 4, requires_grad=True)
+    opt = CAME([p], lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: step / 4)  # lr 0 at step 0
+    before = p.detach().clone()
+    p.grad = torch.randn(4, 4)
+    opt.step()
+    assert torch.equal(p, before)  # lr = 0 is a valid (frozen) step
+    for _ in range(3):
+        sched.step()
+        opt.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 3 / 4)
+
+
+def test_step_makes_no_host_sync(monkeypatch) -> None:
+    """Every host-sync entry point of a tensor raises inside step()."""
+    params = _params()
+    opt = CAME(params, **KW, bias_correction=True, state_dtype=torch.bfloat16)
+    for p, g in zip(params, _grads(0), strict=True):
+        p.grad = g
+
+    def boom(*args, **kwargs):
+        raise AssertionError("host sync in step()")
+
+    for name in ("item", "__bool__", "__float__", "__int__", "tolist", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    opt.step()
+    opt.step()
+
+
+def test_closure_is_called_with_grad_enabled() -> None:
+    p = torch.randn(3, 3, requires_grad=True)
+    opt = CAME([p], lr=1e-3)
+
+    def closure():
+        opt.zero_grad()
+        loss = (p**2).sum()
+        loss.backward()
+        return loss
+
+    assert opt.step(closure) is not None
+    assert p.grad is not None
+
+
+def test_empty_and_zero_dim_params() -> None:
+    params = [torch.zeros(0, 4, requires_grad=True), torch.tensor(1.5, requires_grad=True)]
+    opt = CAME(params, lr=1e-2)
+    params[0].grad = torch.zeros(0, 4)
+    params[1].grad = torch.tensor(0.3)
+    opt.step()
+    assert params[1].item() < 1.5
+
+
+def test_zero_gradients_give_no_nan() -> None:
+    params = _params()
+    opt = CAME(params, lr=1e-2)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    for p in params:
+        assert torch.isfinite(p).all()
+
+
+BAD_ARGS = [
+    ({"lr": None}, TypeError, "`lr` is required"),
+    ({"lr": -1.0}, ValueError, "`lr` (-1.0)"),
+    ({"lr": "1e-3"}, TypeError, "`lr`"),
+    ({"eps": (1e-30,)}, TypeError, "`eps`"),
+    ({"eps": (-1.0, 1e-16)}, ValueError, "`eps[0]` (-1.0)"),
+    ({"eps": (1e-30, -2.0)}, ValueError, "`eps[1]` (-2.0)"),
+    ({"clip_threshold": 0.0}, ValueError, "`clip_threshold` (0.0)"),
+    ({"betas": (0.9, 0.999)}, TypeError, "`betas`"),
+    ({"betas": (1.0, 0.999, 0.9999)}, ValueError, "`betas[0]` (1.0)"),
+    ({"betas": (0.9, 0.999, float("nan"))}, ValueError, "`betas[2]`"),
+    ({"weight_decay": -0.1}, ValueError, "`weight_decay` (-0.1)"),
+    ({"bias_correction": 1}, TypeError, "`bias_correction`"),
+    ({"instability_init": -1.0}, ValueError, "`instability_init` (-1.0)"),
+    ({"state_dtype": torch.float16}, TypeError, "`state_dtype` (torch.float16)"),
+    ({"stochastic_rounding": "yes"}, TypeError, "`stochastic_rounding`"),
+    ({"backend": "cuda"}, ValueError, "`backend` ('cuda')"),
+]
+
+
+@pytest.mark.parametrize(("kw", "exc", "match"), BAD_ARGS, ids=[str(k) for k, _, _ in BAD_ARGS])
+def test_bad_arguments_raise_naming_the_argument(kw, exc, match) -> None:
+    with pytest.raises(exc) as info:
+        CAME([torch.randn(2, 2, requires_grad=True)], **{"lr": 1e-3, **kw})
+    assert match in str(info.value)
+
+
+def test_lr_is_required() -> None:
+    with pytest.raises(TypeError):
+        CAME([torch.randn(2, requires_grad=True)])  # type: ignore[call-arg]
+
+
+def test_bad_param_group_option_raises() -> None:
+    opt = CAME([torch.randn(2, requires_grad=True)], lr=1e-3)
+    with pytest.raises(ValueError, match=r"`betas\[1\]` \(2.0\)"):
+        opt.add_param_group(
+            {"params": [torch.randn(2, requires_grad=True)], "betas": (0.9, 2.0, 0.9)}
+        )
+
+
+def test_complex_params_rejected() -> None:
+    with pytest.raises(TypeError, match="complex"):
+        CAME([torch.randn(2, dtype=torch.complex64, requires_grad=True)], lr=1e-3)
+
+
+def test_bf16_first_moment_halves_its_bytes_and_tracks_fp32() -> None:
+    ref_params, params = _params(), _params()
+    ref = CAME(ref_params, lr=1e-2)
+    opt = CAME(params, lr=1e-2, state_dtype=torch.bfloat16)
+    _run(ref, ref_params, range(30))
+    _run(opt, params, range(30))
+    for p in params:
+        state = opt.state[p]
+        assert state["exp_avg"].dtype == torch.bfloat16
+        for key in ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_res_row", "exp_avg_sq"):
+            if key in state:
+                assert state[key].dtype == torch.float32
+    for a, b in zip(params, ref_params, strict=True):
+        # bf16 rounds m to 8 bits each step (relative 2^-9): the trajectories stay close
+        assert_verbose_allclose(a, b, atol=2e-2, rtol=2e-2)
+
+
+def _one_step(p0: torch.Tensor, g: torch.Tensor, **kw) -> torch.Tensor:
+    p = p0.clone().requires_grad_()
+    opt = CAME([p], lr=1e-5, instability_init=1.0, **kw)
+    p.grad = g.to(p.dtype)
+    opt.step()
+    return p.detach()
+
+
+def test_stochastic_rounding_keeps_sub_ulp_updates_in_expectation() -> None:
+    gen = torch.Generator().manual_seed(0)
+    p0 = (1.0 + torch.rand(32, 48, generator=gen)).bfloat16()  # values in [1, 2): ulp 2^-7
+    g = torch.randn(32, 48, generator=gen).bfloat16().float()
+    exact = _one_step(p0.float(), g)
+    assert (exact - p0.float()).abs().max() < 2**-8  # every update is below half an ulp
+    assert torch.equal(_one_step(p0, g), p0)  # round-to-nearest loses them all
+    trials = 300
+    sr = torch.stack([_one_step(p0, g, stochastic_rounding=True).float() for _ in range(trials)])
+    # each rounding error has variance <= ulp²/4: the mean's std <= ulp / (2 sqrt(trials))
+    bound = 6 * 2**-7 / (2 * trials**0.5)
+    assert (sr.mean(0) - exact).abs().max() < bound
