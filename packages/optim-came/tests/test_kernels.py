@@ -1,0 +1,178 @@
+"""Triton kernels vs their PyTorch references, and the fused optimizer vs the PyTorch path.
+
+Interpreter tests (`interpreter`) run small shapes on CPU with TRITON_INTERPRET=1; `gpu` tests run
+real sizes on CUDA. Tolerances: fp32 sums in a different (tile-wise) order differ by a few ulp
+(rtol 1e-5); over many optimizer steps they compound like the reordering in test_parity.py.
+"""
+
+import pytest
+import torch
+
+from leanlm_testing import assert_verbose_allclose
+from optim_came import CAME, _kernels
+
+pytestmark = pytest.mark.skipif(not _kernels.HAS_TRITON, reason="triton is not installed")
+
+SHAPES = {"pow2": (16, 64), "odd": (13, 7), "tail_batch": (3, 37, 50), "tiny": (1, 1)}
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _skip_without_backend() -> None:
+    if not _kernels.available(torch.device(_device())):
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+
+
+def _as_3d(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-2], t.shape[-1])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("m_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+def test_momentum_kernel_matches_reference(shape_name, dtype, m_dtype) -> None:
+    _skip_without_backend()
+    dev = _device()
+    g3 = _as_3d(torch.randn(SHAPES[shape_name], device=dev).to(dtype))
+    b, n, m = g3.shape
+    blocks = -(-n // _kernels.BLOCK_N)
+    mom = torch.randn(b, n, m, device=dev).to(m_dtype)
+    rs, cf = torch.rand(b, n, device=dev) + 0.5, torch.rand(b, m, device=dev) + 0.5
+    ref_m = mom.clone()
+    rowsum = torch.zeros(b, n, device=dev)
+    colpart = torch.zeros(b, blocks, m, device=dev)
+    _kernels._momentum_kernel[(b, blocks)](
+        g3, mom, rs, cf, rowsum, colpart, 0.9, n, m, blocks,
+        BLOCK_N=_kernels.BLOCK_N, BLOCK_M=_kernels.BLOCK_M,
+    )  # fmt: skip
+    ref_row, ref_col = _kernels.momentum_reference(g3, ref_m, rs, cf, 0.9)
+    # bf16 m: the interpreter truncates f32->bf16 casts, torch rounds: one bf16 ulp apart
+    tol = 1e-5 if m_dtype == torch.float32 else 2**-7
+    assert_verbose_allclose(mom.float(), ref_m.float(), atol=1e-6, rtol=tol, name="m")
+    assert_verbose_allclose(rowsum, ref_row, atol=1e-6, rtol=1e-5, name="d² row sums")
+    assert_verbose_allclose(colpart.sum(1), ref_col, atol=1e-6, rtol=1e-5, name="d² col sums")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("decay", [1.0, 0.99])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+def test_apply_kernel_matches_reference(shape_name, dtype, decay) -> None:
+    _skip_without_backend()
+    dev = _device()
+    p3 = _as_3d(torch.randn(SHAPES[shape_name], device=dev).to(dtype))
+    b, n, m = p3.shape
+    blocks = -(-n // _kernels.BLOCK_N)
+    mom = torch.randn(b, n, m, device=dev)
+    rrs, cr = torch.randn(b, n, device=dev) * 1e-2, torch.rand(b, m, device=dev) + 0.5
+    ref = p3.clone()
+    _kernels._apply_kernel[(b, blocks)](
+        p3, mom, rrs, cr, decay, 0, n, m, HAS_DECAY=decay != 1.0, SR=False,
+        BLOCK_N=_kernels.BLOCK_N, BLOCK_M=_kernels.BLOCK_M,
+    )  # fmt: skip
+    _kernels.apply_reference(ref, mom, rrs, cr, decay)
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    assert_verbose_allclose(p3.float(), ref.float(), atol=1e-6, rtol=tol, name="p")
+
+
+@pytest.mark.interpreter
+def test_apply_kernel_stochastic_rounding_is_unbiased() -> None:
+    _skip_without_backend()
+    dev = _device()
+    n, m = 64, 64
+    p = torch.ones(1, n, m, device=dev, dtype=torch.bfloat16)  # ulp above 1.0: 2^-7
+    mom = torch.ones(1, n, m, device=dev)
+    rrs, cr = torch.full((1, n), 1e-3, device=dev), torch.ones(1, m, device=dev)
+    _kernels._apply_kernel[(1, n // _kernels.BLOCK_N)](
+        p, mom, rrs, cr, 1.0, 1234, n, m, HAS_DECAY=False, SR=True,
+        BLOCK_N=_kernels.BLOCK_N, BLOCK_M=_kernels.BLOCK_M,
+    )  # fmt: skip
+    exact = 1.0 - 1e-3  # below half an ulp under 1.0 (2^-9): round-to-nearest gives 1.0
+    values = p.float()
+    assert set(values.unique().tolist()) <= {1.0, 1.0 - 2**-8}
+    # 4096 Bernoulli draws: the mean's std <= 2^-8 / (2·64); allow 6 sigma
+    assert abs(values.mean().item() - exact) < 6 * 2**-8 / 128
+
+
+CONFIGS = {
+    "default": {},
+    "extras": {"weight_decay": 0.1, "bias_correction": True, "instability_init": 1.0},
+    "bf16_state": {"state_dtype": torch.bfloat16},
+}
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_fused_optimizer_matches_torch_path(config: str) -> None:
+    _skip_without_backend()
+    dev = _device()
+    shapes = [(13, 7), (2, 17, 9), (5,)]
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen).to(dev) for s in shapes]
+    fused = [t.clone().requires_grad_() for t in init]
+    eager = [t.clone().requires_grad_() for t in init]
+    kw = {"lr": 1e-2, **CONFIGS[config]}
+    opt_f, opt_e = CAME(fused, backend="triton", **kw), CAME(eager, backend="torch", **kw)
+    for _ in range(8):
+        for a, b in zip(fused, eager, strict=True):
+            g = torch.randn(a.shape, generator=gen).to(dev)
+            a.grad, b.grad = g, g.clone()
+        opt_f.step()
+        opt_e.step()
+    # bf16 m: the interpreter truncates f32->bf16 stores where torch rounds to nearest, a bias
+    # of up to 1 ulp (2^-8 relative) per step that the momentum accumulates over ~1/(1-β1) steps
+    tol = 1e-5 if config != "bf16_state" else 3e-2
+    for a, b in zip(fused, eager, strict=True):
+        scale = b.abs().max().item()
+        assert_verbose_allclose(a, b, atol=tol * scale, rtol=tol, name=f"{config} {a.shape}")
+        for key, value in opt_e.state[b].items():
+            if isinstance(value, torch.Tensor):
+                other = opt_f.state[a][key]
+                assert other.dtype == value.dtype
+                s = value.float().abs().max().item()
+                assert_verbose_allclose(other.float(), value.float(), atol=tol * s, rtol=tol)
+
+
+@pytest.mark.interpreter
+def test_fused_bf16_params_with_stochastic_rounding_stay_close() -> None:
+    _skip_without_backend()
+    dev = _device()
+    gen = torch.Generator().manual_seed(0)
+    init = torch.randn(16, 24, generator=gen).to(dev)
+    fused = init.bfloat16().requires_grad_()
+    eager = init.bfloat16().float().requires_grad_()
+    opt_f = CAME([fused], lr=1e-3, backend="triton", stochastic_rounding=True)
+    opt_e = CAME([eager], lr=1e-3, backend="torch")
+    for _ in range(5):
+        g = torch.randn(16, 24, generator=gen).to(dev)
+        fused.grad, eager.grad = g.bfloat16(), g.bfloat16().float()
+        opt_f.step()
+        opt_e.step()
+    assert fused.dtype == torch.bfloat16
+    # each step rounds to a bf16 neighbour (error < 1 ulp ≈ 2^-7 relative), 5 steps
+    assert_verbose_allclose(fused.float(), eager, atol=1e-2, rtol=5 * 2**-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_matches_torch_path_at_real_sizes(dtype) -> None:
+    shapes = [(4096, 1024), (1024, 2816), (32000, 512), (3, 1024, 1000), (4096,)]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    init = [torch.randn(s, device="cuda", generator=gen).to(dtype) for s in shapes]
+    fused = [t.clone().requires_grad_() for t in init]
+    eager = [t.clone().requires_grad_() for t in init]
+    opt_f = CAME(fused, lr=1e-3, weight_decay=0.1, backend="triton")
+    opt_e = CAME(eager, lr=1e-3, weight_decay=0.1, backend="torch")
+    for _ in range(10):
+        for a, b in zip(fused, eager, strict=True):
+            g = torch.randn(a.shape, device="cuda", generator=gen).to(dtype)
+            a.grad, b.grad = g, g.clone()
+        opt_f.step()
+        opt_e.step()
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    for a, b in zip(fused, eager, strict=True):
+        scale = b.float().abs().max().item()
+        assert_verbose_allclose(a.float(), b.float(), atol=tol * scale, rtol=tol)
