@@ -1,6 +1,7 @@
 """shard-zero: ZeRO stages 1-3 on torch.distributed, exact for factored optimizers."""
 
 from shard_zero._api import prepare
+from shard_zero._checkpoint import load_checkpoint, save_checkpoint
 from shard_zero._config import ZeroConfig
 from shard_zero._layout import RowShardInfo
 from shard_zero._optimizer import ZeroOptimizer
@@ -11,6 +12,8 @@ __all__ = [
     "ZeroConfig",
     "ZeroOptimizer",
     "full_state_dict",
+    "load_checkpoint",
     "memory_stats",
     "prepare",
+    "save_checkpoint",
 ]
