@@ -152,7 +152,7 @@ def _reslice(e: Entry, pieces: list[dict[str, Any]], key: str) -> torch.Tensor:
 
 
 def _reslice_state(e: Entry, pieces: list[dict[str, Any]], key: str) -> torch.Tensor:
-    values = [p["state"][key] for p in pieces]
+    values: list[torch.Tensor] = [p["state"][key] for p in pieces]
     rows = [p["rows"][1] - p["rows"][0] for p in pieces]
     if all(v.shape == p["master"].shape for v, p in zip(values, pieces, strict=True)):
         return torch.cat(values, dim=0)[e.start : e.end]
