@@ -1,0 +1,27 @@
+"""sparse_kernels: sparse LLM training and compression for PyTorch."""
+
+from sparse_kernels.config import SparsityConfig
+from sparse_kernels.masks import block_mask, nm_mask, unstructured_mask
+from sparse_kernels.sparsify import (
+    apply_mask_,
+    get_mask,
+    masks,
+    remove_masks_,
+    select_targets,
+    sparsify_,
+    sparsity_report,
+)
+
+__all__ = [
+    "SparsityConfig",
+    "apply_mask_",
+    "block_mask",
+    "get_mask",
+    "masks",
+    "nm_mask",
+    "remove_masks_",
+    "select_targets",
+    "sparsify_",
+    "sparsity_report",
+    "unstructured_mask",
+]

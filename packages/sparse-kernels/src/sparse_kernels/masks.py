@@ -1,0 +1,135 @@
+"""Masks from scores: unstructured, N:M and block. `True` = kept weight.
+
+Every function takes a score tensor of a Linear weight's shape `(out_features, in_features)`
+(larger = more important) and returns a boolean mask of that shape. Counts are exact: an
+unstructured or block mask prunes exactly `round(sparsity * units)` units (elements or tiles);
+an N:M mask keeps exactly `n` in every group of `m` consecutive input features.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sparse_kernels.config import Pattern, SparsityConfig
+
+
+def _prune_lowest(scores: Tensor, k: int) -> Tensor:
+    """Mask of a 1-D score vector with its `k` lowest entries set to False."""
+    mask = torch.ones_like(scores, dtype=torch.bool)
+    if k > 0:
+        mask[torch.topk(scores, k, largest=False, sorted=False).indices] = False
+    return mask
+
+
+def unstructured_mask(scores: Tensor, sparsity: float, *, per_row: bool = False) -> Tensor:
+    """Prune the `round(sparsity · numel)` lowest scores (per row: `round(sparsity · cols)`).
+
+    Args:
+        scores: (out, in) importance scores.
+        sparsity: fraction of zeros in [0, 1).
+        per_row: rank within each output row instead of over the whole tensor.
+    """
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"`sparsity` ({sparsity}) must be in [0, 1)")
+    s = scores.detach().float()
+    if not per_row or s.dim() < 2:
+        return _prune_lowest(s.flatten(), round(sparsity * s.numel())).view_as(s)
+    rows = s.reshape(s.shape[0], -1)
+    k = round(sparsity * rows.shape[1])
+    mask = torch.ones_like(rows, dtype=torch.bool)
+    if k > 0:
+        idx = torch.topk(rows, k, dim=1, largest=False, sorted=False).indices
+        mask.scatter_(1, idx, False)
+    return mask.view_as(s)
+
+
+def nm_mask(scores: Tensor, n: int, m: int) -> Tensor:
+    """Keep the `n` largest scores in every group of `m` consecutive entries of each row.
+
+    Args:
+        scores: (out, in) importance scores; `in` must be a multiple of `m`.
+        n: weights kept per group (0 < n < m).
+        m: group size along the last (input) dimension.
+    """
+    if not 0 < n < m:
+        raise ValueError(f"`n` ({n}) must satisfy 0 < n < `m` ({m}) for N:M sparsity")
+    s = scores.detach().float()
+    cols = s.shape[-1]
+    if cols % m:
+        raise ValueError(
+            f"the last dimension ({cols}) must be a multiple of `m` ({m}) for {n}:{m} sparsity"
+        )
+    groups = s.reshape(-1, cols // m, m)
+    keep = torch.topk(groups, n, dim=-1, sorted=False).indices
+    mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, keep, True)
+    return mask.view_as(s)
+
+
+def block_scores(scores: Tensor, block_size: int) -> Tensor:
+    """Mean score of each `block_size x block_size` tile; (ceil(out/b), ceil(in/b)).
+
+    Edge tiles of a shape that is not a multiple of `block_size` average their real entries.
+    """
+    s = scores.detach().float()
+    rows, cols = s.shape
+    rb, cb = -(-rows // block_size), -(-cols // block_size)
+    pad = (0, cb * block_size - cols, 0, rb * block_size - rows)
+    total = torch.nn.functional.pad(s, pad).view(rb, block_size, cb, block_size).sum((1, 3))
+    ones = torch.nn.functional.pad(torch.ones_like(s), pad)
+    count = ones.view(rb, block_size, cb, block_size).sum((1, 3))
+    return total / count
+
+
+def expand_blocks(
+    block_mask: Tensor, block_size: int, shape: torch.Size | tuple[int, ...]
+) -> Tensor:
+    """Element mask of `shape` from a (row-blocks, col-blocks) tile mask."""
+    full = block_mask.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
+    return full[: shape[0], : shape[1]].contiguous()
+
+
+def block_mask(scores: Tensor, block_size: int, sparsity: float) -> Tensor:
+    """Prune the `round(sparsity · tiles)` tiles with the lowest mean score.
+
+    Args:
+        scores: (out, in) importance scores (any shape; edge tiles may be partial).
+        block_size: tile edge.
+        sparsity: fraction of tiles pruned, in [0, 1).
+    """
+    if scores.dim() != 2:
+        raise ValueError(f"block sparsity needs a 2-D weight, got shape {tuple(scores.shape)}")
+    if block_size < 1:
+        raise ValueError(f"`block_size` ({block_size}) must be >= 1")
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"`sparsity` ({sparsity}) must be in [0, 1)")
+    tiles = block_scores(scores, block_size)
+    keep = _prune_lowest(tiles.flatten(), round(sparsity * tiles.numel())).view_as(tiles)
+    return expand_blocks(keep, block_size, scores.shape)
+
+
+def mask_from_scores(
+    scores: Tensor,
+    pattern: Pattern,
+    *,
+    sparsity: float,
+    block_size: int = 64,
+    per_row: bool = False,
+) -> Tensor:
+    """Dispatch to the mask function of `pattern` (sparsity is ignored for N:M)."""
+    if pattern.kind == "nm":
+        return nm_mask(scores, pattern.n, pattern.m)
+    if pattern.kind == "block":
+        return block_mask(scores, block_size, sparsity)
+    return unstructured_mask(scores, sparsity, per_row=per_row)
+
+
+def mask_for_config(scores: Tensor, config: SparsityConfig) -> Tensor:
+    """The mask `config` selects from `scores`."""
+    return mask_from_scores(
+        scores,
+        config.parsed,
+        sparsity=config.sparsity,
+        block_size=config.block_size,
+        per_row=config.granularity == "row",
+    )

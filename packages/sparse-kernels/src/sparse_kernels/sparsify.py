@@ -1,0 +1,213 @@
+"""`sparsify_`: prune a model's Linear layers in place and keep them pruned.
+
+A mask is attached to `linear.weight` as a `torch.nn.utils.parametrize` parametrization: the
+trainable tensor becomes `linear.parametrizations.weight.original` and every read of
+`linear.weight` returns `original * mask`. The module is still an `nn.Linear` (same call, same
+shapes, bias kept). Because the effective weight is a product with a fixed 0/1 mask:
+
+* it is exactly zero outside the mask whatever an optimizer does to `original` (weight decay,
+  momentum, Adam moments: none of them can leak into the effective weight);
+* the gradient of `original` is zero outside the mask;
+* `state_dict()` holds `original` and the mask buffer, so save -> load into a sparsified model
+  restores both (`export.py` writes plain HF checkpoints with the mask baked in).
+
+`original` is also zeroed outside the mask when the mask is applied, so it starts consistent.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from sparse_kernels.calibration import collect_input_stats
+from sparse_kernels.config import SparsityConfig
+from sparse_kernels.masks import mask_for_config
+from sparse_kernels.sparsegpt import sparsegpt_prune
+
+
+class WeightMask(nn.Module):
+    """Parametrization `W -> W * mask` with a boolean `mask` buffer (saved in state_dict)."""
+
+    mask: Tensor
+
+    def __init__(self, mask: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("mask", mask.to(torch.bool))
+
+    def forward(self, weight: Tensor) -> Tensor:
+        """The masked weight (zeros outside the mask)."""
+        return weight * self.mask
+
+
+def stored_weight(linear: nn.Module) -> Tensor:
+    """The trainable tensor behind `linear.weight` (`original` when parametrized)."""
+    if parametrize.is_parametrized(linear, "weight"):
+        plist: Any = getattr(linear, "parametrizations")["weight"]  # noqa: B009
+        original: Tensor = plist.original
+        return original
+    weight = linear.weight
+    assert isinstance(weight, Tensor)
+    return weight
+
+
+def _mask_module(linear: nn.Module) -> WeightMask | None:
+    if not parametrize.is_parametrized(linear, "weight"):
+        return None
+    plist: Any = getattr(linear, "parametrizations")["weight"]  # noqa: B009
+    for p in plist:
+        if isinstance(p, WeightMask):
+            return p
+    return None
+
+
+def _in_module_list(model: nn.Module) -> set[str]:
+    names: set[str] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            for child_name, _ in module.named_modules():
+                if child_name:
+                    names.add(f"{name}.{child_name}" if name else child_name)
+    return names
+
+
+def select_targets(model: nn.Module, targets: Iterable[str] | None = None) -> dict[str, nn.Linear]:
+    """The `nn.Linear` modules `sparsify_` prunes, by qualified name.
+
+    Args:
+        model: any module.
+        targets: regexes matched with `re.search` against qualified names; `None` selects
+            every Linear inside an `nn.ModuleList` (the decoder blocks of HF models), which
+            never includes embeddings or `lm_head`.
+    """
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if targets is None:
+        inside = _in_module_list(model)
+        return {n: m for n, m in linears.items() if n in inside}
+    patterns = [re.compile(t) for t in targets]
+    return {n: m for n, m in linears.items() if any(p.search(n) for p in patterns)}
+
+
+@torch.no_grad()
+def apply_mask_(linear: nn.Linear, mask: Tensor) -> None:
+    """Attach (or replace) the weight mask of `linear`; zeroes the stored weight outside it.
+
+    Raises:
+        ValueError: if `mask` does not have the weight's shape.
+    """
+    mod = _mask_module(linear)
+    shape = (linear.out_features, linear.in_features)
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"`mask` shape {tuple(mask.shape)} must equal the weight's {shape}")
+    mask = mask.to(device=linear.weight.device, dtype=torch.bool)
+    if mod is None:
+        parametrize.register_parametrization(linear, "weight", WeightMask(mask))
+        mod = _mask_module(linear)
+        assert mod is not None
+    else:
+        mod.mask.copy_(mask)
+    stored_weight(linear).mul_(mod.mask)
+
+
+def get_mask(linear: nn.Module) -> Tensor | None:
+    """The boolean mask attached by `apply_mask_` / `sparsify_`, or None."""
+    mod = _mask_module(linear)
+    return None if mod is None else mod.mask
+
+
+def masks(model: nn.Module) -> dict[str, Tensor]:
+    """Qualified name -> mask of every masked Linear in `model`."""
+    out = {}
+    for name, module in model.named_modules():
+        mask = get_mask(module)
+        if mask is not None:
+            out[name] = mask
+    return out
+
+
+def remove_masks_(model: nn.Module) -> None:
+    """Bake the masks in (weights keep their zeros) and drop the parametrizations.
+
+    The `weight` Parameter object is kept (`parametrize` reuses `original`), so an optimizer
+    built on the sparsified model keeps working: training continues dense.
+    """
+    for module in model.modules():
+        if _mask_module(module) is not None:
+            parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+
+
+def sparsity_report(model: nn.Module) -> dict[str, float]:
+    """Qualified name -> fraction of zeros of the effective weight, for every masked Linear."""
+    out = {}
+    for name, module in model.named_modules():
+        if get_mask(module) is not None:
+            w = module.weight
+            assert isinstance(w, Tensor)
+            out[name] = float((w == 0).float().mean())
+    return out
+
+
+@torch.no_grad()
+def sparsify_(
+    model: nn.Module,
+    config: SparsityConfig,
+    *,
+    calibration: Iterable[Mapping[str, Any]] | None = None,
+) -> dict[str, Tensor]:
+    """Prune the targeted Linear layers of `model` in place and keep them pruned.
+
+    Args:
+        model: e.g. a Hugging Face causal LM.
+        config: pattern, sparsity, method, targets.
+        calibration: iterable of dicts of model kwargs (`input_ids`, optional
+            `attention_mask`); required by `wanda` and `sparsegpt`. All batches are run
+            through the dense model once (one-shot, not layer-sequential).
+
+    Returns:
+        Qualified name -> boolean mask (True = kept) of every pruned Linear.
+
+    Raises:
+        ValueError: if no module is targeted, or calibration is missing for wanda/sparsegpt.
+    """
+    modules = select_targets(model, config.targets)
+    if not modules:
+        raise ValueError(
+            f"no nn.Linear matched `targets` ({config.targets!r}); pass regexes on module names"
+        )
+    stats = None
+    if config.method in ("wanda", "sparsegpt"):
+        if calibration is None:
+            raise ValueError(f"method {config.method!r} needs `calibration` batches")
+        stats = collect_input_stats(
+            model, modules, calibration, hessian=config.method == "sparsegpt"
+        )
+    out = {}
+    for name, linear in modules.items():
+        weight = linear.weight.detach()
+        if config.method == "magnitude":
+            mask = mask_for_config(weight.abs(), config)
+        elif config.method == "wanda":
+            assert stats is not None
+            sumsq = stats[name].sumsq
+            assert sumsq is not None
+            norms = sumsq.to(weight.device).sqrt()
+            mask = mask_for_config(weight.abs().float() * norms[None, :], config)
+        else:
+            assert stats is not None
+            new_weight, mask = sparsegpt_prune(
+                weight,
+                stats[name].hessian().to(weight.device),
+                config.parsed,
+                sparsity=config.sparsity,
+                block_size=config.block_size,
+                blocksize=config.sparsegpt_block,
+                dampening=config.dampening,
+            )
+            stored_weight(linear).copy_(new_weight)
+        apply_mask_(linear, mask)
+        out[name] = mask
+    return out

@@ -1,0 +1,200 @@
+"""sparsify_: targets, methods (magnitude, Wanda, SparseGPT) and masks that hold."""
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from leanlm_testing.models import random_batches, tiny_llama
+from sparse_kernels import (
+    SparsityConfig,
+    apply_mask_,
+    get_mask,
+    masks,
+    remove_masks_,
+    select_targets,
+    sparsify_,
+    sparsity_report,
+)
+
+
+def test_default_targets_are_decoder_linears_only():
+    model = tiny_llama()
+    names = list(select_targets(model))
+    assert len(names) == 2 * 7
+    assert all(n.startswith("model.layers.") for n in names)
+    assert "lm_head" not in names
+    only_mlp = select_targets(model, [r"mlp\."])
+    assert len(only_mlp) == 2 * 3
+
+
+@pytest.mark.parametrize("method", ["magnitude", "wanda", "sparsegpt"])
+@pytest.mark.parametrize("pattern", ["2:4", "4:8", "unstructured", "block"])
+def test_tiny_llama_sparsified_runs_and_pattern_holds(pattern, method):
+    model = tiny_llama()
+    batches = random_batches(256, batches=2)
+    config = SparsityConfig(pattern=pattern, method=method, sparsity=0.6, block_size=16)
+    out = sparsify_(model, config, calibration=batches)
+    assert set(out) == set(select_targets(model))
+    logits = model(**batches[0]).logits
+    assert logits.shape == (2, 16, 256)
+    assert torch.isfinite(logits).all()
+    for name, module in select_targets(model).items():
+        w = module.weight
+        assert isinstance(module, nn.Linear)
+        assert (w[~out[name]] == 0).all(), name
+        if pattern in ("2:4", "4:8"):
+            n, m = map(int, pattern.split(":"))
+            nz = (w != 0).view(w.shape[0], -1, m).sum(-1)
+            assert (nz <= n).all()  # exactly n kept; a kept weight may itself be 0
+            assert (out[name].view(w.shape[0], -1, m).sum(-1) == n).all()
+        else:
+            assert int((~out[name]).sum()) > 0
+    # embeddings and lm_head untouched
+    assert get_mask(model.lm_head) is None
+
+
+def test_wanda_picks_by_weight_times_input_norm():
+    # weight row [1, 2, 3, 4]; inputs scale feature j by [10, 1, 1, 0.1]:
+    # scores |W|·‖X_j‖ ∝ [10, 2, 3, 0.4] -> 2:4 keeps features 0 and 2 (magnitude: 2 and 3).
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(4, 1, bias=False)])
+
+        def forward(self, x):
+            return self.blocks[0](x)
+
+    net = Net()
+    with torch.no_grad():
+        net.blocks[0].weight.copy_(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+    scale = torch.tensor([10.0, 1.0, 1.0, 0.1])
+    batches = [{"x": torch.randn(64, 4) * scale} for _ in range(2)]
+    m = sparsify_(net, SparsityConfig(pattern="2:4", method="wanda"), calibration=batches)
+    assert m["blocks.0"].tolist() == [[True, False, True, False]]
+    net2 = Net()
+    with torch.no_grad():
+        net2.blocks[0].weight.copy_(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+    m2 = sparsify_(net2, SparsityConfig(pattern="2:4", method="magnitude"))
+    assert m2["blocks.0"].tolist() == [[False, False, True, True]]
+
+
+def _correlated_layer(seed: int = 0, rows: int = 48, cols: int = 64, tokens: int = 512):
+    gen = torch.Generator().manual_seed(seed)
+    mix = torch.randn(cols, cols, generator=gen) / cols**0.5
+    scales = torch.logspace(-1, 1, cols)[torch.randperm(cols, generator=gen)]
+    x = (torch.randn(tokens, cols, generator=gen) @ mix) * scales + 0.5 * torch.randn(
+        cols, generator=gen
+    )
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(cols, rows)])
+
+        def forward(self, x):
+            return self.blocks[0](x)
+
+    torch.manual_seed(seed)
+    return Net(), [{"x": x[i : i + 128]} for i in range(0, tokens, 128)], x
+
+
+@pytest.mark.parametrize("pattern", ["2:4", "unstructured", "block"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sparsegpt_and_wanda_beat_magnitude_on_output_error(pattern, seed):
+    errs = {}
+    for method in ["magnitude", "wanda", "sparsegpt"]:
+        net, batches, x = _correlated_layer(seed)
+        ref = net(x).detach()
+        cfg = SparsityConfig(pattern=pattern, method=method, sparsity=0.5, block_size=8)
+        sparsify_(net, cfg, calibration=batches)
+        errs[method] = float((net(x).detach() - ref).square().mean())
+    assert errs["sparsegpt"] < errs["wanda"] < errs["magnitude"], errs
+
+
+def _train(model, opt, batches, steps):
+    for step in range(steps):
+        batch = batches[step % len(batches)]
+        loss = model(**batch, labels=batch["input_ids"]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+        lambda p: torch.optim.SGD(p, lr=1e-1, momentum=0.9, weight_decay=0.01),
+        lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1),
+    ],
+    ids=["adamw", "sgd_momentum", "adam_l2"],
+)
+def test_masks_hold_through_optimizer_steps_and_state_dict(make_opt, tmp_path):
+    model = tiny_llama().train()
+    batches = random_batches(256, batches=2)
+    out = sparsify_(model, SparsityConfig(pattern="2:4"))
+    before = {n: m.weight.detach().clone() for n, m in select_targets(model).items()}
+    opt = make_opt(model.parameters())
+    _train(model, opt, batches, 5)
+    for name, module in select_targets(model).items():
+        w = module.weight.detach()
+        assert (w[~out[name]] == 0).all()
+        assert not torch.equal(w, before[name])  # it did train
+        assert (module.parametrizations.weight.original.grad[~out[name]] == 0).all()
+    # save -> load into a freshly sparsified model: same masks, same outputs
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    fresh = tiny_llama(seed=1)
+    sparsify_(fresh, SparsityConfig(pattern="unstructured", sparsity=0.3))
+    fresh.load_state_dict(torch.load(buf))
+    for name, mask in masks(fresh).items():
+        assert torch.equal(mask, out[name])
+    model.eval()
+    fresh.eval()
+    torch.testing.assert_close(
+        fresh(**batches[0]).logits, model(**batches[0]).logits, atol=0, rtol=0
+    )
+    # and it keeps holding after loading and training on
+    opt = make_opt(fresh.parameters())
+    _train(fresh.train(), opt, batches, 2)
+    for name, module in select_targets(fresh).items():
+        assert (module.weight.detach()[~out[name]] == 0).all()
+
+
+def test_remove_masks_keeps_zeros_and_parameter_identity():
+    model = tiny_llama()
+    sparsify_(model, SparsityConfig(pattern="unstructured", sparsity=0.7))
+    lin = model.model.layers[0].mlp.up_proj
+    original = lin.parametrizations.weight.original
+    report = sparsity_report(model)
+    assert all(abs(v - 0.7) < 1e-3 for v in report.values())
+    remove_masks_(model)
+    assert isinstance(lin.weight, nn.Parameter)
+    assert lin.weight is original
+    assert abs(float((lin.weight == 0).float().mean()) - 0.7) < 1e-3
+    assert masks(model) == {}
+
+
+def test_apply_mask_validates_shape_and_replaces():
+    lin = nn.Linear(8, 4)
+    with pytest.raises(ValueError, match="shape"):
+        apply_mask_(lin, torch.ones(8, 4, dtype=torch.bool))
+    m1 = torch.rand(4, 8) > 0.5
+    apply_mask_(lin, m1)
+    m2 = torch.rand(4, 8) > 0.5
+    apply_mask_(lin, m2)
+    assert torch.equal(get_mask(lin), m2)
+    assert (lin.weight[~(m1 & m2)] == 0).all()
+
+
+def test_errors_name_the_problem():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="calibration"):
+        sparsify_(model, SparsityConfig(method="wanda"))
+    with pytest.raises(ValueError, match="targets"):
+        sparsify_(model, SparsityConfig(targets=["nothing_matches"]))
+    with pytest.raises(ValueError, match="no batch"):
+        sparsify_(model, SparsityConfig(method="wanda"), calibration=[])
