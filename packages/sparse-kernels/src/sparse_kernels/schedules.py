@@ -1,0 +1,202 @@
+"""Sparsity schedules: objects the training loop calls once per optimizer step.
+
+```python
+schedule = GradualPruning(model, final_sparsity=0.9, start_step=0, end_step=1000, frequency=50)
+for batch in loader:
+    loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    schedule.step()
+```
+
+* `GradualPruning`: Zhu & Gupta, "To prune, or not to prune" (arXiv 1710.01878), cubic
+  `s_t = s_f + (s_i - s_f) (1 - (t - t0) / (t1 - t0))³`, magnitude re-masking every
+  `frequency` steps between `start_step` and `end_step`. Pruned weights stay zero (the mask
+  parametrization zeroes them and their gradient), so the masks only grow.
+* `SparseFromStart`: one mask (`sparsify_` with a `SparsityConfig`) before the first step,
+  held for the whole run, as in SambaNova's sparse GPT pre-training (arXiv 2304.05511).
+* `SparseThenDense`: the same, then at `dense_step` the masks are removed and training
+  continues dense on the same Parameter objects (the optimizer keeps working), the
+  "sparse then dense finish" of SPDF (arXiv 2303.10464) and torchao's 2:4 training recipe.
+
+Each schedule has `state_dict()` / `load_state_dict()` for its step counter; the masks live in
+the model's own state_dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparse_kernels.config import SparsityConfig, parse_pattern
+from sparse_kernels.masks import block_mask, unstructured_mask
+from sparse_kernels.sparsify import apply_mask_, remove_masks_, select_targets, sparsify_
+
+
+class _Schedule:
+    """Step counter shared by the schedules."""
+
+    def __init__(self) -> None:
+        self.step_count = 0
+
+    def sparsity_at(self, step: int) -> float:  # pragma: no cover - overridden
+        """Target fraction of zeros after `step` optimizer steps."""
+        raise TypeError(f"{type(self).__name__} must define sparsity_at")
+
+    def _update(self, step: int) -> None:
+        """Act at `step` (masks or none)."""
+
+    def step(self) -> None:
+        """Call once after every optimizer step."""
+        self.step_count += 1
+        self._update(self.step_count)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step counter (masks are in the model's state_dict)."""
+        return {"step_count": self.step_count}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the step counter (load the model's state_dict, with its masks, too)."""
+        self.step_count = int(state["step_count"])
+
+
+class GradualPruning(_Schedule):
+    """Cubic gradual magnitude pruning from `initial_sparsity` to `final_sparsity`.
+
+    Args:
+        model: the model; its targeted Linears get masks.
+        final_sparsity: s_f, fraction of zeros at and after `end_step`.
+        end_step: t1, the step at which s_f is reached.
+        initial_sparsity: s_i, applied at `start_step`.
+        start_step: t0; before it the model is dense.
+        frequency: Δ, re-mask every `frequency` steps (and at `end_step`).
+        pattern: `"unstructured"` or `"block"` (N:M has a fixed sparsity: use SparseFromStart).
+        block_size: tile edge of the block pattern.
+        granularity: unstructured ranking over the `"layer"` or within each `"row"`.
+        targets: module regexes as in `SparsityConfig.targets`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        final_sparsity: float,
+        end_step: int,
+        initial_sparsity: float = 0.0,
+        start_step: int = 0,
+        frequency: int = 100,
+        pattern: str = "unstructured",
+        block_size: int = 64,
+        granularity: str = "layer",
+        targets: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__()
+        if parse_pattern(pattern).kind == "nm":
+            raise ValueError(
+                f"`pattern` ({pattern!r}): N:M has a fixed sparsity; use SparseFromStart"
+            )
+        for name, value in (
+            ("initial_sparsity", initial_sparsity),
+            ("final_sparsity", final_sparsity),
+        ):
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"`{name}` ({value}) must be in [0, 1)")
+        if not 0 <= start_step < end_step:
+            raise ValueError(f"need 0 <= `start_step` ({start_step}) < `end_step` ({end_step})")
+        if frequency < 1:
+            raise ValueError(f"`frequency` ({frequency}) must be >= 1")
+        self.model = model
+        self.initial_sparsity = initial_sparsity
+        self.final_sparsity = final_sparsity
+        self.start_step = start_step
+        self.end_step = end_step
+        self.frequency = frequency
+        self.pattern = parse_pattern(pattern)
+        self.block_size = block_size
+        self.per_row = granularity == "row"
+        self.modules = select_targets(model, targets)
+        if not self.modules:
+            raise ValueError(f"no nn.Linear matched `targets` ({targets!r})")
+        self._update(0)
+
+    def sparsity_at(self, step: int) -> float:
+        """The cubic target at the last re-masking step <= `step` (0 before `start_step`)."""
+        if step < self.start_step:
+            return 0.0
+        if step >= self.end_step:
+            return self.final_sparsity
+        t = self.start_step + (step - self.start_step) // self.frequency * self.frequency
+        frac = (t - self.start_step) / (self.end_step - self.start_step)
+        s_i, s_f = self.initial_sparsity, self.final_sparsity
+        return s_f + (s_i - s_f) * (1.0 - frac) ** 3
+
+    @torch.no_grad()
+    def _update(self, step: int) -> None:
+        if step < self.start_step or step > self.end_step:
+            return
+        if (step - self.start_step) % self.frequency and step != self.end_step:
+            return
+        sparsity = self.sparsity_at(step)
+        for linear in self.modules.values():
+            score = linear.weight.detach().abs()
+            if self.pattern.kind == "block":
+                mask = block_mask(score, self.block_size, sparsity)
+            else:
+                mask = unstructured_mask(score, sparsity, per_row=self.per_row)
+            apply_mask_(linear, mask)
+
+
+class SparseFromStart(_Schedule):
+    """A fixed mask from step 0 (`sparsify_(model, config, calibration=...)` at construction).
+
+    Args:
+        model: the model (pruned in place now).
+        config: the sparsity config (any pattern and method).
+        calibration: batches for Wanda / SparseGPT.
+        dense_step: if set, the masks are removed after this many steps (training continues
+            dense). `SparseThenDense` requires it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: SparsityConfig,
+        *,
+        calibration: Iterable[Mapping[str, Any]] | None = None,
+        dense_step: int | None = None,
+    ) -> None:
+        super().__init__()
+        if dense_step is not None and dense_step < 1:
+            raise ValueError(f"`dense_step` ({dense_step}) must be >= 1")
+        self.model = model
+        self.config = config
+        self.dense_step = dense_step
+        self.masks = sparsify_(model, config, calibration=calibration)
+
+    def sparsity_at(self, step: int) -> float:
+        """`config.target_sparsity` while sparse, 0 once dense."""
+        if self.dense_step is not None and step >= self.dense_step:
+            return 0.0
+        return self.config.target_sparsity
+
+    def _update(self, step: int) -> None:
+        if self.dense_step is not None and step == self.dense_step:
+            remove_masks_(self.model)
+
+
+class SparseThenDense(SparseFromStart):
+    """Sparse (fixed mask) for `dense_step` steps, then dense on the same parameters."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: SparsityConfig,
+        *,
+        dense_step: int,
+        calibration: Iterable[Mapping[str, Any]] | None = None,
+    ) -> None:
+        super().__init__(model, config, calibration=calibration, dense_step=dense_step)

@@ -1,0 +1,101 @@
+"""Schedules: sparsity trajectory, masks only grow, sparse-then-dense keeps the optimizer."""
+
+import pytest
+import torch
+
+from leanlm_testing.models import random_batches, tiny_llama
+from sparse_kernels import SparsityConfig, masks, select_targets, sparsity_report
+from sparse_kernels.schedules import GradualPruning, SparseFromStart, SparseThenDense
+
+
+def _train_step(model, opt, batch):
+    loss = model(**batch, labels=batch["input_ids"]).loss
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def _layer_sparsity(model) -> float:
+    report = sparsity_report(model)
+    return sum(report.values()) / len(report) if report else 0.0
+
+
+def test_gradual_cubic_trajectory_and_monotone_masks():
+    model = tiny_llama().train()
+    batches = random_batches(256, batches=2, seq_len=8)
+    sched = GradualPruning(
+        model, initial_sparsity=0.1, final_sparsity=0.8, start_step=2, end_step=10, frequency=2
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    expected = {0: 0.0, 1: 0.0, 2: 0.1, 3: 0.1, 10: 0.8, 11: 0.8, 12: 0.8}
+    for t in (4, 6, 8):  # s_f + (s_i - s_f)(1 - (t - t0)/(t1 - t0))^3
+        expected[t] = expected[t + 1] = 0.8 + (0.1 - 0.8) * (1 - (t - 2) / 8) ** 3
+    previous: dict[str, torch.Tensor] = {}
+    for step in range(13):
+        if step:
+            _train_step(model, opt, batches[step % 2])
+            sched.step()
+        assert sched.step_count == step
+        assert sched.sparsity_at(step) == pytest.approx(expected[step])
+        actual = _layer_sparsity(model)
+        # exact to rounding of round(s * numel) per layer
+        assert actual == pytest.approx(expected[step], abs=2e-4), step
+        current = masks(model)
+        for name, mask in previous.items():
+            assert not (current[name] & ~mask).any(), "a pruned weight came back"
+        previous = {n: m.clone() for n, m in current.items()}
+        for name, module in select_targets(model).items():
+            if name in current:
+                assert (module.weight.detach()[~current[name]] == 0).all()
+
+
+def test_gradual_block_pattern_and_validation():
+    model = tiny_llama()
+    sched = GradualPruning(
+        model, final_sparsity=0.5, end_step=4, frequency=1, pattern="block", block_size=16
+    )
+    for _ in range(4):
+        sched.step()
+    assert _layer_sparsity(model) == pytest.approx(0.5, abs=0.06)
+    with pytest.raises(ValueError, match="N:M"):
+        GradualPruning(model, final_sparsity=0.5, end_step=4, pattern="2:4")
+    with pytest.raises(ValueError, match="start_step"):
+        GradualPruning(model, final_sparsity=0.5, start_step=5, end_step=4)
+    with pytest.raises(ValueError, match="final_sparsity"):
+        GradualPruning(model, final_sparsity=1.5, end_step=4)
+
+
+def test_sparse_from_start_holds_and_resumes():
+    model = tiny_llama().train()
+    batches = random_batches(256, batches=2, seq_len=8)
+    sched = SparseFromStart(model, SparsityConfig(pattern="2:4"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    for step in range(3):
+        _train_step(model, opt, batches[step % 2])
+        sched.step()
+        assert _layer_sparsity(model) == pytest.approx(0.5, abs=1e-6)
+    assert sched.state_dict() == {"step_count": 3}
+    other = SparseFromStart(tiny_llama(), SparsityConfig(pattern="2:4"))
+    other.load_state_dict(sched.state_dict())
+    assert other.step_count == 3
+
+
+def test_sparse_then_dense_switches_on_the_same_parameters():
+    model = tiny_llama().train()
+    batches = random_batches(256, batches=2, seq_len=8)
+    sched = SparseThenDense(model, SparsityConfig(sparsity=0.75), dense_step=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tracked = {id(p) for group in opt.param_groups for p in group["params"]}
+    for step in range(1, 5):
+        _train_step(model, opt, batches[step % 2])
+        sched.step()
+        if step < 2:
+            assert _layer_sparsity(model) == pytest.approx(0.75, abs=1e-3)
+            assert sched.sparsity_at(step) == 0.75
+        else:
+            assert masks(model) == {}
+            assert sched.sparsity_at(step) == 0.0
+    # after the switch the weights are trained by the same optimizer and fill in
+    for module in select_targets(model).values():
+        assert id(module.weight) in tracked
+        assert float((module.weight == 0).float().mean()) < 0.05
