@@ -160,3 +160,29 @@ def test_end_to_end_train_prune_distill(make):
     kl1 = evaluate_kl(student, teacher, heldout)
     assert result.kl[-1] < result.kl[0]
     assert kl1 < 0.5 * kl0, (kl0, kl1)
+
+
+def test_offline_topk_cache_equals_online(make, data, tmp_path):
+    from prune_distill import TeacherCache, cache_teacher_topk
+
+    teacher = make("qwen2", seed=1)
+    base = make("qwen2", seed=2)
+    batches = data(3)
+    cache = cache_teacher_topk(teacher, batches, tmp_path / "cache", top_k=128)
+    assert len(cache) == 3
+    assert len(TeacherCache(tmp_path / "cache")) == 3
+    online, offline = copy.deepcopy(base), copy.deepcopy(base)
+    # SGD: Adam's normalisation would amplify float-rounding differences of near-zero gradients.
+    cfg = DistillConfig(optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    r_on = distill(online, teacher, batches, cfg)
+    r_off = distill(offline, None, cache, cfg)
+    assert r_off.kl == pytest.approx(r_on.kl, rel=1e-5)
+    for pa, pb in zip(online.parameters(), offline.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6)
+    small = cache_teacher_topk(teacher, batches[:1], tmp_path / "k8", top_k=8)
+    record = next(iter(small))
+    assert record["teacher_topk_values"].shape == (2, 12, 8)
+    with pytest.raises(ValueError, match="already holds"):
+        cache_teacher_topk(teacher, batches, tmp_path / "k8", top_k=8)
+    with pytest.raises(ValueError, match="`teacher` is None"):
+        distill(copy.deepcopy(base), None, batches, cfg)

@@ -9,6 +9,7 @@ distill(student, model, batches, DistillConfig())  # forward KL at T = 1, AdamW
 ```
 """
 
+from prune_distill.cache import TeacherCache, cache_teacher_topk
 from prune_distill.distill import DistillConfig, DistillResult, distill, evaluate_kl
 from prune_distill.importance import ImportanceScores, collect_importance
 from prune_distill.losses import forward_kl
@@ -19,6 +20,8 @@ __all__ = [
     "DistillResult",
     "ImportanceScores",
     "PruneTarget",
+    "TeacherCache",
+    "cache_teacher_topk",
     "collect_importance",
     "distill",
     "evaluate_kl",

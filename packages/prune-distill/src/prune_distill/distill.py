@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prune_distill._arch import model_device
+from prune_distill.cache import TOPK_INDICES, TOPK_VALUES
 from prune_distill.importance import lm_targets, model_inputs
 from prune_distill.losses import TopK, forward_kl
 
@@ -97,8 +98,18 @@ def _move(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
 
 
 def _teacher_logits(
-    teacher: nn.Module, batch: Mapping[str, Any], device: torch.device, top_k: int | None
+    teacher: nn.Module | None, batch: Mapping[str, Any], device: torch.device, top_k: int | None
 ) -> torch.Tensor | TopK:
+    if TOPK_VALUES in batch:  # offline: cached by `cache_teacher_topk`
+        values, indices = batch[TOPK_VALUES], batch[TOPK_INDICES]
+        if top_k is not None:
+            values, indices = values[..., :top_k], indices[..., :top_k]
+        return values.to(device), indices.to(device)
+    if teacher is None:
+        raise ValueError(
+            "`teacher` is None but the batch holds no cached teacher logits: pass a teacher "
+            "model, or batches from `cache_teacher_topk` / `TeacherCache`"
+        )
     with torch.no_grad():
         inputs = _move(model_inputs(batch), model_device(teacher))
         logits = teacher(**inputs, use_cache=False).logits
@@ -111,7 +122,7 @@ def _teacher_logits(
 
 def distill(
     student: nn.Module,
-    teacher: nn.Module,
+    teacher: nn.Module | None,
     batches: Iterable[Mapping[str, Any]],
     config: DistillConfig | None = None,
 ) -> DistillResult:
@@ -120,9 +131,11 @@ def distill(
     Args:
         student: the model to train (e.g. the output of `prune`); trained on its own device.
         teacher: a causal LM with the same vocabulary, on any device and dtype (bf16 is fine);
-            frozen: run without gradients in eval mode, its mode restored afterwards.
+            frozen: run without gradients in eval mode, its mode restored afterwards. None for
+            offline distillation from batches holding cached teacher top-k logits.
         batches: iterable of dicts with ``input_ids`` (B, S), optional ``attention_mask`` (padding
-            is excluded from both losses) and optional ``labels`` (for the CE term).
+            is excluded from both losses), optional ``labels`` (for the CE term) and, offline,
+            ``teacher_topk_values`` / ``teacher_topk_indices`` (see `cache_teacher_topk`).
         config: loss, optimizer and loop settings; None uses `DistillConfig()`.
 
     Returns:
@@ -140,9 +153,11 @@ def distill(
     sched = cfg.scheduler(opt) if cfg.scheduler is not None else None
 
     result = DistillResult()
-    student_was_training, teacher_was_training = student.training, teacher.training
+    student_was_training = student.training
+    teacher_was_training = teacher.training if teacher is not None else False
     student.train()
-    teacher.eval()
+    if teacher is not None:
+        teacher.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # total, kl, ce of this step
     micro = 0
     try:
@@ -189,7 +204,8 @@ def distill(
     finally:
         opt.zero_grad(set_to_none=True)
         student.train(student_was_training)
-        teacher.train(teacher_was_training)
+        if teacher is not None:
+            teacher.train(teacher_was_training)
     return result
 
 

@@ -119,9 +119,12 @@ def lm_targets(batch: Mapping[str, Any]) -> torch.Tensor:
     return labels[:, 1:]
 
 
+_NOT_MODEL_INPUTS = frozenset({"labels", "teacher_topk_values", "teacher_topk_indices"})
+
+
 def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """The batch without `labels` (losses are computed here, not by the model)."""
-    return {k: v for k, v in batch.items() if k != "labels"}
+    """The batch without `labels` (losses are computed here) and cached teacher logits."""
+    return {k: v for k, v in batch.items() if k not in _NOT_MODEL_INPUTS}
 
 
 def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:

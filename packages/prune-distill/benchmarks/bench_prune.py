@@ -1,0 +1,196 @@
+#!/usr/bin/env python
+"""Prune time, importance-collection throughput and KL-loss time on a ~50M Llama-shaped model.
+
+Command (from the repository root):
+    python packages/prune-distill/benchmarks/bench_prune.py [--repeats 5] [--json out.json]
+
+The model is built from a config (random weights; no download): vocab 32000, hidden 512,
+12 layers, 8 query / 2 KV heads of 64, MLP 1536, tied embeddings (~52M parameters). Each number is
+the median of `--repeats` timed runs after one warm-up run. Throughput counts non-padding tokens.
+The anchor for importance collection is a plain `torch.no_grad` forward over the same batches
+(hooks and statistics are the overhead on top of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from prune_distill import PruneTarget, collect_importance, forward_kl, prune
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Model shape and workload."""
+
+    vocab: int = 32000
+    hidden: int = 512
+    layers: int = 12
+    heads: int = 8
+    kv_heads: int = 2
+    ffn: int = 1536
+    batch_size: int = 4
+    seq_len: int = 256
+    batches: int = 2
+    repeats: int = 5
+
+
+@dataclass(frozen=True)
+class Result:
+    """One timed benchmark."""
+
+    name: str
+    median_s: float
+    detail: str
+
+
+def _median(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _git_sha() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run(cfg: BenchConfig) -> dict[str, Any]:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=cfg.vocab,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.seq_len,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    batches = [
+        {"input_ids": torch.randint(0, cfg.vocab, (cfg.batch_size, cfg.seq_len), generator=gen)}
+        for _ in range(cfg.batches)
+    ]
+    tokens = cfg.batches * cfg.batch_size * cfg.seq_len
+    results: list[Result] = []
+
+    def forward_only() -> None:
+        with torch.no_grad():
+            for b in batches:
+                model(**b, use_cache=False)
+
+    t_fwd = _median(forward_only, cfg.repeats)
+    results.append(Result("plain forward (anchor)", t_fwd, f"{tokens / t_fwd:,.0f} tok/s"))
+    t_imp = _median(lambda: collect_importance(model, batches, layer_loss=False), cfg.repeats)
+    results.append(
+        Result(
+            "collect_importance, layer_loss=False",
+            t_imp,
+            f"{tokens / t_imp:,.0f} tok/s, {t_imp / t_fwd:.2f}x the anchor",
+        )
+    )
+    t_loss = _median(lambda: collect_importance(model, batches, layer_loss=True), cfg.repeats)
+    results.append(
+        Result(
+            "collect_importance, layer_loss=True",
+            t_loss,
+            f"{tokens / t_loss:,.0f} tok/s ({cfg.layers + 1} forwards per batch), "
+            f"{t_loss / t_fwd:.2f}x the anchor",
+        )
+    )
+
+    scores = collect_importance(model, batches, layer_loss=False)
+    targets = {
+        "width (hidden 384, MLP 768, heads 4)": PruneTarget(
+            hidden_size=384, intermediate_size=768, num_attention_heads=4
+        ),
+        "depth (12 -> 6 layers)": PruneTarget(num_hidden_layers=6),
+        "no-op (copy)": PruneTarget(),
+    }
+    for name, target in targets.items():
+        t = _median(lambda target=target: prune(model, scores, target), cfg.repeats)
+        small = prune(model, scores, target)
+        n_small = sum(p.numel() for p in small.parameters())
+        results.append(
+            Result(f"prune {name}", t, f"{n_params / 1e6:.1f}M -> {n_small / 1e6:.1f}M params")
+        )
+
+    n_rows = cfg.batch_size * cfg.seq_len
+    s = torch.randn(n_rows, cfg.vocab, requires_grad=True)
+    t_logits = torch.randn(n_rows, cfg.vocab)
+    for label, chunk in (("plain autograd", None), ("chunked 1024 rows", 1024)):
+
+        def kl_step(chunk: int | None = chunk) -> None:
+            loss = forward_kl(s, t_logits, chunk_size=chunk)
+            loss.backward()
+            s.grad = None
+
+        t = _median(kl_step, cfg.repeats)
+        results.append(
+            Result(
+                f"forward_kl fwd+bwd, {label}",
+                t,
+                f"{n_rows} tokens x {cfg.vocab} vocab, fp32, {n_rows / t:,.0f} tok/s",
+            )
+        )
+
+    return {
+        "config": asdict(cfg),
+        "params": n_params,
+        "results": [asdict(r) for r in results],
+        "device": f"CPU: {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads",
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "git_sha": _git_sha(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    out = run(BenchConfig(repeats=args.repeats))
+    print(f"# prune-distill bench_prune  (git {out['git_sha']}, {out['device']})")
+    print(f"# {out['versions']}, model {out['params'] / 1e6:.1f}M params")
+    print(f"{'benchmark':<44} {'median':>10}  detail")
+    for r in out["results"]:
+        print(f"{r['name']:<44} {r['median_s'] * 1e3:>8.1f}ms  {r['detail']}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
