@@ -1,6 +1,8 @@
 """sparse_kernels: sparse LLM training and compression for PyTorch."""
 
+from sparse_kernels.block_sparse import BlockSparseLinear, block_sparse_linear
 from sparse_kernels.config import SparsityConfig
+from sparse_kernels.layout import BlockLayout
 from sparse_kernels.masks import block_mask, nm_mask, unstructured_mask
 from sparse_kernels.sparsify import (
     apply_mask_,
@@ -13,9 +15,12 @@ from sparse_kernels.sparsify import (
 )
 
 __all__ = [
+    "BlockLayout",
+    "BlockSparseLinear",
     "SparsityConfig",
     "apply_mask_",
     "block_mask",
+    "block_sparse_linear",
     "get_mask",
     "masks",
     "nm_mask",

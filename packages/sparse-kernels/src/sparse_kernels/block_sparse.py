@@ -1,0 +1,283 @@
+"""`BlockSparseLinear`: a Linear whose weight stores only its active b x b tiles.
+
+```python
+layer = BlockSparseLinear.from_dense(linear, block_size=64, sparsity=0.9, backend="auto")
+y = layer(x)  # same shapes as linear(x), bias kept
+```
+
+The trainable parameter is `values` (nnzb, b, b): pruned tiles do not exist, so they cannot be
+revived by any optimizer, and forward, dX and dW all cost `density x dense` FLOPs. Backends:
+
+* `"triton"`: the kernels in `_bsr_kernels` (CUDA; on CPU only under TRITON_INTERPRET=1);
+* `"torch"`: PyTorch ops (CPU fp32: torch's BSR x dense; other dtypes: one GEMM per tile);
+* `"auto"`: Triton on CUDA when installed and block_size is a power of two >= 16, else torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from sparse_kernels import _bsr_kernels as K
+from sparse_kernels.layout import BlockLayout, blocks_to_dense, dense_to_blocks
+from sparse_kernels.masks import block_scores
+
+Backend = Literal["auto", "torch", "triton"]
+
+
+def resolve_backend(backend: str, device: torch.device, block_size: int) -> str:
+    """`"torch"` or `"triton"` for `backend` on `device`.
+
+    Raises:
+        ValueError: for an unknown backend, or `"triton"` where the kernels cannot run.
+    """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"`backend` ({backend!r}) must be 'auto', 'torch' or 'triton'")
+    kernel_ok = block_size >= 16 and block_size & (block_size - 1) == 0
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and K.HAS_TRITON and kernel_ok else "torch"
+    if backend == "triton":
+        if not K.triton_available(device):
+            raise ValueError(
+                f"backend 'triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on "
+                f"CPU); got {device}"
+            )
+        if not kernel_ok:
+            raise ValueError(
+                f"backend 'triton' needs a power-of-two block_size >= 16, got {block_size}"
+            )
+    return backend
+
+
+class _BlockSparseMM(torch.autograd.Function):
+    """Y = X·Wᵀ + b for a block-sparse W; backward computes dX and the stored tiles of dW."""
+
+    @staticmethod
+    def forward(  # noqa: PLR0917 (autograd.Function signature)
+        ctx: Any,
+        x: Tensor,
+        values: Tensor,
+        bias: Tensor | None,
+        layout: BlockLayout,
+        backend: str,
+    ) -> Tensor:
+        ctx.layout = layout
+        ctx.backend = backend
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, values)
+        if backend == "triton":
+            return K.dsd_triton(x, values, layout, bias)
+        return K.dsd_torch(x, values, layout, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, values = ctx.saved_tensors
+        layout: BlockLayout = ctx.layout
+        dy = dy.contiguous()
+        dx = dv = db = None
+        if ctx.needs_input_grad[0]:
+            if ctx.backend == "triton":
+                dx = K.dsdt_triton(dy, values, layout)
+            else:
+                dx = K.dsdt_torch(dy, values, layout)
+        if ctx.needs_input_grad[1]:
+            if ctx.backend == "triton":
+                dv = K.sdd_triton(dy, x, layout, values)
+            else:
+                dv = K.sdd_torch(dy, x, layout)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(0)
+        return dx, dv, db, None, None
+
+
+def block_sparse_linear(
+    x: Tensor,
+    values: Tensor,
+    layout: BlockLayout,
+    bias: Tensor | None = None,
+    *,
+    backend: Backend = "auto",
+) -> Tensor:
+    """`x @ Wᵀ + bias` for the block-sparse W given by `values` and `layout`; differentiable.
+
+    Args:
+        x: (..., in_features).
+        values: (nnzb, b, b) stored tiles.
+        layout: the tile index.
+        bias: (out_features,) or None.
+        backend: `"auto"`, `"torch"` or `"triton"`.
+
+    Returns:
+        (..., out_features) in x's dtype.
+    """
+    chosen = resolve_backend(backend, x.device, layout.block_size)
+    lead = x.shape[:-1]
+    y: Tensor = _BlockSparseMM.apply(  # type: ignore[no-untyped-call]
+        x.reshape(-1, x.shape[-1]), values, bias, layout, chosen
+    )
+    return y.reshape(*lead, layout.out_features)
+
+
+class BlockSparseLinear(nn.Module):
+    """A Linear with a block-sparse weight (only active tiles stored and trained).
+
+    Args:
+        in_features: input features.
+        out_features: output features.
+        block_mask: (ceil(out/b), ceil(in/b)) boolean tile mask (True = stored).
+        block_size: tile edge b.
+        bias: whether to add a bias.
+        backend: `"auto"`, `"torch"` or `"triton"`.
+        device: device of the parameters.
+        dtype: dtype of the parameters.
+    """
+
+    row_ptr: Tensor
+    col_idx: Tensor
+    row_idx: Tensor
+    col_ptr: Tensor
+    t_perm: Tensor
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        block_mask: Tensor,
+        block_size: int = 64,
+        bias: bool = True,
+        backend: Backend = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if block_size < 1:
+            raise ValueError(f"`block_size` ({block_size}) must be >= 1")
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"`backend` ({backend!r}) must be 'auto', 'torch' or 'triton'")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.block_size = block_size
+        self.backend: Backend = backend
+        layout = BlockLayout.from_block_mask(
+            block_mask.cpu(), out_features=out_features, in_features=in_features,
+            block_size=block_size,
+        )  # fmt: skip
+        for name in ("row_ptr", "col_idx", "row_idx", "col_ptr", "t_perm"):
+            self.register_buffer(name, getattr(layout, name).to(device))
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.values = nn.Parameter(torch.empty(layout.nnzb, block_size, block_size, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's init (uniform ±1/√in_features) on the stored tiles and bias."""
+        bound = 1.0 / max(1, self.in_features) ** 0.5
+        with torch.no_grad():
+            self.values.uniform_(-bound, bound)
+            if self.bias is not None:
+                self.bias.uniform_(-bound, bound)
+            self._zero_padding()
+
+    @torch.no_grad()
+    def _zero_padding(self) -> None:
+        # Edge tiles of non-multiple shapes: entries outside the weight stay exactly zero.
+        dense = blocks_to_dense(self.values, self.layout)
+        self.values.copy_(dense_to_blocks(dense, self.layout))
+
+    @property
+    def layout(self) -> BlockLayout:
+        """The tile index (tensors on the module's device)."""
+        return BlockLayout(
+            out_features=self.out_features,
+            in_features=self.in_features,
+            block_size=self.block_size,
+            row_ptr=self.row_ptr,
+            col_idx=self.col_idx,
+            row_idx=self.row_idx,
+            col_ptr=self.col_ptr,
+            t_perm=self.t_perm,
+        )
+
+    @property
+    def density(self) -> float:
+        """Stored tiles / all tiles."""
+        return self.layout.density
+
+    @classmethod
+    def from_dense(
+        cls,
+        linear: nn.Linear,
+        *,
+        block_size: int = 64,
+        sparsity: float = 0.9,
+        block_mask: Tensor | None = None,
+        backend: Backend = "auto",
+    ) -> BlockSparseLinear:
+        """Keep the `1 - sparsity` fraction of tiles with the largest mean |W| of `linear`.
+
+        Args:
+            linear: the dense layer (weight copied, bias kept).
+            block_size: tile edge.
+            sparsity: fraction of tiles dropped (exactly `round(sparsity · tiles)`).
+            block_mask: explicit (row_blocks, col_blocks) tile mask instead of magnitude.
+            backend: `"auto"`, `"torch"` or `"triton"`.
+        """
+        weight = linear.weight.detach()
+        if block_mask is None:
+            if not 0.0 <= sparsity < 1.0:
+                raise ValueError(f"`sparsity` ({sparsity}) must be in [0, 1)")
+            tiles = block_scores(weight.abs(), block_size)
+            k = round(sparsity * tiles.numel())
+            keep = torch.ones(tiles.numel(), dtype=torch.bool, device=tiles.device)
+            if k:
+                keep[torch.topk(tiles.flatten(), k, largest=False, sorted=False).indices] = False
+            block_mask = keep.view_as(tiles)
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            block_mask=block_mask,
+            block_size=block_size,
+            bias=linear.bias is not None,
+            backend=backend,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        with torch.no_grad():
+            layer.values.copy_(dense_to_blocks(weight, layer.layout))
+            if linear.bias is not None and layer.bias is not None:
+                layer.bias.copy_(linear.bias.detach())
+        return layer
+
+    def to_dense(self) -> Tensor:
+        """The dense (out, in) weight with zeros outside the stored tiles (differentiable)."""
+        return blocks_to_dense(self.values, self.layout)
+
+    def to_linear(self) -> nn.Linear:
+        """An `nn.Linear` with the same weight (zeros included) and bias."""
+        linear = nn.Linear(
+            self.in_features,
+            self.out_features,
+            bias=self.bias is not None,
+            device=self.values.device,
+            dtype=self.values.dtype,
+        )
+        with torch.no_grad():
+            linear.weight.copy_(self.to_dense())
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return linear
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(..., in_features) -> (..., out_features)."""
+        return block_sparse_linear(x, self.values, self.layout, self.bias, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        """Shapes, block size, density, backend."""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"block_size={self.block_size}, density={self.density:.3f}, "
+            f"bias={self.bias is not None}, backend={self.backend!r}"
+        )

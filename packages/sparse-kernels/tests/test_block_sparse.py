@@ -1,0 +1,238 @@
+"""Block-sparse kernels (Triton and PyTorch paths) vs the dense reference, and BlockSparseLinear.
+
+Tolerances (vs an fp32 dense product of the same, already-rounded inputs): fp32 paths sum in
+a different order, (atol, rtol) = (1e-5, 1e-5); outputs rounded to fp16 / bf16 are within one or
+two ulps: fp16 (2e-3, 2e-3), bf16 (1e-2, 1.6e-2) (the interpreter truncates fp32 -> bf16).
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from leanlm_testing import assert_verbose_allclose
+from sparse_kernels import BlockSparseLinear
+from sparse_kernels import _bsr_kernels as K
+from sparse_kernels.block_sparse import block_sparse_linear
+from sparse_kernels.layout import BlockLayout, blocks_to_dense, dense_to_blocks
+
+# name: (tokens M, out N, in K, block b, tile density)
+SHAPES = {
+    "pow2": (64, 64, 128, 32, 0.5),
+    "odd": (37, 45, 51, 16, 0.6),
+    "tail_heavy": (33, 17, 70, 16, 0.7),
+    "tiny": (1, 3, 5, 16, 1.0),
+}
+TOL = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1e-2, 1.6e-2),
+}
+
+
+def _case(name, dtype, device="cpu", seed=0):
+    M, N, Kf, b, density = SHAPES[name]
+    gen = torch.Generator().manual_seed(seed)
+    rb, cb = -(-N // b), -(-Kf // b)
+    mask = torch.rand(rb, cb, generator=gen) < density
+    mask.view(-1)[0] = True  # at least one tile
+    layout = BlockLayout.from_block_mask(mask, out_features=N, in_features=Kf, block_size=b)
+    dense = torch.randn(N, Kf, generator=gen)
+    values = dense_to_blocks(dense, layout).to(device, dtype)
+    x = torch.randn(M, Kf, generator=gen).to(device, dtype)
+    dy = torch.randn(M, N, generator=gen).to(device, dtype)
+    bias = torch.randn(N, generator=gen).to(device, dtype)
+    return layout.to(torch.device(device)), values, x, dy, bias
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _skip_without_triton():
+    if not K.triton_available(torch.device(_device())):
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+
+
+def test_layout_indexes_both_ways():
+    mask = torch.tensor([[1, 0, 1], [0, 0, 0], [1, 1, 0]], dtype=torch.bool)
+    layout = BlockLayout.from_block_mask(mask, out_features=40, in_features=33, block_size=16)
+    assert layout.row_ptr.tolist() == [0, 2, 2, 4]
+    assert layout.col_idx.tolist() == [0, 2, 0, 1]
+    assert layout.col_ptr.tolist() == [0, 2, 3, 4]
+    assert layout.t_perm.tolist() == [0, 2, 3, 1]
+    assert torch.equal(layout.block_mask(), mask)
+    w = torch.randn(40, 33)
+    tiles = dense_to_blocks(w, layout)
+    back = blocks_to_dense(tiles, layout)
+    full = mask.repeat_interleave(16, 0).repeat_interleave(16, 1)[:40, :33]
+    assert torch.equal(back, w * full)
+    with pytest.raises(ValueError, match="block_mask"):
+        BlockLayout.from_block_mask(mask, out_features=64, in_features=33, block_size=16)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_triton_kernels_match_dense_reference(name, dtype):
+    _skip_without_triton()
+    layout, values, x, dy, bias = _case(name, dtype, _device())
+    atol, rtol = TOL[dtype]
+    y = K.dsd_triton(x, values, layout, bias)
+    assert y.dtype == dtype
+    ref = K.dsd_dense_reference(x, values, layout, bias)
+    assert_verbose_allclose(y, ref, atol=atol, rtol=rtol, name="Y")
+    dx = K.dsdt_triton(dy, values, layout)
+    ref = K.dsdt_dense_reference(dy, values, layout)
+    assert_verbose_allclose(dx, ref, atol=atol, rtol=rtol, name="dX")
+    dv = K.sdd_triton(dy, x, layout, values)
+    ref = K.sdd_dense_reference(dy, x, layout)
+    assert_verbose_allclose(dv, ref, atol=atol, rtol=rtol, name="dW tiles")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_torch_path_matches_dense_reference(name, dtype):
+    layout, values, x, dy, bias = _case(name, dtype)
+    atol, rtol = TOL[dtype]
+    assert_verbose_allclose(
+        K.dsd_torch(x, values, layout, bias),
+        K.dsd_dense_reference(x, values, layout, bias),
+        atol=atol, rtol=rtol, name="Y",
+    )  # fmt: skip
+    assert_verbose_allclose(
+        K.dsdt_torch(dy, values, layout),
+        K.dsdt_dense_reference(dy, values, layout),
+        atol=atol, rtol=rtol, name="dX",
+    )  # fmt: skip
+    assert_verbose_allclose(
+        K.sdd_torch(dy, x, layout),
+        K.sdd_dense_reference(dy, x, layout),
+        atol=atol, rtol=rtol, name="dW tiles",
+    )  # fmt: skip
+
+
+def _check_module_against_dense(layer: BlockSparseLinear, x: torch.Tensor, atol, rtol):
+    dense = layer.to_dense().detach().clone().requires_grad_(True)
+    bias = layer.bias.detach().clone().requires_grad_(True)
+    x1 = x.clone().requires_grad_(True)
+    x2 = x.clone().requires_grad_(True)
+    y = layer(x1)
+    ref = torch.nn.functional.linear(x2.float(), dense.float(), bias.float())
+    assert y.shape == ref.shape
+    assert_verbose_allclose(y, ref, atol=atol, rtol=rtol, name="forward")
+    g = torch.randn_like(ref)
+    y.backward(g.to(y.dtype))
+    ref.backward(g)
+    assert_verbose_allclose(x1.grad, x2.grad, atol=atol, rtol=rtol, name="dX")
+    tiles = dense_to_blocks(dense.grad, layer.layout)
+    assert_verbose_allclose(layer.values.grad, tiles, atol=atol, rtol=rtol, name="dW")
+    assert_verbose_allclose(layer.bias.grad, bias.grad, atol=atol, rtol=rtol, name="db")
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["torch", pytest.param("triton", marks=pytest.mark.interpreter)],
+)
+@pytest.mark.parametrize("name", ["odd", "tail_heavy"])
+def test_block_sparse_linear_autograd_matches_dense(name, backend):
+    if backend == "triton":
+        _skip_without_triton()
+    M, N, Kf, b, _ = SHAPES[name]
+    linear = nn.Linear(Kf, N)
+    layer = BlockSparseLinear.from_dense(linear, block_size=b, sparsity=0.5, backend=backend)
+    x = torch.randn(3, M // 3 + 1, Kf)  # leading dims are kept
+    _check_module_against_dense(layer, x, 1e-5, 1e-5)
+
+
+def test_from_dense_keeps_the_largest_tiles_and_bias():
+    linear = nn.Linear(64, 48)
+    with torch.no_grad():
+        linear.weight[:16, :16] *= 100  # tile (0, 0) must survive
+    layer = BlockSparseLinear.from_dense(linear, block_size=16, sparsity=0.75, backend="torch")
+    mask = layer.layout.block_mask()
+    assert int(mask.sum()) == 12 - round(0.75 * 12)
+    assert bool(mask[0, 0])
+    full = mask.repeat_interleave(16, 0).repeat_interleave(16, 1)
+    assert torch.equal(layer.to_dense(), linear.weight.detach() * full)
+    x = torch.randn(5, 64)
+    expected = torch.nn.functional.linear(x, linear.weight * full, linear.bias)
+    assert_verbose_allclose(layer(x), expected, atol=1e-5, rtol=1e-5, name="y")
+    assert_verbose_allclose(layer.to_linear()(x), expected, atol=1e-5, rtol=1e-5, name="y")
+    assert "density=0.250" in repr(layer)
+
+
+def test_training_keeps_the_block_structure_and_state_dict_round_trips():
+    linear = nn.Linear(50, 40)
+    layer = BlockSparseLinear.from_dense(linear, block_size=16, sparsity=0.5, backend="torch")
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, weight_decay=0.1)
+    mask = layer.layout.block_mask()
+    full = mask.repeat_interleave(16, 0).repeat_interleave(16, 1)[:40, :50]
+    for _ in range(3):
+        loss = layer(torch.randn(8, 50)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    w = layer.to_dense().detach()
+    assert (w[~full] == 0).all()
+    # padding of the edge tiles stays zero too
+    assert torch.equal(dense_to_blocks(w, layer.layout), layer.values.detach())
+    clone = BlockSparseLinear(50, 40, block_mask=mask, block_size=16, backend="torch")
+    clone.load_state_dict(layer.state_dict())
+    x = torch.randn(4, 50)
+    assert torch.equal(clone(x), layer(x))
+
+
+def test_backend_validation():
+    linear = nn.Linear(32, 32)
+    with pytest.raises(ValueError, match="backend"):
+        BlockSparseLinear.from_dense(linear, block_size=16, backend="cuda")  # type: ignore[arg-type]
+    layer = BlockSparseLinear.from_dense(linear, block_size=8, sparsity=0.5, backend="triton")
+    with pytest.raises(ValueError, match="block_size"):
+        layer(torch.randn(2, 32))
+    layout, values, x, _, _ = _case("odd", torch.float32)
+    if K.HAS_TRITON:
+        with pytest.raises(TypeError, match="dtype"):
+            K.dsd_triton(x.double(), values, layout, None)
+        with pytest.raises(ValueError, match="features"):
+            K.dsd_triton(x[:, :-1], values, layout, None)
+    y = block_sparse_linear(x.reshape(1, *x.shape), values, layout, backend="torch")
+    assert y.shape == (1, x.shape[0], layout.out_features)
+    # auto on CPU picks the PyTorch path even under the interpreter
+    auto = BlockSparseLinear.from_dense(linear, block_size=16, sparsity=0.5)
+    assert_verbose_allclose(
+        auto(torch.ones(1, 32)),
+        auto.to_linear()(torch.ones(1, 32)),
+        atol=1e-5, rtol=1e-5,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("tokens", [1, 2048])
+def test_triton_kernels_real_sizes_gpu(tokens, block, dtype):
+    gen = torch.Generator().manual_seed(0)
+    N = Kf = 4096
+    mask = torch.rand(N // block, Kf // block, generator=gen) < 0.25
+    layout = BlockLayout.from_block_mask(mask, out_features=N, in_features=Kf, block_size=block)
+    layout = layout.to(torch.device("cuda"))
+    values = (torch.randn(layout.nnzb, block, block, generator=gen) / 64).to("cuda", dtype)
+    x = torch.randn(tokens, Kf, generator=gen).to("cuda", dtype)
+    dy = torch.randn(tokens, N, generator=gen).to("cuda", dtype)
+    # fp32 accumulation over up to 4096 products of bf16/fp16 inputs
+    atol, rtol = (2e-2, 2e-2) if dtype == torch.bfloat16 else (5e-3, 5e-3)
+    assert_verbose_allclose(
+        K.dsd_triton(x, values, layout, None),
+        K.dsd_dense_reference(x, values, layout, None),
+        atol=atol, rtol=rtol, name="Y",
+    )  # fmt: skip
+    assert_verbose_allclose(
+        K.dsdt_triton(dy, values, layout),
+        K.dsdt_dense_reference(dy, values, layout),
+        atol=atol, rtol=rtol, name="dX",
+    )  # fmt: skip
+    assert_verbose_allclose(
+        K.sdd_triton(dy, x, layout, values),
+        K.sdd_dense_reference(dy, x, layout),
+        atol=atol * 8, rtol=rtol, name="dW tiles",
+    )  # fmt: skip
