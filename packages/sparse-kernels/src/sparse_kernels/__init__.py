@@ -4,6 +4,7 @@ from sparse_kernels.block_sparse import BlockSparseLinear, block_sparse_linear
 from sparse_kernels.config import SparsityConfig
 from sparse_kernels.layout import BlockLayout
 from sparse_kernels.masks import block_mask, nm_mask, unstructured_mask
+from sparse_kernels.semi24 import compress_24, decompress_24, to_semi_structured_
 from sparse_kernels.sparsify import (
     apply_mask_,
     get_mask,
@@ -21,6 +22,8 @@ __all__ = [
     "apply_mask_",
     "block_mask",
     "block_sparse_linear",
+    "compress_24",
+    "decompress_24",
     "get_mask",
     "masks",
     "nm_mask",
@@ -28,5 +31,6 @@ __all__ = [
     "select_targets",
     "sparsify_",
     "sparsity_report",
+    "to_semi_structured_",
     "unstructured_mask",
 ]
