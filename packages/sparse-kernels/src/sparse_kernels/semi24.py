@@ -41,7 +41,7 @@ def _cutlass_offsets(rows: int, meta_cols: int, device: torch.device) -> Tensor:
         _calculate_meta_reordering_scatter_offsets,
     )
 
-    offsets: Tensor = _calculate_meta_reordering_scatter_offsets(
+    offsets: Tensor = _calculate_meta_reordering_scatter_offsets(  # type: ignore[no-untyped-call]
         rows, meta_cols, torch.int16, device
     )
     return offsets
