@@ -2,8 +2,15 @@
 
 from sparse_kernels.block_sparse import BlockSparseLinear, block_sparse_linear
 from sparse_kernels.config import SparsityConfig
+from sparse_kernels.export import (
+    load_compressed_,
+    load_masks_,
+    save_compressed,
+    save_pretrained_sparse,
+)
 from sparse_kernels.layout import BlockLayout
 from sparse_kernels.masks import block_mask, nm_mask, unstructured_mask
+from sparse_kernels.schedules import GradualPruning, SparseFromStart, SparseThenDense
 from sparse_kernels.semi24 import compress_24, decompress_24, to_semi_structured_
 from sparse_kernels.sparsify import (
     apply_mask_,
@@ -18,6 +25,9 @@ from sparse_kernels.sparsify import (
 __all__ = [
     "BlockLayout",
     "BlockSparseLinear",
+    "GradualPruning",
+    "SparseFromStart",
+    "SparseThenDense",
     "SparsityConfig",
     "apply_mask_",
     "block_mask",
@@ -25,9 +35,13 @@ __all__ = [
     "compress_24",
     "decompress_24",
     "get_mask",
+    "load_compressed_",
+    "load_masks_",
     "masks",
     "nm_mask",
     "remove_masks_",
+    "save_compressed",
+    "save_pretrained_sparse",
     "select_targets",
     "sparsify_",
     "sparsity_report",

@@ -57,12 +57,17 @@ def _check_cutlass(rows: int, cols: int, dtype: torch.dtype) -> None:
 
 
 @torch.no_grad()
-def compress_24(weight: Tensor, *, layout: MetaLayout = "rowmajor") -> tuple[Tensor, Tensor]:
+def compress_24(
+    weight: Tensor, *, layout: MetaLayout = "rowmajor", mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Compress a 2:4 matrix into (values, meta).
 
     Args:
         weight: (rows, cols) with cols % 4 == 0 and at most 2 non-zeros per group of 4.
         layout: `"rowmajor"` metadata, or `"cutlass"` (reordered for CUTLASS; fp16/bf16).
+        mask: optional boolean 2:4 mask to encode instead of the non-zeros (so a kept weight
+            that happens to be 0 stays "kept"; `mask_24` recovers it). `weight` must be zero
+            outside it.
 
     Returns:
         values (rows, cols // 2) in weight's dtype, meta int16 (rows, ceil(cols / 16)).
@@ -81,6 +86,12 @@ def compress_24(weight: Tensor, *, layout: MetaLayout = "rowmajor") -> tuple[Ten
         raise ValueError(f"`layout` ({layout!r}) must be 'rowmajor' or 'cutlass'")
     groups = weight.reshape(rows, cols // 4, 4)
     nz = groups != 0
+    if mask is not None:
+        if mask.shape != weight.shape:
+            raise ValueError(f"`mask` shape {tuple(mask.shape)} must equal {tuple(weight.shape)}")
+        if bool((weight[~mask.to(torch.bool)] != 0).any()):
+            raise ValueError("`weight` has non-zeros outside `mask`")
+        nz = mask.to(torch.bool).reshape(rows, cols // 4, 4)
     if bool((nz.sum(-1) > 2).any()):
         raise ValueError("`weight` is not 2:4: some group of 4 has more than 2 non-zeros")
     # Non-zeros first, then the earliest zero positions; indices ascending.
@@ -100,6 +111,22 @@ def compress_24(weight: Tensor, *, layout: MetaLayout = "rowmajor") -> tuple[Ten
         reordered.scatter_(0, offsets, meta.view(-1))
         meta = reordered.view(rows, -1)
     return values.contiguous(), meta
+
+
+def _codes(meta: Tensor, rows: int, ngroups: int) -> Tensor:
+    packed = meta.to(torch.int32) & 0xFFFF
+    shifts = torch.tensor([0, 4, 8, 12], device=meta.device, dtype=torch.int32)
+    codes = ((packed[..., None] >> shifts) & 0xF).view(rows, -1)[:, :ngroups]
+    return torch.stack([codes & 3, (codes >> 2) & 3], dim=-1).to(torch.int64)
+
+
+@torch.no_grad()
+def mask_24(meta: Tensor, cols: int) -> Tensor:
+    """The (rows, cols) boolean mask of the positions encoded in row-major `meta`."""
+    rows, ngroups = meta.shape[0], cols // 4
+    idx = _codes(meta, rows, ngroups)
+    mask = torch.zeros(rows, ngroups, 4, dtype=torch.bool, device=meta.device)
+    return mask.scatter_(-1, idx, True).view(rows, cols)
 
 
 @torch.no_grad()
@@ -127,10 +154,7 @@ def decompress_24(
         meta = meta.reshape(-1).gather(0, offsets).view(rows, meta_cols)
     elif layout != "rowmajor":
         raise ValueError(f"`layout` ({layout!r}) must be 'rowmajor' or 'cutlass'")
-    packed = meta.to(torch.int32) & 0xFFFF
-    shifts = torch.tensor([0, 4, 8, 12], device=meta.device, dtype=torch.int32)
-    codes = ((packed[..., None] >> shifts) & 0xF).view(rows, -1)[:, :ngroups]
-    idx = torch.stack([codes & 3, (codes >> 2) & 3], dim=-1).to(torch.int64)
+    idx = _codes(meta, rows, ngroups)
     dense = values.new_zeros(rows, ngroups, 4)
     dense.scatter_(-1, idx, values.view(rows, ngroups, 2))
     return dense.view(rows, cols)

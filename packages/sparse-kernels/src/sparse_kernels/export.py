@@ -1,0 +1,181 @@
+"""Saving sparsified models: a plain Hugging Face checkpoint, and a compact safetensors file.
+
+* `save_pretrained_sparse(model, path)`: `model.save_pretrained(path)` with the masks baked in
+  (dense weights with exact zeros; `from_pretrained` reloads it, no sparse_kernels needed),
+  plus `sparse_masks.safetensors` (bit-packed masks) and `sparsity.json`, so
+  `load_masks_(model, path)` can re-attach the masks for sparse fine-tuning.
+* `save_compressed(model, path)` / `load_compressed_(model, path)`: one safetensors file where
+  each masked weight is stored as 2:4 values + int16 metadata (when its mask is 2:4) or as a
+  bitmask + the kept values; other tensors dense. Loading restores bit-identical weights and
+  the masks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from sparse_kernels.semi24 import compress_24, decompress_24, mask_24
+from sparse_kernels.sparsify import apply_mask_, masks, remove_masks_
+
+MASKS_FILE = "sparse_masks.safetensors"
+INFO_FILE = "sparsity.json"
+_BITS = 2 ** torch.arange(8, dtype=torch.int32)
+
+
+def pack_bits(mask: Tensor) -> Tensor:
+    """Boolean tensor -> uint8 bitmask (8 entries per byte, little-endian bit order)."""
+    flat = mask.reshape(-1).to(torch.int32).cpu()
+    flat = torch.nn.functional.pad(flat, (0, -flat.numel() % 8))
+    return (flat.view(-1, 8) * _BITS).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: Tensor, shape: tuple[int, ...] | torch.Size) -> Tensor:
+    """Inverse of `pack_bits`."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    bits = (packed.to(torch.int32)[:, None] & _BITS) != 0
+    return bits.reshape(-1)[:numel].view(*shape)
+
+
+def dense_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """`model.state_dict()` with masked weights baked in under their plain `*.weight` keys."""
+    out = {}
+    for key, value in model.state_dict().items():
+        if ".parametrizations." in f".{key}":
+            continue
+        out[key] = value
+    for name in masks(model):
+        weight = model.get_submodule(name).weight
+        assert isinstance(weight, Tensor)
+        out[f"{name}.weight"] = weight.detach()
+    return out
+
+
+def save_pretrained_sparse(model: Any, path: str | os.PathLike[str], **kwargs: Any) -> None:
+    """`model.save_pretrained(path)` with masks baked in, plus the masks and `sparsity.json`.
+
+    Args:
+        model: a Hugging Face `PreTrainedModel` (possibly sparsified with `sparsify_`).
+        path: output directory.
+        **kwargs: forwarded to `save_pretrained`.
+    """
+    path = Path(path)
+    model.save_pretrained(path, state_dict=dense_state_dict(model), **kwargs)
+    found = masks(model)
+    save_file({name: pack_bits(m) for name, m in found.items()}, str(path / MASKS_FILE))
+    info = {
+        "format": "sparse-kernels/v1",
+        "masks": {
+            name: {"shape": list(m.shape), "sparsity": 1.0 - float(m.float().mean())}
+            for name, m in found.items()
+        },
+    }
+    (path / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def load_masks_(model: nn.Module, path: str | os.PathLike[str]) -> dict[str, Tensor]:
+    """Re-attach the masks saved by `save_pretrained_sparse`; returns them.
+
+    Use after `from_pretrained` to continue sparse fine-tuning with the same masks.
+    """
+    path = Path(path)
+    info = json.loads((path / INFO_FILE).read_text())
+    packed = load_file(str(path / MASKS_FILE))
+    out = {}
+    for name, meta in info["masks"].items():
+        mask = unpack_bits(packed[name], tuple(meta["shape"]))
+        module = model.get_submodule(name)
+        assert isinstance(module, nn.Linear)
+        apply_mask_(module, mask)
+        out[name] = mask
+    return out
+
+
+def _is_24_mask(mask: Tensor) -> bool:
+    if mask.dim() != 2 or mask.shape[1] % 4:
+        return False
+    return bool((mask.reshape(mask.shape[0], -1, 4).sum(-1) == 2).all())
+
+
+def save_compressed(model: nn.Module, path: str | os.PathLike[str]) -> int:
+    """Write `model` (masks included) to one compact safetensors file; returns its size in bytes.
+
+    Masked weights with a 2:4 mask: `{key}.values24` (rows, cols/2) + `{key}.meta24` int16;
+    other masked weights: `{key}.bitmask` uint8 + `{key}.kept` (kept values, row-major).
+    """
+    state = dense_state_dict(model)
+    found = {f"{name}.weight": m for name, m in masks(model).items()}
+    tensors: dict[str, Tensor] = {}
+    formats: dict[str, Any] = {}
+    for key, tensor in state.items():
+        value = tensor.detach().cpu()
+        mask = found.get(key)
+        if mask is None:
+            tensors[key] = value.contiguous().clone()
+            continue
+        mask = mask.cpu()
+        if _is_24_mask(mask):
+            values, meta = compress_24(value, mask=mask)
+            tensors[f"{key}.values24"] = values
+            tensors[f"{key}.meta24"] = meta
+            formats[key] = {"format": "2:4", "shape": list(value.shape)}
+        else:
+            tensors[f"{key}.bitmask"] = pack_bits(mask)
+            tensors[f"{key}.kept"] = value[mask].contiguous()
+            formats[key] = {"format": "bitmask", "shape": list(value.shape)}
+    save_file(tensors, str(path), metadata={"sparse_kernels": json.dumps(formats)})
+    return os.path.getsize(path)
+
+
+@torch.no_grad()
+def load_compressed_(
+    model: nn.Module, path: str | os.PathLike[str], *, apply_masks: bool = True
+) -> dict[str, Tensor]:
+    """Load a `save_compressed` file into `model` (same architecture); returns the masks.
+
+    Existing masks on `model` are removed first; with `apply_masks` the saved masks are
+    attached again (the weights are bit-identical to the saved model's either way).
+    """
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        formats = json.loads((f.metadata() or {}).get("sparse_kernels", "{}"))
+    tensors = load_file(str(path))
+    remove_masks_(model)
+    state: dict[str, Tensor] = {}
+    found: dict[str, Tensor] = {}
+    for key, value in tensors.items():
+        base = key.rsplit(".", 1)[0]
+        if base not in formats:
+            state[key] = value
+    for key, fmt in formats.items():
+        shape = tuple(fmt["shape"])
+        if fmt["format"] == "2:4":
+            meta = tensors[f"{key}.meta24"]
+            state[key] = decompress_24(tensors[f"{key}.values24"], meta, shape[1])
+            found[key] = mask_24(meta, shape[1])
+        else:
+            mask = unpack_bits(tensors[f"{key}.bitmask"], shape)
+            kept = tensors[f"{key}.kept"]
+            weight = kept.new_zeros(shape)
+            weight[mask] = kept
+            state[key] = weight
+            found[key] = mask
+    model.load_state_dict(state)
+    out = {}
+    for key, mask in found.items():
+        name = key.removesuffix(".weight")
+        if apply_masks:
+            module = model.get_submodule(name)
+            assert isinstance(module, nn.Linear)
+            apply_mask_(module, mask)
+        out[name] = mask
+    return out

@@ -1,0 +1,65 @@
+"""Export: HF save_pretrained / from_pretrained round trip and the compact format are exact."""
+
+import torch
+from transformers import LlamaForCausalLM
+
+from leanlm_testing.models import random_batches, tiny_llama
+from sparse_kernels import SparsityConfig, masks, sparsify_
+from sparse_kernels.export import (
+    load_compressed_,
+    load_masks_,
+    pack_bits,
+    save_compressed,
+    save_pretrained_sparse,
+    unpack_bits,
+)
+
+
+def test_bit_packing_round_trip():
+    for shape in [(1,), (3, 5), (17, 33)]:
+        m = torch.rand(shape) > 0.5
+        packed = pack_bits(m)
+        assert packed.dtype == torch.uint8
+        assert packed.numel() == -(-m.numel() // 8)
+        assert torch.equal(unpack_bits(packed, shape), m)
+
+
+def _sparse_model(pattern):
+    model = tiny_llama()
+    batches = random_batches(256, batches=1)
+    sparsify_(
+        model,
+        SparsityConfig(pattern=pattern, method="wanda", sparsity=0.6, block_size=16),
+        calibration=batches,
+    )
+    return model, batches[0]
+
+
+def test_save_pretrained_reloads_with_identical_outputs(tmp_path):
+    model, batch = _sparse_model("2:4")
+    expected = model(**batch).logits
+    save_pretrained_sparse(model, tmp_path)
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(reloaded(**batch).logits, expected, atol=0, rtol=0)
+    got = load_masks_(reloaded, tmp_path)
+    saved = masks(model)
+    assert set(got) == set(saved)
+    for name in saved:
+        assert torch.equal(got[name], saved[name])
+    torch.testing.assert_close(reloaded(**batch).logits, expected, atol=0, rtol=0)
+
+
+def test_compressed_round_trip_is_exact_and_smaller(tmp_path):
+    for pattern in ["2:4", "unstructured"]:
+        model, batch = _sparse_model(pattern)
+        expected = model(**batch).logits
+        size = save_compressed(model, tmp_path / f"{pattern[0]}.safetensors")
+        fresh = tiny_llama(seed=3)
+        got = load_compressed_(fresh, tmp_path / f"{pattern[0]}.safetensors")
+        torch.testing.assert_close(fresh(**batch).logits, expected, atol=0, rtol=0)
+        for name, mask in masks(model).items():
+            assert torch.equal(got[name], mask)
+            assert torch.equal(masks(fresh)[name], mask)
+        dense_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        # 2:4: linears at 50% + 1/32 meta (fp32); unstructured 60%: 40% kept + 1/32 bitmask
+        assert size < 0.75 * dense_bytes, (pattern, size, dense_bytes)
