@@ -89,23 +89,25 @@ def test_triton_kernels_match_dense_reference(name, dtype):
     assert_verbose_allclose(dv, ref, atol=atol, rtol=rtol, name="dW tiles")
 
 
+@pytest.mark.parametrize("route", ["sparse", "dense"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_torch_path_matches_dense_reference(name, dtype):
+def test_torch_path_matches_dense_reference(name, dtype, route):
     layout, values, x, dy, bias = _case(name, dtype)
     atol, rtol = TOL[dtype]
+    cross = 1.0 if route == "sparse" else 0.0  # force the BSR/tile route or the dense GEMM
     assert_verbose_allclose(
-        K.dsd_torch(x, values, layout, bias),
+        K.dsd_torch(x, values, layout, bias, dense_crossover=cross),
         K.dsd_dense_reference(x, values, layout, bias),
         atol=atol, rtol=rtol, name="Y",
     )  # fmt: skip
     assert_verbose_allclose(
-        K.dsdt_torch(dy, values, layout),
+        K.dsdt_torch(dy, values, layout, dense_crossover=cross),
         K.dsdt_dense_reference(dy, values, layout),
         atol=atol, rtol=rtol, name="dX",
     )  # fmt: skip
     assert_verbose_allclose(
-        K.sdd_torch(dy, x, layout),
+        K.sdd_torch(dy, x, layout, dense_crossover=cross),
         K.sdd_dense_reference(dy, x, layout),
         atol=atol, rtol=rtol, name="dW tiles",
     )  # fmt: skip

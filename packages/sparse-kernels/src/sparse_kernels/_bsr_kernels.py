@@ -27,7 +27,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from sparse_kernels.layout import BlockLayout, blocks_to_dense
+from sparse_kernels.layout import BlockLayout, blocks_to_dense, dense_to_blocks
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -274,21 +274,41 @@ def _bsr(values: Tensor, crow: Tensor, col: Tensor, rows: int, cols: int) -> Ten
         )
 
 
+# Above this tile density the PyTorch path multiplies through the dense weight instead: on a
+# 2-core CPU (4096², fp32) torch's BSR product only beats the dense GEMM below ~25-30% density
+# (benchmarks/RESULTS.md).
+DENSE_CROSSOVER = 0.3
+
+
 def _acc_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def dsd_torch(x: Tensor, values: Tensor, layout: BlockLayout, bias: Tensor | None) -> Tensor:
+def dsd_torch(
+    x: Tensor,
+    values: Tensor,
+    layout: BlockLayout,
+    bias: Tensor | None,
+    *,
+    dense_crossover: float = DENSE_CROSSOVER,
+) -> Tensor:
     """Y = X·Wᵀ (+ bias) with PyTorch ops; cost ∝ stored tiles, fp32 accumulation.
 
     CPU: one BSR x dense product `(W_bsr @ Xᵀ)ᵀ` in fp32 (torch's CPU BSR kernel is fp32/fp64
     only, so bf16/fp16 operands are upcast once and the result cast back). Other devices: one
-    `addmm` per stored tile into an fp32 accumulator.
+    `addmm` per stored tile into an fp32 accumulator. Above `dense_crossover` tile density:
+    one dense GEMM through the materialized weight (faster there).
     """
     b = layout.block_size
     rb, cb = layout.row_blocks, layout.col_blocks
     M = x.shape[0]
     acc = _acc_dtype(x)
+    if layout.density > dense_crossover:
+        w = blocks_to_dense(values, layout)
+        if x.dtype in (torch.float32, torch.float64):
+            return torch.nn.functional.linear(x, w, bias)
+        y = torch.nn.functional.linear(x.to(acc), w.to(acc), None if bias is None else bias.to(acc))
+        return y.to(x.dtype)
     xp = _pad_cols(x, cb * b).to(acc)
     if x.device.type == "cpu":
         w = _bsr(values.to(acc), layout.row_ptr, layout.col_idx, rb * b, cb * b)
@@ -307,12 +327,23 @@ def dsd_torch(x: Tensor, values: Tensor, layout: BlockLayout, bias: Tensor | Non
     return y.to(x.dtype).contiguous()
 
 
-def dsdt_torch(dy: Tensor, values: Tensor, layout: BlockLayout) -> Tensor:
-    """DX = dY·W with PyTorch ops (CPU: BSR of the transposed tiles; else per tile), fp32 acc."""
+def dsdt_torch(
+    dy: Tensor, values: Tensor, layout: BlockLayout, *, dense_crossover: float = DENSE_CROSSOVER
+) -> Tensor:
+    """The input gradient dY·W with PyTorch ops, fp32 accumulation.
+
+    CPU: BSR of the transposed tiles; other devices: one `addmm` per tile. Above
+    `dense_crossover` tile density: one dense GEMM through the materialized weight.
+    """
     b = layout.block_size
     rb, cb = layout.row_blocks, layout.col_blocks
     M = dy.shape[0]
     acc = _acc_dtype(dy)
+    if layout.density > dense_crossover:
+        w = blocks_to_dense(values, layout)
+        if dy.dtype in (torch.float32, torch.float64):
+            return (dy @ w).contiguous()
+        return (dy.to(acc) @ w.to(acc)).to(dy.dtype)
     dyp = _pad_cols(dy, rb * b).to(acc)
     va = values.to(acc)
     if dy.device.type == "cpu":
@@ -335,12 +366,17 @@ def dsdt_torch(dy: Tensor, values: Tensor, layout: BlockLayout) -> Tensor:
     return dx[:, : layout.in_features].to(dy.dtype).contiguous()
 
 
-def sdd_torch(dy: Tensor, x: Tensor, layout: BlockLayout) -> Tensor:
+def sdd_torch(
+    dy: Tensor, x: Tensor, layout: BlockLayout, *, dense_crossover: float = DENSE_CROSSOVER
+) -> Tensor:
     """dvalues[p] = dY[:, r_p]ᵀ·X[:, c_p] for stored tiles only, per block row with PyTorch ops.
 
     For each block row r the stored columns of X are gathered once and one GEMM
-    `dY[:, r]ᵀ · X[:, cols(r)]` yields all of that row's tiles.
+    `dY[:, r]ᵀ · X[:, cols(r)]` yields all of that row's tiles. Above `dense_crossover` tile
+    density: the dense dYᵀX, then its stored tiles.
     """
+    if layout.density > dense_crossover:
+        return dense_to_blocks(dy.T @ x, layout)
     b = layout.block_size
     rb, cb = layout.row_blocks, layout.col_blocks
     M = x.shape[0]
@@ -375,6 +411,4 @@ def dsdt_dense_reference(dy: Tensor, values: Tensor, layout: BlockLayout) -> Ten
 
 def sdd_dense_reference(dy: Tensor, x: Tensor, layout: BlockLayout) -> Tensor:
     """Stored tiles of the dense dW = dYᵀX, in fp32."""
-    from sparse_kernels.layout import dense_to_blocks
-
     return dense_to_blocks(dy.float().T @ x.float(), layout)
