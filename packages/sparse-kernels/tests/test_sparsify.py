@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 from leanlm_testing.models import random_batches, tiny_llama
+from optim_adafactor import Adafactor
+from optim_came import CAME
 from sparse_kernels import (
     SparsityConfig,
     apply_mask_,
@@ -128,8 +130,10 @@ def _train(model, opt, batches, steps):
         lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
         lambda p: torch.optim.SGD(p, lr=1e-1, momentum=0.9, weight_decay=0.01),
         lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1),
+        lambda p: Adafactor(p, lr=1e-2, relative_step=False, beta1=0.9, weight_decay=0.1),
+        lambda p: CAME(p, lr=1e-2, weight_decay=0.1),
     ],
-    ids=["adamw", "sgd_momentum", "adam_l2"],
+    ids=["adamw", "sgd_momentum", "adam_l2", "adafactor", "came"],
 )
 def test_masks_hold_through_optimizer_steps_and_state_dict(make_opt, tmp_path):
     model = tiny_llama().train()
