@@ -24,7 +24,10 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from sparse_kernels._semi24_kernels import available, compress_24_triton, decompress_24_triton
+
 MetaLayout = Literal["rowmajor", "cutlass"]
+Backend = Literal["auto", "torch", "triton"]
 
 
 def is_24(weight: Tensor) -> bool:
@@ -58,7 +61,11 @@ def _check_cutlass(rows: int, cols: int, dtype: torch.dtype) -> None:
 
 @torch.no_grad()
 def compress_24(
-    weight: Tensor, *, layout: MetaLayout = "rowmajor", mask: Tensor | None = None
+    weight: Tensor,
+    *,
+    layout: MetaLayout = "rowmajor",
+    mask: Tensor | None = None,
+    backend: Backend = "auto",
 ) -> tuple[Tensor, Tensor]:
     """Compress a 2:4 matrix into (values, meta).
 
@@ -68,6 +75,9 @@ def compress_24(
         mask: optional boolean 2:4 mask to encode instead of the non-zeros (so a kept weight
             that happens to be 0 stays "kept"; `mask_24` recovers it). `weight` must be zero
             outside it.
+        backend: `"torch"` (vectorized PyTorch, the reference), `"triton"`
+            (`_semi24_kernels`), or `"auto"` (Triton on CUDA when installed). With `mask`,
+            PyTorch is used.
 
     Returns:
         values (rows, cols // 2) in weight's dtype, meta int16 (rows, ceil(cols / 16)).
@@ -94,6 +104,9 @@ def compress_24(
         nz = mask.to(torch.bool).reshape(rows, cols // 4, 4)
     if bool((nz.sum(-1) > 2).any()):
         raise ValueError("`weight` is not 2:4: some group of 4 has more than 2 non-zeros")
+    if _use_triton(backend, weight.device) and mask is None:
+        values, meta = compress_24_triton(weight)
+        return values, _reorder(meta, rows, weight.device) if layout == "cutlass" else meta
     # Non-zeros first, then the earliest zero positions; indices ascending.
     key = nz.to(torch.int64) * 4 + (3 - torch.arange(4, device=weight.device))
     idx = torch.topk(key, 2, dim=-1).indices.sort(-1).values
@@ -106,11 +119,27 @@ def compress_24(
     packed = (codes << shifts).sum(-1, dtype=torch.int32)
     meta = torch.where(packed >= 2**15, packed - 2**16, packed).to(torch.int16)
     if layout == "cutlass":
-        offsets = _cutlass_offsets(rows, meta.shape[1], weight.device)
-        reordered = torch.empty_like(meta).view(-1)
-        reordered.scatter_(0, offsets, meta.view(-1))
-        meta = reordered.view(rows, -1)
+        meta = _reorder(meta, rows, weight.device)
     return values.contiguous(), meta
+
+
+def _reorder(meta: Tensor, rows: int, device: torch.device) -> Tensor:
+    offsets = _cutlass_offsets(rows, meta.shape[1], device)
+    reordered = torch.empty_like(meta).view(-1)
+    reordered.scatter_(0, offsets, meta.reshape(-1))
+    return reordered.view(rows, -1)
+
+
+def _use_triton(backend: str, device: torch.device) -> bool:
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"`backend` ({backend!r}) must be 'auto', 'torch' or 'triton'")
+    if backend == "triton":
+        if not available(device):
+            raise ValueError(
+                f"backend 'triton' needs triton and CUDA (or TRITON_INTERPRET=1); got {device}"
+            )
+        return True
+    return backend == "auto" and device.type == "cuda" and available(device)
 
 
 def _codes(meta: Tensor, rows: int, ngroups: int) -> Tensor:
@@ -131,9 +160,16 @@ def mask_24(meta: Tensor, cols: int) -> Tensor:
 
 @torch.no_grad()
 def decompress_24(
-    values: Tensor, meta: Tensor, cols: int, *, layout: MetaLayout = "rowmajor"
+    values: Tensor,
+    meta: Tensor,
+    cols: int,
+    *,
+    layout: MetaLayout = "rowmajor",
+    backend: Backend = "auto",
 ) -> Tensor:
     """Dense (rows, cols) matrix from `compress_24`'s (values, meta); exact.
+
+    `backend` as in `compress_24`.
 
     Raises:
         ValueError: if the shapes do not match `cols`.
@@ -154,6 +190,8 @@ def decompress_24(
         meta = meta.reshape(-1).gather(0, offsets).view(rows, meta_cols)
     elif layout != "rowmajor":
         raise ValueError(f"`layout` ({layout!r}) must be 'rowmajor' or 'cutlass'")
+    if _use_triton(backend, values.device):
+        return decompress_24_triton(values, meta, cols)
     idx = _codes(meta, rows, ngroups)
     dense = values.new_zeros(rows, ngroups, 4)
     dense.scatter_(-1, idx, values.view(rows, ngroups, 2))

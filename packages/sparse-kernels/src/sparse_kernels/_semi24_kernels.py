@@ -1,0 +1,164 @@
+# Triton convention: upper-case constexpr kernel arguments, many positional kernel arguments.
+# ruff: noqa: N803, PLR0917
+"""Triton kernels for 2:4 compression / decompression (row-major metadata), with launchers.
+
+One program handles BLOCK_R rows x BLOCK_W metadata words; a word covers 16 columns = 4 groups
+of 4. Per group the kept positions are the non-zeros, padded with the earliest zero positions
+up to 2 (`idx0 < idx1`), exactly the rule of the PyTorch reference `semi24.compress_24`; the
+4-bit code `idx0 | idx1 << 2` of group q of a word goes to bits 4q..4q+3 of the int16 word.
+The kernels only move and select values (loads are upcast to fp32, which is exact for
+fp16/bf16/fp32, and cast back on store), so both directions are bit-exact.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+from torch import Tensor
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+BLOCK_R = 16
+BLOCK_W = 4 if _INTERPRET else 8
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels can run on `device` (CUDA, or CPU under the interpreter)."""
+    return HAS_TRITON and (device.type == "cuda" or (_INTERPRET and device.type == "cpu"))
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _compress_kernel(  # type: ignore[no-untyped-def]
+        w_ptr,
+        v_ptr,
+        meta_ptr,
+        rows,
+        cols,
+        n_words,
+        BLOCK_R: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+    ):
+        """values[r, 2g + j] = w[r, 4g + idx_j]; meta word = Σ_q code_q << 4q."""
+        pid_r = tl.program_id(0)
+        pid_w = tl.program_id(1)
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        words = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+        r_mask = r < rows
+        row_w = r[:, None].to(tl.int64) * cols
+        row_v = r[:, None].to(tl.int64) * (cols // 2)
+        meta = tl.zeros([BLOCK_R, BLOCK_W], dtype=tl.int32)
+        for q in tl.static_range(4):
+            g = words * 4 + q
+            mask = r_mask[:, None] & (g[None, :] < cols // 4)
+            base = w_ptr + row_w + g[None, :] * 4
+            a0 = tl.load(base + 0, mask=mask, other=0.0).to(tl.float32)
+            a1 = tl.load(base + 1, mask=mask, other=0.0).to(tl.float32)
+            a2 = tl.load(base + 2, mask=mask, other=0.0).to(tl.float32)
+            a3 = tl.load(base + 3, mask=mask, other=0.0).to(tl.float32)
+            n0 = (a0 != 0).to(tl.int32)
+            n1 = (a1 != 0).to(tl.int32)
+            n2 = (a2 != 0).to(tl.int32)
+            n3 = (a3 != 0).to(tl.int32)
+            pad = 2 - (n0 + n1 + n2 + n3)  # zero positions still to choose, earliest first
+            # zrank_i = number of zeros before position i
+            c0 = (n0 == 1) | (pad > 0)
+            c1 = (n1 == 1) | ((1 - n0) < pad)
+            c2 = (n2 == 1) | ((2 - n0 - n1) < pad)
+            c3 = (n3 == 1) | ((3 - n0 - n1 - n2) < pad)
+            idx0 = tl.where(c0, 0, tl.where(c1, 1, 2))
+            idx1 = tl.where(c3, 3, tl.where(c2, 2, 1))
+            v0 = tl.where(idx0 == 0, a0, tl.where(idx0 == 1, a1, a2))
+            v1 = tl.where(idx1 == 3, a3, tl.where(idx1 == 2, a2, a1))
+            out = v_ptr + row_v + g[None, :] * 2
+            tl.store(out, v0.to(v_ptr.dtype.element_ty), mask=mask)
+            tl.store(out + 1, v1.to(v_ptr.dtype.element_ty), mask=mask)
+            code = tl.where(mask, idx0 | (idx1 << 2), 0)  # missing tail groups: code 0
+            meta = meta | (code << (4 * q))
+        meta = tl.where(meta >= 32768, meta - 65536, meta)  # two's complement int16
+        w_mask = r_mask[:, None] & (words[None, :] < n_words)
+        tl.store(
+            meta_ptr + r[:, None].to(tl.int64) * n_words + words[None, :],
+            meta.to(tl.int16),
+            mask=w_mask,
+        )
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _decompress_kernel(  # type: ignore[no-untyped-def]
+        v_ptr,
+        meta_ptr,
+        w_ptr,
+        rows,
+        cols,
+        n_words,
+        BLOCK_R: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+    ):
+        """w[r, 4g + idx_j] = values[r, 2g + j]; zeros elsewhere."""
+        pid_r = tl.program_id(0)
+        pid_w = tl.program_id(1)
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        words = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+        r_mask = r < rows
+        w_mask = r_mask[:, None] & (words[None, :] < n_words)
+        meta = tl.load(
+            meta_ptr + r[:, None].to(tl.int64) * n_words + words[None, :], mask=w_mask, other=0
+        ).to(tl.int32)
+        meta = meta & 0xFFFF
+        row_w = r[:, None].to(tl.int64) * cols
+        row_v = r[:, None].to(tl.int64) * (cols // 2)
+        for q in tl.static_range(4):
+            g = words * 4 + q
+            mask = r_mask[:, None] & (g[None, :] < cols // 4)
+            code = (meta >> (4 * q)) & 15
+            idx0 = code & 3
+            idx1 = code >> 2
+            src = v_ptr + row_v + g[None, :] * 2
+            v0 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+            v1 = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
+            base = w_ptr + row_w + g[None, :] * 4
+            for i in tl.static_range(4):
+                val = tl.where(idx0 == i, v0, tl.where(idx1 == i, v1, 0.0))
+                tl.store(base + i, val.to(w_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_device(t: Tensor) -> None:
+    if not available(t.device):
+        raise ValueError(f"the Triton 2:4 kernels need CUDA or TRITON_INTERPRET=1 (got {t.device})")
+
+
+def compress_24_triton(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Row-major (values, meta) of a 2:4 `weight` (validated by the caller) with Triton."""
+    _check_device(weight)
+    weight = weight.contiguous()
+    rows, cols = weight.shape
+    n_words = -(-cols // 16)
+    values = torch.empty(rows, cols // 2, device=weight.device, dtype=weight.dtype)
+    meta = torch.empty(rows, n_words, device=weight.device, dtype=torch.int16)
+    if rows and cols:
+        grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(n_words, BLOCK_W))
+        _compress_kernel[grid](
+            weight, values, meta, rows, cols, n_words, BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W
+        )
+    return values, meta
+
+
+def decompress_24_triton(values: Tensor, meta: Tensor, cols: int) -> Tensor:
+    """Dense (rows, cols) from row-major (values, meta) with Triton (shapes checked by caller)."""
+    _check_device(values)
+    values = values.contiguous()
+    meta = meta.contiguous()
+    rows = values.shape[0]
+    n_words = meta.shape[1]
+    dense = torch.empty(rows, cols, device=values.device, dtype=values.dtype)
+    if rows and cols:
+        grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(n_words, BLOCK_W))
+        _decompress_kernel[grid](
+            values, meta, dense, rows, cols, n_words, BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W
+        )
+    return dense
