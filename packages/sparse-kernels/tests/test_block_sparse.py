@@ -238,3 +238,35 @@ def test_triton_kernels_real_sizes_gpu(tokens, block, dtype):
         K.sdd_dense_reference(dy, x, layout),
         atol=atol * 8, rtol=rtol, name="dW tiles",
     )  # fmt: skip
+
+
+def test_to_block_sparse_replaces_masked_linears_with_same_outputs():
+    from leanlm_testing.models import random_batches, tiny_llama
+    from sparse_kernels import SparsityConfig, sparsify_
+    from sparse_kernels.convert import to_block_sparse_
+
+    model = tiny_llama()
+    batch = random_batches(256, batches=1)[0]
+    sparsify_(model, SparsityConfig(pattern="block", sparsity=0.75, block_size=16))
+    expected = model(**batch).logits
+    new = to_block_sparse_(model, block_size=16, backend="torch")
+    assert len(new) == 14
+    assert isinstance(model.model.layers[0].mlp.up_proj, BlockSparseLinear)
+    assert_verbose_allclose(model(**batch).logits, expected, atol=1e-5, rtol=1e-5, name="logits")
+    assert all(abs(m.density - 0.25) < 0.02 for m in new.values())
+    # trains end to end
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    loss = model(**batch, labels=batch["input_ids"]).loss
+    loss.backward()
+    opt.step()
+    # a non-block mask is refused; an explicit sparsity works without masks
+    other = tiny_llama()
+    sparsify_(other, SparsityConfig(pattern="2:4"))
+    with pytest.raises(ValueError, match="whole 16x16 tiles"):
+        to_block_sparse_(other, block_size=16)
+    plain = tiny_llama()
+    with pytest.raises(ValueError, match="no mask"):
+        to_block_sparse_(plain, block_size=16)
+    to_block_sparse_(plain, block_size=16, sparsity=0.5, targets=[r"mlp\."])
+    assert isinstance(plain.model.layers[1].mlp.down_proj, BlockSparseLinear)

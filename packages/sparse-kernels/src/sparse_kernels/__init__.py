@@ -2,6 +2,7 @@
 
 from sparse_kernels.block_sparse import BlockSparseLinear, block_sparse_linear
 from sparse_kernels.config import SparsityConfig
+from sparse_kernels.convert import to_block_sparse_
 from sparse_kernels.export import (
     load_compressed_,
     load_masks_,
@@ -45,6 +46,7 @@ __all__ = [
     "select_targets",
     "sparsify_",
     "sparsity_report",
+    "to_block_sparse_",
     "to_semi_structured_",
     "unstructured_mask",
 ]

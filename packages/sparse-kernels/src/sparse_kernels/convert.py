@@ -1,0 +1,69 @@
+"""Swap a model's Linear layers for `BlockSparseLinear` (only the active tiles stored)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from sparse_kernels.block_sparse import Backend, BlockSparseLinear
+from sparse_kernels.masks import block_scores
+from sparse_kernels.sparsify import get_mask, select_targets
+
+
+def to_block_sparse_(
+    model: nn.Module,
+    *,
+    block_size: int = 64,
+    sparsity: float | None = None,
+    targets: Sequence[str] | None = None,
+    backend: Backend = "auto",
+) -> dict[str, BlockSparseLinear]:
+    """Replace the targeted Linears of `model` in place by `BlockSparseLinear` modules.
+
+    With `sparsity=None` each target must carry a block-structured mask (e.g. from
+    `sparsify_(model, SparsityConfig(pattern="block", block_size=...))` or a block
+    `GradualPruning`): its tiles are kept exactly. With a `sparsity`, tiles are chosen by mean
+    |W| (`BlockSparseLinear.from_dense`). Weights and biases are copied; the new modules are
+    called like the Linears they replace.
+
+    Args:
+        model: the model.
+        block_size: tile edge.
+        sparsity: fraction of tiles to drop, or None to reuse the existing masks.
+        targets: module regexes as in `SparsityConfig.targets`.
+        backend: `"auto"`, `"torch"` or `"triton"`.
+
+    Returns:
+        Qualified name -> the new module.
+
+    Raises:
+        ValueError: if a target has no mask (with `sparsity=None`) or its mask is not made of
+            whole `block_size` tiles.
+    """
+    out = {}
+    for name, linear in select_targets(model, targets).items():
+        block_mask = None
+        if sparsity is None:
+            mask = get_mask(linear)
+            if mask is None:
+                raise ValueError(
+                    f"{name} has no mask: pass `sparsity`, or sparsify_ with pattern='block' first"
+                )
+            tiles = block_scores(mask.float(), block_size)
+            if not bool(((tiles == 0) | (tiles == 1)).all()):
+                raise ValueError(
+                    f"the mask of {name} is not made of whole {block_size}x{block_size} tiles"
+                )
+            block_mask = tiles == 1
+        new = BlockSparseLinear.from_dense(
+            linear,
+            block_size=block_size,
+            sparsity=0.0 if sparsity is None else sparsity,
+            block_mask=block_mask,
+            backend=backend,
+        )
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, new)
+        out[name] = new
+    return out
