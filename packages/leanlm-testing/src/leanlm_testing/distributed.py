@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,20 @@ def _worker(
     )
     try:
         fn(rank, world_size, *args)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise  # `spawn` reports it with this worker's traceback
+    # Clean exit. No rank may tear its sockets down while a peer still talks to it, and gloo's
+    # worker threads must not outlive the interpreter: a process that reaches interpreter
+    # finalization with a live gloo context (a work handle or group still referenced by a test's
+    # objects) sometimes aborts ("terminate called without an active exception", SIGABRT) after
+    # the test passed. So: barrier, destroy, then leave without running C++ static destructors.
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(

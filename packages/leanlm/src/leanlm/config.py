@@ -159,8 +159,8 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PretrainConfig:
-    """Stage `pretrain`: train the model from scratch, warmup + cosine schedule."""
+class TrainConfig:
+    """Settings shared by the stages that train (warmup + cosine schedule, checkpoints)."""
 
     optimizer: Literal["adamw", "adafactor"] = "adamw"
     """`adamw` (torch) or `adafactor` (optim-adafactor: factored second moments, less memory)."""
@@ -218,8 +218,78 @@ class PretrainConfig:
             raise ConfigError("betas", f"must both be in [0, 1), got {self.betas}")
 
 
-STAGE_NAMES = ("pretrain",)
-"""Stages a run can list, in the order they may appear."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PretrainConfig(TrainConfig):
+    """Stage `pretrain`: train `model` from scratch on the corpus."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PruneConfig:
+    """Stage `prune`: Minitron structured pruning of the previous stage's model (prune-distill).
+
+    Each size left at 0 keeps the model's current value. Importance comes from forward passes
+    over calibration sequences of the training split (no gradients).
+    """
+
+    hidden_size: int = 0
+    """Residual width after pruning (0 = keep)."""
+    intermediate_size: int = 0
+    """MLP width after pruning (0 = keep)."""
+    num_attention_heads: int = 0
+    """Query heads per layer after pruning (0 = keep); trimmed within each KV group."""
+    num_key_value_heads: int = 0
+    """KV groups after pruning (0 = keep); dropping a group drops its query heads."""
+    num_hidden_layers: int = 0
+    """Layers after pruning (0 = keep)."""
+    layer_metric: Literal["block_importance", "lm_loss"] = "block_importance"
+    """How layers are ranked for depth pruning."""
+    calibration_samples: int = 64
+    """Training sequences used to score importance."""
+    calibration_batch_size: int = 16
+    """Sequences per calibration forward pass."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "calibration_samples", "calibration_batch_size")
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "num_hidden_layers",
+        ):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, f"must be >= 0 (0 = keep), got {getattr(self, name)}")
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if heads and kv and heads % kv:
+            raise ConfigError(
+                "num_key_value_heads", f"({kv}) must divide `num_attention_heads` ({heads})"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillConfig(TrainConfig):
+    """Stage `distill`: train the previous stage's model to match a teacher's logits."""
+
+    teacher_stage: str = "pretrain"
+    """The earlier stage whose model is the teacher."""
+    temperature: float = 1.0
+    """Softmax temperature of the KL (the loss is scaled by T^2)."""
+    lm_loss_weight: float = 0.0
+    """Weight of the next-token cross-entropy in the loss (the KL gets 1 - this)."""
+    top_k: int = 0
+    """Distill on the teacher's top-k logits only (0 = the full vocabulary)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "temperature")
+        if not 0.0 <= self.lm_loss_weight <= 1.0:
+            raise ConfigError("lm_loss_weight", f"must be in [0, 1], got {self.lm_loss_weight}")
+        if self.top_k < 0:
+            raise ConfigError("top_k", f"must be >= 0 (0 = full vocabulary), got {self.top_k}")
+
+
+STAGE_NAMES = ("pretrain", "prune", "distill")
+"""Stages a run can list."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -244,6 +314,10 @@ class RunConfig:
     """The model trained by `pretrain`."""
     pretrain: PretrainConfig = dataclasses.field(default_factory=PretrainConfig)
     """Settings of the `pretrain` stage."""
+    prune: PruneConfig = dataclasses.field(default_factory=PruneConfig)
+    """Settings of the `prune` stage."""
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+    """Settings of the `distill` stage."""
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -258,11 +332,44 @@ class RunConfig:
                 "stages",
                 f"{self.stages[0]!r} needs a previous stage's model; start with 'pretrain'",
             )
+        if "distill" in self.stages:
+            teacher = self.distill.teacher_stage
+            before = self.stages[: self.stages.index("distill")]
+            if teacher not in before:
+                raise ConfigError(
+                    "distill.teacher_stage",
+                    f"{teacher!r} must be a stage that runs before 'distill'; stages: "
+                    f"{list(self.stages)}",
+                )
+        self._check_prune_target()
         if self.model.max_position_embeddings < self.data.seq_len:
             raise ConfigError(
                 "model.max_position_embeddings",
                 f"({self.model.max_position_embeddings}) must be >= `data.seq_len` "
                 f"({self.data.seq_len})",
+            )
+
+    def _check_prune_target(self) -> None:
+        target, model = self.prune, self.model
+        kv = target.num_key_value_heads or model.num_key_value_heads
+        heads = target.num_attention_heads or model.num_attention_heads
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "num_hidden_layers",
+        ):
+            value, current = getattr(target, name), getattr(model, name)
+            if value > current:
+                raise ConfigError(
+                    f"prune.{name}",
+                    f"({value}) must be <= `model.{name}` ({current}): pruning only shrinks",
+                )
+        if heads % kv:
+            raise ConfigError(
+                "prune.num_attention_heads",
+                f"({heads}) must be a multiple of the KV heads kept ({kv})",
             )
 
     def stage_config(self, stage: str) -> Any:

@@ -9,7 +9,9 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from leanlm import pretrain as _pretrain  # noqa: F401  (registers the stage)
+from leanlm import distill as _distill  # noqa: F401  (each import registers a stage)
+from leanlm import pretrain as _pretrain  # noqa: F401
+from leanlm import prune as _prune  # noqa: F401
 from leanlm.config import RunConfig, dumps_toml
 from leanlm.report import write_report
 from leanlm.stages import STAGES, RunResources, StageContext, StageResult
@@ -63,6 +65,7 @@ def run_pipeline(
     accelerator.print(f"[leanlm] corpus: {resources.corpus.description}")
 
     results: list[StageResult] = []
+    outputs: dict[str, Path] = {}
     previous_dir: Path | None = None
     previous_hash = ""
     start = time.perf_counter()
@@ -79,6 +82,7 @@ def run_pipeline(
                 run_dir=out_dir,
                 stage_dir=stage_dir,
                 input_dir=previous_dir,
+                outputs=dict(outputs),
                 accelerator=accelerator,
                 resources=resources,
                 resume=resume,
@@ -90,6 +94,7 @@ def run_pipeline(
             accelerator.wait_for_everyone()
         results.append(result)
         previous_dir, previous_hash = out_dir / result.model_dir, digest
+        outputs[name] = previous_dir
     if accelerator.is_main_process:
         report = write_report(out_dir, config, results, corpus=resources.corpus.description)
         accelerator.print(f"[leanlm] done in {time.perf_counter() - start:.0f} s; report: {report}")

@@ -94,6 +94,8 @@ class StageContext:
     """This stage's folder (`run_dir / name`): its `model/`, metrics, checkpoints."""
     input_dir: Path | None
     """The previous stage's model folder; `None` for the first stage."""
+    outputs: dict[str, Path]
+    """Model folders of the stages that ran before this one, by stage name."""
     accelerator: Accelerator
     resources: RunResources
     resume: bool
