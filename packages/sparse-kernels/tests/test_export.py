@@ -63,3 +63,24 @@ def test_compressed_round_trip_is_exact_and_smaller(tmp_path):
         dense_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         # 2:4: linears at 50% + 1/32 meta (fp32); unstructured 60%: 40% kept + 1/32 bitmask
         assert size < 0.75 * dense_bytes, (pattern, size, dense_bytes)
+
+
+def test_compressed_stores_tied_weights_once(tmp_path):
+    from safetensors import safe_open
+
+    model, batch = _sparse_model("2:4")  # tiny_llama ties lm_head to the input embedding
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    expected = model(**batch).logits
+    size = save_compressed(model, tmp_path / "tied.safetensors")
+    with safe_open(str(tmp_path / "tied.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert "lm_head.weight" not in keys
+    assert "model.embed_tokens.weight" in keys
+    embedding_bytes = model.lm_head.weight.numel() * 4
+    fresh = tiny_llama(seed=3)
+    load_compressed_(fresh, tmp_path / "tied.safetensors")
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+    torch.testing.assert_close(fresh(**batch).logits, expected, atol=0, rtol=0)
+    dense_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    # the dense state dict counts the tied embedding twice; the file holds it once
+    assert size < dense_bytes - embedding_bytes

@@ -25,6 +25,8 @@ from sparse_kernels.semi24 import compress_24, decompress_24, mask_24
 from sparse_kernels.sparsify import apply_mask_, masks, remove_masks_
 
 MASKS_FILE = "sparse_masks.safetensors"
+ALIASES_KEY = "sparse_kernels_aliases"
+"""Metadata key of `save_compressed`: tied keys stored once (alias -> stored key)."""
 INFO_FILE = "sparsity.json"
 _BITS = 2 ** torch.arange(8, dtype=torch.int32)
 
@@ -110,12 +112,21 @@ def save_compressed(model: nn.Module, path: str | os.PathLike[str]) -> int:
 
     Masked weights with a 2:4 mask: `{key}.values24` (rows, cols/2) + `{key}.meta24` int16;
     other masked weights: `{key}.bitmask` uint8 + `{key}.kept` (kept values, row-major).
+    Tied tensors (e.g. `lm_head.weight` sharing the input embedding) are stored once; the other
+    keys are recorded as aliases in the file's metadata and restored by `load_compressed_`.
     """
     state = dense_state_dict(model)
     found = {f"{name}.weight": m for name, m in masks(model).items()}
     tensors: dict[str, Tensor] = {}
     formats: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    first_key: dict[tuple[Any, ...], str] = {}
     for key, tensor in state.items():
+        identity = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if tensor.numel() and identity in first_key:  # the same memory under another key
+            aliases[key] = first_key[identity]
+            continue
+        first_key[identity] = key
         value = tensor.detach().cpu()
         mask = found.get(key)
         if mask is None:
@@ -131,7 +142,8 @@ def save_compressed(model: nn.Module, path: str | os.PathLike[str]) -> int:
             tensors[f"{key}.bitmask"] = pack_bits(mask)
             tensors[f"{key}.kept"] = value[mask].contiguous()
             formats[key] = {"format": "bitmask", "shape": list(value.shape)}
-    save_file(tensors, str(path), metadata={"sparse_kernels": json.dumps(formats)})
+    metadata = {"sparse_kernels": json.dumps(formats), ALIASES_KEY: json.dumps(aliases)}
+    save_file(tensors, str(path), metadata=metadata)
     return os.path.getsize(path)
 
 
@@ -147,7 +159,9 @@ def load_compressed_(
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        formats = json.loads((f.metadata() or {}).get("sparse_kernels", "{}"))
+        metadata = f.metadata() or {}
+    formats = json.loads(metadata.get("sparse_kernels", "{}"))
+    aliases = json.loads(metadata.get(ALIASES_KEY, "{}"))
     tensors = load_file(str(path))
     remove_masks_(model)
     state: dict[str, Tensor] = {}
@@ -169,6 +183,8 @@ def load_compressed_(
             weight[mask] = kept
             state[key] = weight
             found[key] = mask
+    for key, original in aliases.items():
+        state[key] = state[original]
     model.load_state_dict(state)
     out = {}
     for key, mask in found.items():
