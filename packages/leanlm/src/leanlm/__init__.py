@@ -1,6 +1,6 @@
 """leanlm: train and compress LLMs with less memory, end to end.
 
-The pipeline runs the stages of a `RunConfig` (today: `pretrain`) and writes a report:
+The pipeline runs the stages of a `RunConfig` (`pretrain` → `prune` → `distill` → `sparsify`, any prefix-consistent subset) and writes a report:
 `leanlm demo`, `leanlm run CONFIG.toml`, or `run_pipeline(config, out_dir)` from Python.
 """
 
@@ -9,9 +9,12 @@ from importlib.metadata import version
 from leanlm.config import (
     ConfigError,
     DataConfig,
+    DistillConfig,
     ModelConfig,
     PretrainConfig,
+    PruneConfig,
     RunConfig,
+    SparsifyConfig,
     TokenizerConfig,
     load_toml,
 )
@@ -23,9 +26,12 @@ __all__ = [
     "PRESETS",
     "ConfigError",
     "DataConfig",
+    "DistillConfig",
     "ModelConfig",
     "PretrainConfig",
+    "PruneConfig",
     "RunConfig",
+    "SparsifyConfig",
     "TokenizerConfig",
     "__version__",
     "load_toml",

@@ -6,6 +6,9 @@ written into a hidden temporary folder and renamed to `step-XXXXXXXX` only when 
 run killed at any moment leaves either a whole checkpoint or none; resuming picks the newest
 whole one. The batch of a step is a pure function of the step (`data.global_batch_indices`),
 so the step number is the whole data position.
+
+A model sharded by shard-zero is not known to accelerate: its checkpoint adds a `zero/` folder
+written by `shard_zero.save_checkpoint` (one file per rank, reshardable), next to the RNG states.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from accelerate import Accelerator
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 TRAINER_STATE = "trainer_state.json"
+ZERO_DIR = "zero"
 
 
 class Checkpointer:
@@ -63,10 +67,18 @@ class Checkpointer:
         self.accelerator.wait_for_everyone()
         return len(stale)
 
-    def save(self, step: int, scheduler: Any, state: dict[str, Any]) -> Path:
+    def save(
+        self,
+        step: int,
+        scheduler: Any,
+        state: dict[str, Any],
+        *,
+        zero: tuple[torch.nn.Module, Any] | None = None,
+    ) -> Path:
         """Write the checkpoint of `step` atomically; every process must call this.
 
-        Half-written folders of a killed run (`.tmp-step-*`) are deleted first.
+        `zero` is the `(model, optimizer)` pair of a shard-zero run. Half-written folders of a
+        killed run (`.tmp-step-*`) are deleted first.
         """
         acc = self.accelerator
         final = self.directory / f"step-{step:08d}"
@@ -76,7 +88,11 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
-        acc.save_state(str(tmp))  # model, optimizer, per-process RNG states
+        acc.save_state(str(tmp))  # prepared model and optimizer, per-process RNG states
+        if zero is not None:
+            from shard_zero import save_checkpoint
+
+            save_checkpoint(tmp / ZERO_DIR, *zero)
         acc.wait_for_everyone()
         if acc.is_main_process:
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -89,9 +105,25 @@ class Checkpointer:
         acc.wait_for_everyone()
         return final
 
-    def load(self, path: Path, scheduler: Any) -> dict[str, Any]:
-        """Restore prepared objects, RNG and `scheduler` from `path`; returns the trainer state."""
+    def load(
+        self, path: Path, scheduler: Any, *, zero: tuple[torch.nn.Module, Any] | None = None
+    ) -> dict[str, Any]:
+        """Restore prepared objects, RNG and `scheduler` from `path`; returns the trainer state.
+
+        Raises:
+            ValueError: the checkpoint was (not) written by a shard-zero run and this one is
+                (not) sharded.
+        """
+        if (zero is not None) != (path / ZERO_DIR).is_dir():
+            raise ValueError(
+                f"{path} was written {'with' if (path / ZERO_DIR).is_dir() else 'without'} "
+                f"shard-zero, but this run is {'' if zero is not None else 'not '}sharded"
+            )
         self.accelerator.load_state(str(path))
+        if zero is not None:
+            from shard_zero import load_checkpoint
+
+            load_checkpoint(path / ZERO_DIR, *zero)
         scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
         state: dict[str, Any] = json.loads((path / TRAINER_STATE).read_text())
         return state

@@ -15,7 +15,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="leanlm",
         description="Train and compress small LLMs with less memory: run a pipeline of stages "
-        "(today: pretrain) and get a report.",
+        "(pretrain, prune, distill, sparsify) and get a report.",
         epilog="Several processes: `torchrun --nproc_per_node 2 -m leanlm run CONFIG.toml` or "
         "`accelerate launch --multi_gpu --num_processes 2 -m leanlm run CONFIG.toml`.",
     )
@@ -50,10 +50,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"leanlm: error: {err}", file=sys.stderr)
         return 2
     from leanlm.pipeline import run_pipeline  # heavy imports only once the config is valid
+    from leanlm.trainer import TrainingDiverged
 
     try:
         run_pipeline(config, out, resume=args.resume)
-    except (FileExistsError, ValueError) as err:
+    except (FileExistsError, ValueError, TrainingDiverged) as err:
         print(f"leanlm: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()  # before interpreter exit: gloo threads must not outlive it
     return 0

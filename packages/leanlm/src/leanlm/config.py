@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import re
 import tomllib
 import types
 import typing
@@ -162,8 +163,13 @@ class ModelConfig:
 class TrainConfig:
     """Settings shared by the stages that train (warmup + cosine schedule, checkpoints)."""
 
-    optimizer: Literal["adamw", "adafactor"] = "adamw"
-    """`adamw` (torch) or `adafactor` (optim-adafactor: factored second moments, less memory)."""
+    optimizer: Literal["came", "adamw", "adafactor"] = "came"
+    """`came` (optim-came: Adam-like quality at about half AdamW's optimizer memory), `adamw`
+    (torch) or `adafactor` (optim-adafactor: factored second moments, least memory)."""
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """With several processes: 0 = replicate (accelerate DDP); 1/2/3 = shard optimizer state /
+    + gradients / + parameters across processes with shard-zero (CPU/gloo for now). Ignored with
+    one process."""
     steps: int = 200
     """Optimizer steps."""
     micro_batch_size: int = 8
@@ -179,7 +185,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (norm weights are not decayed)."""
     betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas (unused by Adafactor)."""
+    """AdamW betas; CAME takes β1 from here (β2, β3 = 0.999, 0.9999); Adafactor ignores them."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 = no clipping)."""
     eval_every: int = 50
@@ -192,6 +198,9 @@ class TrainConfig:
     """Training checkpoints kept on disk (older ones are deleted)."""
     log_every: int = 1
     """Write a `metrics.jsonl` / TensorBoard row every this many steps."""
+    max_bad_steps: int = 10
+    """Steps with a NaN/inf loss or gradient are skipped; past this many the stage writes a
+    checkpoint and stops with an error."""
 
     def __post_init__(self) -> None:
         _positive(
@@ -205,7 +214,13 @@ class TrainConfig:
             "keep_checkpoints",
             "log_every",
         )
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "checkpoint_every"):
+        for name in (
+            "warmup_steps",
+            "weight_decay",
+            "grad_clip",
+            "checkpoint_every",
+            "max_bad_steps",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)!r}")
         if self.warmup_steps >= self.steps:
@@ -288,7 +303,58 @@ class DistillConfig(TrainConfig):
             raise ConfigError("top_k", f"must be >= 0 (0 = full vocabulary), got {self.top_k}")
 
 
-STAGE_NAMES = ("pretrain", "prune", "distill")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SparsifyConfig(TrainConfig):
+    """Stage `sparsify`: one-shot pruning of the decoder Linears (sparse-kernels), then a short
+    sparse fine-tune (next-token loss) with the masks held; `steps` = 0 skips the fine-tune.
+
+    The fine-tune runs replicated (`zero_stage` must stay 0: masks under shard-zero are not
+    supported yet). The output folder holds the dense-format model with zeros baked in (loads
+    with `AutoModelForCausalLM`) plus its masks; `compressed.safetensors` next to it is the
+    compact format (2:4 values + metadata, or bitmask + kept values).
+    """
+
+    pattern: str = "2:4"
+    """`"N:M"` (keep N of every M input weights), `"unstructured"` or `"block"`."""
+    method: Literal["magnitude", "wanda", "sparsegpt"] = "wanda"
+    """How weights are scored: |W|, Wanda |W|·‖X‖, or SparseGPT (OBS with weight updates)."""
+    sparsity: float = 0.5
+    """Fraction of zeros for `unstructured` / `block` (N:M patterns fix it at 1 - N/M)."""
+    block_size: int = 16
+    """Tile edge for `pattern = "block"`."""
+    calibration_samples: int = 64
+    """Training sequences used for Wanda / SparseGPT statistics."""
+    calibration_batch_size: int = 16
+    """Sequences per calibration forward pass."""
+    steps: int = 50
+    lr: float = 1e-3
+    warmup_steps: int = 5
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ConfigError("steps", f"must be >= 0 (0 = no fine-tune), got {self.steps}")
+        if self.steps:  # the training settings matter only when there is a fine-tune
+            super().__post_init__()
+        _positive(self, "calibration_samples", "calibration_batch_size", "block_size")
+        if self.zero_stage:
+            raise ConfigError(
+                "zero_stage",
+                f"({self.zero_stage}) must be 0: sparse fine-tuning under shard-zero is not "
+                "supported yet",
+            )
+        nm = re.fullmatch(r"(\d+):(\d+)", self.pattern)
+        if nm is None and self.pattern not in ("unstructured", "block"):
+            raise ConfigError(
+                "pattern", f"must be 'N:M' (e.g. '2:4'), 'unstructured' or 'block', got "
+                f"{self.pattern!r}"
+            )
+        if nm is not None and not 0 < int(nm[1]) < int(nm[2]):
+            raise ConfigError("pattern", f"N:M needs 0 < N < M, got {self.pattern!r}")
+        if not 0.0 <= self.sparsity < 1.0:
+            raise ConfigError("sparsity", f"must be in [0, 1), got {self.sparsity}")
+
+
+STAGE_NAMES = ("pretrain", "prune", "distill", "sparsify")
 """Stages a run can list."""
 
 
@@ -318,6 +384,8 @@ class RunConfig:
     """Settings of the `prune` stage."""
     distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
     """Settings of the `distill` stage."""
+    sparsify: SparsifyConfig = dataclasses.field(default_factory=SparsifyConfig)
+    """Settings of the `sparsify` stage."""
 
     def __post_init__(self) -> None:
         if not self.stages:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
@@ -60,9 +61,25 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window (per stage): CUDA peak stats, or Linux's VmHWM.
+
+    Elsewhere the peak stays the process's lifetime peak (`getrusage` cannot be reset).
+    """
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError):  # Linux >= 4.0: "5" resets the peak RSS (VmHWM)
+        Path("/proc/self/clear_refs").write_text("5")
+
+
 def peak_memory_mib(device: torch.device) -> float:
-    """Peak memory of this process: CUDA max allocated on GPU, else peak RSS."""
+    """Peak memory of this process since `reset_peak_memory`: CUDA max allocated, else peak RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**10  # kB
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -51,3 +53,24 @@ def build_model(config: ModelConfig, *, tokenizer: object, seed: int) -> LlamaFo
 def count_parameters(model: torch.nn.Module) -> int:
     """Distinct parameters (a tied embedding counts once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def weights_stats(model_dir: Path) -> dict[str, int]:
+    """Size and counts of the weights a model folder stores (its `*.safetensors` files).
+
+    Returns `weights_bytes` (on disk), `stored_params` (elements; a tied embedding is stored
+    once) and `nonzero_params` (elements that are not exactly zero, what a sparse format keeps).
+    """
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    stats = {"weights_bytes": sum(f.stat().st_size for f in files)}
+    numel = nonzero = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                tensor = f.get_tensor(key)
+                numel += tensor.numel()
+                nonzero += int(torch.count_nonzero(tensor))
+    stats.update(stored_params=numel, nonzero_params=nonzero)
+    return stats

@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
 
-OptimizerName = Literal["adamw", "adafactor"]
-"""`adamw`: `torch.optim.AdamW`; `adafactor`: `optim_adafactor.Adafactor` (factored second
-moments: O(rows + cols) state per matrix instead of AdamW's two full-size buffers)."""
+OptimizerName = Literal["came", "adamw", "adafactor"]
+"""`came`: `optim_came.CAME` (Adam-like quality, factored second moments: about half AdamW's
+state); `adamw`: `torch.optim.AdamW`; `adafactor`: `optim_adafactor.Adafactor` (factored second
+moments, no first moment: O(rows + cols) state per matrix)."""
+
+OPTIMIZERS: tuple[str, ...] = ("came", "adamw", "adafactor")
 
 
-def decay_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two groups: matrices (decayed) and vectors such as norm weights (not decayed)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [
+def decay_param_groups(
+    params: Iterable[torch.Tensor], weight_decay: float
+) -> list[dict[str, Any]]:
+    """Matrices (decayed) and vectors such as norm weights (not decayed); empty groups dropped.
+
+    Works on a model's parameters and on shard-zero's row shards alike (a row shard of a matrix
+    is still 2-D).
+    """
+    params = [p for p in params if p.requires_grad]
+    groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
+    return [g for g in groups if g["params"]]
 
 
 def build_optimizer(
@@ -28,16 +39,34 @@ def build_optimizer(
     weight_decay: float,
     betas: tuple[float, float],
 ) -> torch.optim.Optimizer:
-    """The optimizer `name` over `model`'s trainable parameters.
+    """The optimizer `name` over `model`'s trainable parameters."""
+    groups = decay_param_groups(model.parameters(), weight_decay)
+    return optimizer_over(name, groups, lr=lr, betas=betas)
+
+
+def optimizer_over(
+    name: OptimizerName,
+    params: list[Any],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+) -> torch.optim.Optimizer:
+    """The optimizer `name` over `params` (tensors or param-group dicts).
 
     The learning rate is driven from outside (warmup + cosine scheduler), so Adafactor runs with
     an explicit `lr` and without its relative step and parameter-scale heuristics (HF's
-    recommended settings for an external schedule). `betas` apply to AdamW only.
+    recommended settings for an external schedule). CAME uses `betas[0]` as its β1 with its
+    default β2 = 0.999 and β3 = 0.9999, and `instability_init=1.0` (no early update spike; see
+    the optim-came README). AdamW uses `betas` as given.
 
     Raises:
         ValueError: for an unknown `name`.
     """
-    groups = decay_param_groups(model, weight_decay)
+    groups = params
+    if name == "came":
+        from optim_came import CAME
+
+        return CAME(groups, lr=lr, betas=(betas[0], 0.999, 0.9999), instability_init=1.0)
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=betas)
     if name == "adafactor":
@@ -46,4 +75,4 @@ def build_optimizer(
         return Adafactor(
             groups, lr=lr, relative_step=False, scale_parameter=False, warmup_init=False
         )
-    raise ValueError(f"`optimizer` ({name!r}) must be one of ['adamw', 'adafactor']")
+    raise ValueError(f"`optimizer` ({name!r}) must be one of {list(OPTIMIZERS)}")

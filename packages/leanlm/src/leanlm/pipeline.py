@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from pathlib import Path
@@ -12,7 +13,9 @@ from accelerate import Accelerator
 from leanlm import distill as _distill  # noqa: F401  (each import registers a stage)
 from leanlm import pretrain as _pretrain  # noqa: F401
 from leanlm import prune as _prune  # noqa: F401
+from leanlm import sparsify as _sparsify  # noqa: F401
 from leanlm.config import RunConfig, dumps_toml
+from leanlm.model import weights_stats
 from leanlm.report import write_report
 from leanlm.stages import STAGES, RunResources, StageContext, StageResult
 
@@ -89,6 +92,8 @@ def run_pipeline(
                 config_hash=digest,
             )
             result = STAGES[name]().run(ctx)
+            stored_weights = weights_stats(out_dir / result.model_dir)
+            result = dataclasses.replace(result, metrics={**stored_weights, **result.metrics})
             if accelerator.is_main_process:
                 result.save(stage_dir)
             accelerator.wait_for_everyone()
