@@ -11,11 +11,12 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("leanlm-cache")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_config(cache_dir):
     """A run that trains a ~40k-parameter Llama for a few seconds; `**changes` per section."""
 
     def make(*, pretrain=None, **changes):
+        # sections other than `pretrain` are passed as whole config objects
         base = RunConfig(
             name="tiny",
             cache_dir=str(cache_dir),

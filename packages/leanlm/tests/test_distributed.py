@@ -1,4 +1,8 @@
-"""Two gloo processes (torchrun -> accelerate) train like one process with the same global batch."""
+"""Two gloo processes (torchrun -> accelerate) train like one process with the same global batch.
+
+Replicated (DDP) and sharded with shard-zero (ZeRO-2 with CAME, ZeRO-3 with Adafactor: the
+factored optimizers stay exact because shards are whole rows).
+"""
 
 import json
 import os
@@ -22,11 +26,15 @@ def _losses(run_dir):
 
 
 @pytest.mark.distributed
-def test_two_processes_match_one_with_the_same_global_batch(tmp_path, tiny_config):
+@pytest.mark.parametrize(("optimizer", "zero_stage"), [("adamw", 0), ("came", 2), ("adafactor", 3)])
+def test_two_processes_match_one_with_the_same_global_batch(
+    tmp_path, tiny_config, optimizer, zero_stage
+):
     # Global batch 8 either way: 1 process x 4 sequences x 2 accumulation steps, or
-    # 2 processes x 4 sequences x 1 step (gradients averaged by DDP over gloo).
-    one = tiny_config(pretrain={"steps": 20, "micro_batch_size": 4, "grad_accum_steps": 2})
-    two = tiny_config(pretrain={"steps": 20, "micro_batch_size": 4, "grad_accum_steps": 1})
+    # 2 processes x 4 sequences x 1 step (gradients averaged over gloo by DDP or shard-zero).
+    common = {"steps": 20, "micro_batch_size": 4, "optimizer": optimizer}
+    one = tiny_config(pretrain={**common, "grad_accum_steps": 2})
+    two = tiny_config(pretrain={**common, "grad_accum_steps": 1, "zero_stage": zero_stage})
     (tmp_path / "one.toml").write_text(dumps_toml(one))
     (tmp_path / "two.toml").write_text(dumps_toml(two))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -58,12 +66,16 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path, tiny_confi
         timeout=300,
     )
     assert two_run.returncode == 0, two_run.stderr[-3000:]
-    assert "on 2 process(es)" in two_run.stdout + two_run.stderr
+    expected = f"on 2 process(es) ZeRO-{zero_stage}" if zero_stage else "on 2 process(es) DDP"
+    assert expected in two_run.stdout + two_run.stderr
 
     result = json.loads((tmp_path / "two" / "pretrain" / "result.json").read_text())
     assert result["metrics"]["processes"] == 2
-    # fp32 sums in a different order (per-rank then all-reduce vs. sequential accumulation)
-    # perturb gradients by ~1e-7 relative; over 20 AdamW steps that stays below 1e-5 in the loss.
+    if zero_stage:
+        assert result["metrics"]["model_state_mib"] > 0
+    # fp32 sums in a different order (per-rank then all-reduce vs. sequential accumulation, and
+    # for the sharded runs cross-rank sums of the factored statistics) perturb gradients by
+    # ~1e-7 relative; over 20 steps that stays below 1e-5 in the loss.
     torch.testing.assert_close(
         _losses(tmp_path / "two"), _losses(tmp_path / "one"), atol=1e-5, rtol=1e-5
     )

@@ -1,7 +1,8 @@
 """leanlm: train and compress LLMs with less memory, end to end.
 
-The pipeline runs the stages of a `RunConfig` (`pretrain` → `prune` → `distill` → `sparsify`, any prefix-consistent subset) and writes a report:
-`leanlm demo`, `leanlm run CONFIG.toml`, or `run_pipeline(config, out_dir)` from Python.
+The pipeline runs the stages of a `RunConfig` (`pretrain` → `prune` → `distill` → `sparsify`)
+and writes a report: `leanlm demo`, `leanlm run CONFIG.toml`, or `run_pipeline(config, out_dir)`
+from Python.
 """
 
 from importlib.metadata import version

@@ -50,16 +50,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"leanlm: error: {err}", file=sys.stderr)
         return 2
     from leanlm.pipeline import run_pipeline  # heavy imports only once the config is valid
-    from leanlm.trainer import TrainingDiverged
+    from leanlm.trainer import TrainingDivergedError
 
     try:
         run_pipeline(config, out, resume=args.resume)
-    except (FileExistsError, ValueError, TrainingDiverged) as err:
+    except (FileExistsError, ValueError, TrainingDivergedError) as err:
         print(f"leanlm: error: {err}", file=sys.stderr)
         return 2
     finally:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()  # before interpreter exit: gloo threads must not outlive it
+            # before interpreter exit: gloo's threads must not outlive the interpreter
+            dist.destroy_process_group()
     return 0

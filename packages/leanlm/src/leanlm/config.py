@@ -305,8 +305,10 @@ class DistillConfig(TrainConfig):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SparsifyConfig(TrainConfig):
-    """Stage `sparsify`: one-shot pruning of the decoder Linears (sparse-kernels), then a short
-    sparse fine-tune (next-token loss) with the masks held; `steps` = 0 skips the fine-tune.
+    """Stage `sparsify`: one-shot pruning of the decoder Linears, then a sparse fine-tune.
+
+    Pruning is sparse-kernels' `sparsify_`; the fine-tune (next-token loss) keeps the masks
+    fixed; `steps` = 0 skips it.
 
     The fine-tune runs replicated (`zero_stage` must stay 0: masks under shard-zero are not
     supported yet). The output folder holds the dense-format model with zeros baked in (loads
@@ -345,8 +347,8 @@ class SparsifyConfig(TrainConfig):
         nm = re.fullmatch(r"(\d+):(\d+)", self.pattern)
         if nm is None and self.pattern not in ("unstructured", "block"):
             raise ConfigError(
-                "pattern", f"must be 'N:M' (e.g. '2:4'), 'unstructured' or 'block', got "
-                f"{self.pattern!r}"
+                "pattern",
+                f"must be 'N:M' (e.g. '2:4'), 'unstructured' or 'block', got {self.pattern!r}",
             )
         if nm is not None and not 0 < int(nm[1]) < int(nm[2]):
             raise ConfigError("pattern", f"N:M needs 0 < N < M, got {self.pattern!r}")

@@ -56,14 +56,14 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 
 def weights_stats(model_dir: Path) -> dict[str, int]:
-    """Size and counts of the weights a model folder stores (its `*.safetensors` files).
+    """Size and counts of the weights a model folder stores (`model*.safetensors`).
 
     Returns `weights_bytes` (on disk), `stored_params` (elements; a tied embedding is stored
     once) and `nonzero_params` (elements that are not exactly zero, what a sparse format keeps).
     """
     from safetensors import safe_open
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    files = sorted(Path(model_dir).glob("model*.safetensors"))  # not masks etc.
     stats = {"weights_bytes": sum(f.stat().st_size for f in files)}
     numel = nonzero = 0
     for file in files:

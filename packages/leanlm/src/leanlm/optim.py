@@ -15,9 +15,7 @@ moments, no first moment: O(rows + cols) state per matrix)."""
 OPTIMIZERS: tuple[str, ...] = ("came", "adamw", "adafactor")
 
 
-def decay_param_groups(
-    params: Iterable[torch.Tensor], weight_decay: float
-) -> list[dict[str, Any]]:
+def decay_param_groups(params: Iterable[torch.Tensor], weight_decay: float) -> list[dict[str, Any]]:
     """Matrices (decayed) and vectors such as norm weights (not decayed); empty groups dropped.
 
     Works on a model's parameters and on shard-zero's row shards alike (a row shard of a matrix

@@ -15,13 +15,15 @@ from leanlm.config import (
     TokenizerConfig,
 )
 
-
 ALL_STAGES = ("pretrain", "prune", "distill", "sparsify")
 
 
 def smoke() -> RunConfig:
-    """CI-sized: a ~0.2M-parameter Llama on 1.5 MB of the standard library, pruned to 3/4 of
-    its width, distilled, then 2:4 sparsified and fine-tuned; under 2 min on 2 cores."""
+    """CI-sized: a ~0.2M-parameter Llama on 1.5 MB of the standard library.
+
+    Pruned to 3/4 of its width, distilled, then 2:4 sparsified and fine-tuned; under 2 min on
+    2 cores.
+    """
     return RunConfig(
         name="smoke",
         stages=ALL_STAGES,

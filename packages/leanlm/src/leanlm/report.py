@@ -51,12 +51,7 @@ def stage_table(results: list[StageResult]) -> str:
     """A markdown table with one row per stage."""
     header = "| " + " | ".join(title for _, title in COLUMNS) + " |"
     rule = "|" + "|".join("---" if key == "stage" else "---:" for key, _ in COLUMNS) + "|"
-    rows = [
-        "| "
-        + " | ".join(_fmt(_row(r).get(key)) for key, _ in COLUMNS)
-        + " |"
-        for r in results
-    ]
+    rows = ["| " + " | ".join(_fmt(_row(r).get(key)) for key, _ in COLUMNS) + " |" for r in results]
     return "\n".join([header, rule, *rows])
 
 

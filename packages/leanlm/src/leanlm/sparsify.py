@@ -76,9 +76,7 @@ class Sparsify:
         sparsify_(model, sparsity_config(cfg), calibration=batches)
         report = sparsity_report(model)
         target = sum(model.get_submodule(n).weight.numel() for n in report)
-        zeros = sum(
-            frac * model.get_submodule(n).weight.numel() for n, frac in report.items()
-        )
+        zeros = sum(frac * model.get_submodule(n).weight.numel() for n, frac in report.items())
         one_shot = evaluate_perplexity(
             model, ctx.resources.validation_windows, autocast=acc.autocast
         )

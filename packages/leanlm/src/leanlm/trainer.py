@@ -10,14 +10,14 @@ Data parallelism is accelerate's DDP by default; with `zero_stage` 1-3 and sever
 model and optimizer are sharded by shard-zero instead (row-sharded fp32 masters, exact for CAME
 and Adafactor), with the same batches and the same loop. A step whose loss (or gradient norm) is
 not finite on any process is skipped and counted; past `max_bad_steps` skips the run writes a
-checkpoint and stops with `TrainingDiverged`.
+checkpoint and stops with `TrainingDivergedError`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ SaveFn = Callable[[torch.nn.Module, Path, dict[str, torch.Tensor] | None], None]
 parameters live in shards and had to be gathered)."""
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDivergedError(RuntimeError):
     """The loss stayed NaN/inf for more steps than `max_bad_steps`; a checkpoint was written."""
 
 
@@ -69,7 +69,7 @@ class _Parallel:
         if cfg.zero_stage and not self.zero_stage:
             acc.print(f"[{ctx.stage_dir.name}] zero_stage={cfg.zero_stage} ignored: 1 process")
 
-        def make_optimizer(params: Iterator[torch.Tensor] | list[torch.Tensor]) -> Any:
+        def make_optimizer(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
             groups = decay_param_groups(params, cfg.weight_decay)
             return optimizer_over(cfg.optimizer, groups, lr=cfg.lr, betas=cfg.betas)
 
@@ -94,7 +94,7 @@ class _Parallel:
 
     def clip(self, max_norm: float) -> torch.Tensor:
         if self.zero_stage:
-            norm: torch.Tensor = self.optimizer.clip_grad_norm_(max_norm)  # type: ignore[attr-defined]
+            norm: torch.Tensor = self.optimizer.clip_grad_norm_(max_norm)
             return norm
         return self.acc.clip_grad_norm_(self.model.parameters(), max_norm)  # type: ignore[no-any-return]
 
@@ -139,7 +139,7 @@ def train(
     `save`, and the tokenizer). Returns the stage's report metrics.
 
     Raises:
-        TrainingDiverged: more than `cfg.max_bad_steps` steps had a non-finite loss.
+        TrainingDivergedError: more than `cfg.max_bad_steps` steps had a non-finite loss.
     """
     name = ctx.stage_dir.name
     acc = ctx.accelerator
@@ -254,7 +254,7 @@ def train(
             path = checkpoint(done)
             bar.close()
             log.close()
-            raise TrainingDiverged(
+            raise TrainingDivergedError(
                 f"[{name}] the loss or gradient was NaN/inf on {bad_steps} steps, more than "
                 f"`{name}.max_bad_steps` ({cfg.max_bad_steps}); stopped at step {done} with a "
                 f"checkpoint in {path}. Lower `{name}.lr`, raise `{name}.warmup_steps` or "

@@ -1,0 +1,62 @@
+"""NaN/inf losses are skipped and counted; past the limit the stage stops with a checkpoint."""
+
+import json
+
+import pytest
+import torch
+
+import leanlm.pretrain
+from leanlm.cli import main
+from leanlm.config import dumps_toml
+from leanlm.pipeline import run_pipeline
+from leanlm.trainer import TrainingDivergedError, causal_lm_loss
+
+
+def _poison(monkeypatch, bad_calls):
+    """Make the pretrain loss NaN on the given (1-based) calls."""
+    calls = {"n": 0}
+
+    def loss_fn(model, input_ids):
+        calls["n"] += 1
+        loss = causal_lm_loss(model, input_ids)
+        return loss * float("nan") if calls["n"] in bad_calls else loss
+
+    monkeypatch.setattr(leanlm.pretrain, "causal_lm_loss", loss_fn)
+
+
+def _rows(run_dir):
+    text = (run_dir / "pretrain" / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_nan_steps_are_skipped_and_counted(tmp_path, tiny_config, monkeypatch):
+    config = tiny_config(pretrain={"steps": 8, "max_bad_steps": 3, "checkpoint_every": 0})
+    _poison(monkeypatch, {3, 5})
+    (result,) = run_pipeline(config, tmp_path / "run")
+    assert result.metrics["bad_steps"] == 2
+    assert torch.isfinite(torch.tensor(result.metrics["val_loss"]))
+    rows = [r for r in _rows(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert rows[-1]["bad_steps"] == 2
+    # the skipped steps did not touch the weights: everything after them stays finite
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows if r["step"] not in (3, 5))
+
+
+def test_too_many_nan_steps_stop_with_a_checkpoint(tmp_path, tiny_config, monkeypatch):
+    config = tiny_config(pretrain={"steps": 12, "max_bad_steps": 2})
+    _poison(monkeypatch, set(range(4, 100)))
+    with pytest.raises(
+        TrainingDivergedError, match=r"NaN/inf on 3 steps.*`pretrain.max_bad_steps` \(2\)"
+    ):
+        run_pipeline(config, tmp_path / "run")
+    checkpoints = sorted(p.name for p in (tmp_path / "run" / "pretrain" / "checkpoints").iterdir())
+    assert checkpoints[-1] == "step-00000006"  # 3 good steps, then the 3rd bad one stopped it
+    assert not (tmp_path / "run" / "pretrain" / "result.json").exists()
+
+
+def test_cli_reports_divergence(tmp_path, tiny_config, monkeypatch, capsys):
+    config = tiny_config(pretrain={"steps": 12, "max_bad_steps": 0})
+    (tmp_path / "c.toml").write_text(dumps_toml(config))
+    _poison(monkeypatch, {2})
+    assert main(["run", str(tmp_path / "c.toml"), "--out", str(tmp_path / "run")]) == 2
+    assert "max_bad_steps" in capsys.readouterr().err
