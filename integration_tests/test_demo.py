@@ -1,19 +1,28 @@
-"""The README's main job, `leanlm demo --preset smoke`, end to end in a fresh process."""
+"""The README's main job, `leanlm demo --preset smoke`, end to end in fresh processes.
+
+One process, and two gloo processes started by the demo itself (`--processes 2` -> torchrun; the
+training stages then run sharded with shard-zero ZeRO-2 and CAME).
+"""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+STAGES = ["pretrain", "prune", "distill", "sparsify"]
 
-def test_smoke_demo_end_to_end(tmp_path):
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.distributed)])
+def test_smoke_demo_end_to_end(tmp_path, nproc):
     out = tmp_path / "demo"
     env = {**os.environ, "LEANLM_CACHE_DIR": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "leanlm", "demo", "--preset", "smoke", "--out", str(out)]
     done = subprocess.run(
-        [sys.executable, "-m", "leanlm", "demo", "--preset", "smoke", "--out", str(out)],
+        [*cmd, "--processes", str(nproc)],
         check=False,
         capture_output=True,
         text=True,
@@ -23,20 +32,32 @@ def test_smoke_demo_end_to_end(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
 
     report = (out / "report.md").read_text()
-    assert "| pretrain |" in report
+    for stage in STAGES:
+        assert f"| {stage} |" in report
     assert "![loss curves](loss.png)" in report
     assert (out / "loss.png").is_file()
-    result = json.loads((out / "pretrain" / "result.json").read_text())
-    assert 100_000 < result["metrics"]["params"] < 1_000_000
+    assert (out / "size.png").is_file()
+    metrics = {
+        stage: json.loads((out / stage / "result.json").read_text())["metrics"] for stage in STAGES
+    }
+    assert all(m["processes"] == nproc for m in metrics.values())
+    if nproc == 2:
+        assert metrics["pretrain"]["parallel"] == "ZeRO-2"
+    assert 100_000 < metrics["pretrain"]["params"] < 1_000_000
+    assert metrics["prune"]["params"] < 0.8 * metrics["pretrain"]["params"]
     # Uniform guessing over the 2048-token vocabulary has perplexity 2048; the smoke model must
-    # have learned a lot more than that (measured: ~400 after 200 steps).
-    assert result["metrics"]["val_perplexity"] < 1000
+    # have learned a lot more than that (measured: 374 with 1 process, 330 with 2).
+    assert metrics["pretrain"]["val_perplexity"] < 1000
+    # Measured: pruned 424 -> distilled 389 (1 process), 404 -> 341 (2 processes).
+    assert metrics["distill"]["val_perplexity"] < 0.95 * metrics["prune"]["val_perplexity"]
+    assert metrics["sparsify"]["nonzero_params"] < metrics["sparsify"]["stored_params"]
 
-    folder = out / "pretrain" / "model"
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    ids = tokenizer("import sys\n", return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        generated = model.generate(ids, max_new_tokens=8, do_sample=False)
-    assert generated.shape[1] == ids.shape[1] + 8
-    assert isinstance(tokenizer.decode(generated[0]), str)
+    for stage in STAGES:
+        folder = out / stage / "model"
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        ids = tokenizer("import sys\n", return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            generated = model.generate(ids, max_new_tokens=8, do_sample=False)
+        assert generated.shape[1] == ids.shape[1] + 8, stage
+        assert isinstance(tokenizer.decode(generated[0]), str)

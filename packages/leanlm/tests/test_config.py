@@ -1,5 +1,4 @@
 import dataclasses
-from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -72,6 +71,36 @@ def test_fingerprint_changes_only_with_the_named_sections():
             "model.max_position_embeddings",
             "(1024) must be >= `data.seq_len` (2048)",
         ),
+        # stages after pretrain
+        ({"stages": ["prune", "distill"]}, "stages", "needs a previous stage's model"),
+        ({"stages": ["pretrain", "pretrain"]}, "stages", "lists a stage twice"),
+        (
+            {"stages": ["pretrain", "distill"], "distill": {"teacher_stage": "prune"}},
+            "distill.teacher_stage",
+            "'prune' must be a stage that runs before 'distill'",
+        ),
+        ({"pretrain": {"optimizer": "lion"}}, "pretrain.optimizer", "must be one of ['came'"),
+        ({"pretrain": {"zero_stage": 4}}, "pretrain.zero_stage", "must be one of [0, 1, 2, 3]"),
+        ({"pretrain": {"max_bad_steps": -1}}, "pretrain.max_bad_steps", "must be >= 0"),
+        (
+            {"prune": {"hidden_size": 512}},
+            "prune.hidden_size",
+            "(512) must be <= `model.hidden_size` (256): pruning only shrinks",
+        ),
+        (
+            {"prune": {"num_attention_heads": 3}},
+            "prune.num_attention_heads",
+            "(3) must be a multiple of the KV heads kept (2)",
+        ),
+        ({"prune": {"layer_metric": "random"}}, "prune.layer_metric", "must be one of"),
+        ({"distill": {"lm_loss_weight": 2.0}}, "distill.lm_loss_weight", "must be in [0, 1]"),
+        ({"distill": {"temperature": 0}}, "distill.temperature", "must be > 0"),
+        ({"sparsify": {"pattern": "4:2"}}, "sparsify.pattern", "needs 0 < N < M"),
+        ({"sparsify": {"pattern": "dense"}}, "sparsify.pattern", "must be 'N:M'"),
+        ({"sparsify": {"method": "random"}}, "sparsify.method", "must be one of"),
+        ({"sparsify": {"sparsity": 1.0}}, "sparsify.sparsity", "must be in [0, 1)"),
+        ({"sparsify": {"zero_stage": 2}}, "sparsify.zero_stage", "not supported yet"),
+        ({"sparsify": {"steps": -1}}, "sparsify.steps", "must be >= 0"),
     ],
 )
 def test_bad_values_name_the_key(data, key, text):
@@ -129,9 +158,7 @@ def test_cli_help_lists_commands(capsys):
     assert "run" in out
 
 
-def test_example_configs_load():
-    configs = sorted((Path(__file__).parents[1] / "configs").glob("*.toml"))
-    assert configs, "packages/leanlm/configs/ should hold example configs"
-    for path in configs:
-        config = load_toml(path)
-        assert config.stages[0] == "pretrain", path
+def test_sparsify_without_fine_tune_needs_no_training_settings():
+    config = from_dict(RunConfig, {"sparsify": {"steps": 0, "warmup_steps": 0}})
+    assert config.sparsify.steps == 0
+    assert from_dict(RunConfig, {"sparsify": {"steps": 0}}).sparsify.warmup_steps == 5

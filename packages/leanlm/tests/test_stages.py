@@ -119,3 +119,19 @@ def test_resume_between_stages_skips_finished_ones(tmp_path, tiny_config):
     assert (first / "prune" / "result.json").read_text() == before  # not recomputed
     rows = (first / "distill" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(rows[-1])["step"] == config.distill.steps
+
+
+def test_one_shot_sparsify_without_fine_tune(tmp_path, tiny_config):
+    config = tiny_config(
+        stages=("pretrain", "sparsify"),
+        sparsify=SparsifyConfig(steps=0, pattern="unstructured", sparsity=0.7, method="magnitude"),
+    )
+    _, sparse = run_pipeline(config, tmp_path / "run")
+    metrics = sparse.metrics
+    assert metrics["tokens"] == 0
+    assert metrics["val_perplexity"] == pytest.approx(metrics["one_shot_val_perplexity"])
+    assert metrics["masked_sparsity"] == pytest.approx(0.7, abs=0.01)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "sparsify" / "model")
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert (q == 0).float().mean() > 0.6  # zeros baked into the reloadable folder
+    assert not (tmp_path / "run" / "sparsify" / "metrics.jsonl").exists()

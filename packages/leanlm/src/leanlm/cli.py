@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,17 +31,75 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--out", type=Path, help="run directory (default: runs/demo-<preset>)")
     demo.add_argument("--resume", action="store_true", help="continue the run in --out")
+    demo.add_argument(
+        "--processes",
+        default="auto",
+        help="processes to start (torchrun); auto = the GPUs, else 2 on a machine with >= 2 "
+        "CPU cores, else 1",
+    )
     run = sub.add_parser("run", help="run what a TOML config describes")
     run.add_argument("config", type=Path, help="a TOML file (see packages/leanlm/configs/)")
     run.add_argument("--out", type=Path, help="run directory (default: runs/<config file stem>)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out")
+    run.add_argument(
+        "--processes",
+        default="1",
+        help="processes to start (torchrun; auto as for demo); or launch with torchrun yourself",
+    )
     return parser
+
+
+LAUNCHED_ENV = "LOCAL_RANK"
+"""Set by torchrun / accelerate launch in every process they start."""
+
+
+def resolve_nproc(value: str) -> int:
+    """`--processes`: a positive integer, or `auto` (the GPUs, else 2 with >= 2 CPU cores, else 1).
+
+    Raises:
+        ValueError: for anything else.
+    """
+    if value == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+        return 2 if (os.cpu_count() or 1) >= 2 else 1
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"`--processes` must be a positive integer or 'auto', got {value!r}")
+    return int(value)
+
+
+def relaunch(nproc: int, argv: Sequence[str]) -> int:
+    """Run `leanlm ARGV` in `nproc` processes under torchrun; returns its exit code.
+
+    The started processes see torchrun's `LOCAL_RANK` and so do not start more.
+
+    Each process gets `cpu_count // nproc` threads (unless OMP_NUM_THREADS is set).
+    """
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "-m",
+        "leanlm",
+        *argv,
+    ]
+    print(f"[leanlm] starting {nproc} processes: {' '.join(cmd[2:])}", file=sys.stderr)
+    return subprocess.run(cmd, env=env, check=False).returncode
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `leanlm` script and `python -m leanlm`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     try:
+        nproc = resolve_nproc(args.processes)
         if args.command == "demo":
             config = PRESETS[args.preset]()
             out = args.out or Path("runs") / f"demo-{args.preset}"
@@ -49,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"leanlm: error: {err}", file=sys.stderr)
         return 2
+    if nproc > 1 and LAUNCHED_ENV not in os.environ:
+        return relaunch(nproc, argv)
     from leanlm.pipeline import run_pipeline  # heavy imports only once the config is valid
     from leanlm.trainer import TrainingDivergedError
 

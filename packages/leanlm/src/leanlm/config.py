@@ -75,7 +75,8 @@ class DataConfig:
     seq_len: int = 256
     """Tokens per training sequence and per validation window."""
     eval_windows: int = 64
-    """Validation windows (the first ones of `seq_len` tokens) every stage is scored on; 0 = all."""
+    """Validation windows of `seq_len` tokens, spread evenly over the validation split, that every
+    stage is scored on; 0 = all."""
 
     def __post_init__(self) -> None:
         _positive(self, "seq_len")

@@ -171,8 +171,9 @@ def write_report(
     )
     text = f"""# leanlm report: {config.name}
 
-- Data: {corpus}; validation perplexity over the first {config.data.eval_windows or "all"} \
-windows of {config.data.seq_len} tokens (each window scored on its own; first token unscored).
+- Data: {corpus}; validation perplexity over {config.data.eval_windows or "all"} windows of \
+{config.data.seq_len} tokens spread evenly over the held-out files (each window scored on its \
+own; first token unscored).
 - Machine: {machine}.
 
 ## Stages

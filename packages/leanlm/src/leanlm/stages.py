@@ -25,7 +25,14 @@ import torch
 from accelerate import Accelerator
 
 from leanlm.config import RunConfig
-from leanlm.data import Corpus, TokenStreams, blocks, load_corpus, tokenize_corpus
+from leanlm.data import (
+    Corpus,
+    TokenStreams,
+    blocks,
+    load_corpus,
+    spread_windows,
+    tokenize_corpus,
+)
 from leanlm.tokenizer import load_or_train_tokenizer
 
 
@@ -81,7 +88,7 @@ class RunResources:
     def validation_windows(self) -> torch.Tensor:
         """The validation windows `(N, seq_len)` every stage is scored on."""
         data = self.config.data
-        return blocks(self.streams.validation, data.seq_len, limit=data.eval_windows)
+        return spread_windows(self.streams.validation, data.seq_len, data.eval_windows)
 
 
 @dataclass
