@@ -1,13 +1,16 @@
 """The example configs: they load, and the GPU-scale one dry-runs on CPU at tiny sizes."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import datasets
 import pytest
 
-from leanlm.config import ConfigError, load_toml
-from leanlm.pipeline import run_pipeline
+from leanlm.config import ConfigError, dumps_toml, load_toml
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 
@@ -85,11 +88,26 @@ def test_gpu_scale_config_dry_runs_on_cpu(tmp_path, cache_dir):
     assert config.prune.hidden_size < config.model.hidden_size  # it shrinks
     folder = _local_hub_dataset(tmp_path / "wikitext-like")
     tiny = _tiny(config, folder, cache_dir)
-    results = run_pipeline(tiny, tmp_path / "run")
-    assert [r.stage for r in results] == list(config.stages)
-    for r in results:
-        assert r.metrics["val_perplexity"] > 1
-    assert results[1].metrics["params"] < results[0].metrics["params"]
+    (tmp_path / "tiny.toml").write_text(dumps_toml(tiny))
+    # A fresh process: accelerate keeps one mixed-precision setting per process (bf16 here).
+    cmd = [sys.executable, "-m", "leanlm", "run", str(tmp_path / "tiny.toml")]
+    done = subprocess.run(
+        [*cmd, "--out", str(tmp_path / "run")],
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [
+        json.loads((tmp_path / "run" / stage / "result.json").read_text())["metrics"]
+        for stage in config.stages
+    ]
+    for metrics in results:
+        assert metrics["val_perplexity"] > 1
+    assert results[1]["params"] < results[0]["params"]
+    assert results[3]["nonzero_params"] < results[3]["stored_params"]
 
 
 def test_wrong_key_in_an_example_config_is_named(tmp_path):
@@ -99,3 +117,10 @@ def test_wrong_key_in_an_example_config_is_named(tmp_path):
         ConfigError, match=r"`sparsify.patern`: unknown key; did you mean `pattern`"
     ):
         load_toml(tmp_path / "bad.toml")
+
+
+def test_stdlib_full_is_the_default_demo_written_out():
+    from leanlm.presets import default
+
+    config = load_toml(CONFIGS / "stdlib-full.toml")
+    assert dataclasses.replace(config, name="default") == default()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from leanlm.config import (
     DataConfig,
@@ -64,7 +65,7 @@ def default() -> RunConfig:
     short sparse fine-tune. About 10 minutes on 2 CPU cores.
     """
     # Micro-batches of 8: with 2 processes the global batch is 16 sequences (4,096 tokens).
-    train = {"micro_batch_size": 8, "eval_batch_size": 16, "log_every": 5}
+    train: dict[str, Any] = {"micro_batch_size": 8, "eval_batch_size": 16, "log_every": 5}
     return RunConfig(
         name="default",
         stages=ALL_STAGES,

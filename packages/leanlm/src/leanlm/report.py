@@ -73,7 +73,10 @@ def plot_losses(run_dir: Path, results: list[StageResult], path: Path) -> None:
         train = [(offset + r["step"], r["loss"]) for r in rows if "loss" in r]
         val = [(offset + r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
         if train:
-            line = ax.plot(*zip(*train, strict=True), label=f"{result.stage} train", lw=1)[0]
+            # distill's training loss is the KL to the teacher, not next-token cross-entropy
+            kind = " (KL to teacher)" if result.stage == "distill" else ""
+            label = f"{result.stage} train{kind}"
+            line = ax.plot(*zip(*train, strict=True), label=label, lw=1)[0]
             if val:
                 ax.plot(
                     *zip(*val, strict=True),
@@ -83,7 +86,7 @@ def plot_losses(run_dir: Path, results: list[StageResult], path: Path) -> None:
                 )
             offset = max(step for step, _ in train)
     ax.set_xlabel("optimizer step (stages one after another)")
-    ax.set_ylabel("loss (nats / token)")
+    ax.set_ylabel("loss (nats / token); val = cross-entropy")
     ax.grid(alpha=0.3)
     if ax.lines:
         ax.legend(fontsize="small")
