@@ -72,7 +72,13 @@ def test_fingerprint_changes_only_with_the_named_sections():
             "(1024) must be >= `data.seq_len` (2048)",
         ),
         # stages after pretrain
-        ({"stages": ["prune", "distill"]}, "stages", "needs a previous stage's model"),
+        ({"stages": ["prune", "distill"]}, "stages", "start with 'pretrain' or set `init_model`"),
+        ({"stages": ["prune", "pretrain"], "init_model": "m"}, "stages", "can only come first"),
+        (
+            {"init_model": "m", "stages": ["distill"], "distill": {"teacher_stage": "x"}},
+            "distill.teacher_stage",
+            "(or 'init' for `init_model`)",
+        ),
         ({"stages": ["pretrain", "pretrain"]}, "stages", "lists a stage twice"),
         (
             {"stages": ["pretrain", "distill"], "distill": {"teacher_stage": "prune"}},

@@ -135,3 +135,33 @@ def test_one_shot_sparsify_without_fine_tune(tmp_path, tiny_config):
     q = model.model.layers[0].self_attn.q_proj.weight
     assert (q == 0).float().mean() > 0.6  # zeros baked into the reloadable folder
     assert not (tmp_path / "run" / "sparsify" / "metrics.jsonl").exists()
+
+
+def test_init_model_runs_the_later_stages_on_an_existing_model(full_run, tmp_path, tiny_config):
+    # The full run's pretrained model (and its saved tokenizer) as `init_model`: prune, and
+    # distill with `teacher_stage = "init"`, reproduce the full run's stages exactly (same
+    # weights, same token ids, same calibration and batches).
+    _, out, original = full_run
+    base = _full_config(tiny_config)
+    config = dataclasses.replace(
+        base,
+        init_model=str(out / "pretrain" / "model"),
+        stages=("prune", "distill"),
+        distill=dataclasses.replace(base.distill, teacher_stage="init"),
+    )
+    results = {r.stage: r for r in run_pipeline(config, tmp_path / "run")}
+    for stage in ("prune", "distill"):
+        got, expected = results[stage].metrics, original[stage].metrics
+        assert got["params"] == expected["params"]
+        assert got["val_perplexity"] == pytest.approx(expected["val_perplexity"], rel=1e-5)
+
+
+def test_init_model_continues_pretraining(full_run, tmp_path, tiny_config):
+    _, out, original = full_run
+    config = tiny_config(pretrain={"steps": 4, "warmup_steps": 1, "checkpoint_every": 0})
+    config = dataclasses.replace(config, init_model=str(out / "pretrain" / "model"))
+    (result,) = run_pipeline(config, tmp_path / "run")
+    first = json.loads((tmp_path / "run" / "pretrain" / "metrics.jsonl").read_text().split("\n")[0])
+    # from scratch the first loss is ~ln(512) = 6.2; the loaded model starts where it ended
+    assert first["loss"] < original["pretrain"].metrics["val_loss"] + 0.5
+    assert result.metrics["params"] == original["pretrain"].metrics["params"]

@@ -287,7 +287,7 @@ class DistillConfig(TrainConfig):
     """Stage `distill`: train the previous stage's model to match a teacher's logits."""
 
     teacher_stage: str = "pretrain"
-    """The earlier stage whose model is the teacher."""
+    """The earlier stage whose model is the teacher (`"init"`: `RunConfig.init_model`)."""
     temperature: float = 1.0
     """Softmax temperature of the KL (the loss is scaled by T^2)."""
     lm_loss_weight: float = 0.0
@@ -358,6 +358,8 @@ class SparsifyConfig(TrainConfig):
 
 
 STAGE_NAMES = ("pretrain", "prune", "distill", "sparsify")
+INIT_STAGE = "init"
+"""The name `distill.teacher_stage` uses for `RunConfig.init_model`."""
 """Stages a run can list."""
 
 
@@ -375,6 +377,11 @@ class RunConfig:
     """Tokenizer / dataset cache; default `$LEANLM_CACHE_DIR` or `~/.cache/leanlm`."""
     stages: tuple[str, ...] = ("pretrain",)
     """Stages to run, in order; each reads the previous stage's output directory."""
+    init_model: str = ""
+    """Start from this Hugging Face causal LM (a local folder or a hub id) instead of training
+    one: its tokenizer replaces `[tokenizer]` and `[model]`, `pretrain` (if listed) continues
+    training it, and the run may start with `prune`, `distill` or `sparsify`; `distill` may use
+    it as teacher (`teacher_stage = "init"`). Empty: `pretrain` builds `[model]` from scratch."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     """The corpus."""
     tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
@@ -398,21 +405,28 @@ class RunConfig:
                 raise ConfigError("stages", f"unknown stage {stage!r}; known: {list(STAGE_NAMES)}")
         if len(set(self.stages)) != len(self.stages):
             raise ConfigError("stages", f"lists a stage twice: {list(self.stages)}")
-        if self.stages[0] != "pretrain":
+        if self.stages[0] != "pretrain" and not self.init_model:
             raise ConfigError(
                 "stages",
-                f"{self.stages[0]!r} needs a previous stage's model; start with 'pretrain'",
+                f"{self.stages[0]!r} needs a previous stage's model; start with 'pretrain' or "
+                "set `init_model`",
             )
+        if "pretrain" in self.stages[1:]:
+            raise ConfigError("stages", f"'pretrain' can only come first: {list(self.stages)}")
         if "distill" in self.stages:
             teacher = self.distill.teacher_stage
-            before = self.stages[: self.stages.index("distill")]
+            before = list(self.stages[: self.stages.index("distill")])
+            if self.init_model:
+                before.append(INIT_STAGE)
             if teacher not in before:
+                init = " (or 'init' for `init_model`)" if self.init_model else ""
                 raise ConfigError(
                     "distill.teacher_stage",
-                    f"{teacher!r} must be a stage that runs before 'distill'; stages: "
-                    f"{list(self.stages)}",
+                    f"{teacher!r} must be a stage that runs before 'distill'{init}; "
+                    f"stages: {list(self.stages)}",
                 )
-        self._check_prune_target()
+        if not self.init_model:  # with `init_model` the sizes come from that model
+            self._check_prune_target()
         if self.model.max_position_embeddings < self.data.seq_len:
             raise ConfigError(
                 "model.max_position_embeddings",

@@ -11,9 +11,9 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
 
 from leanlm.config import DistillConfig
+from leanlm.model import load_model
 from leanlm.stages import StageContext, StageResult, register_stage
 from leanlm.trainer import LossFn, train
 from prune_distill import forward_kl
@@ -50,8 +50,8 @@ class Distill:
                 f"the `distill` stage needs a previous stage's model and the teacher stage "
                 f"{cfg.teacher_stage!r} to have run; ran: {list(ctx.outputs)}"
             )
-        student = AutoModelForCausalLM.from_pretrained(ctx.input_dir)
-        teacher = AutoModelForCausalLM.from_pretrained(ctx.outputs[cfg.teacher_stage])
+        student = load_model(ctx.input_dir)
+        teacher = load_model(ctx.outputs[cfg.teacher_stage])
         teacher = teacher.to(ctx.accelerator.device).eval().requires_grad_(False)
         metrics = train(ctx, student, cfg, distillation_loss(teacher, cfg))
         return StageResult(

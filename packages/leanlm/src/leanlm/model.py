@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -74,3 +75,13 @@ def weights_stats(model_dir: Path) -> dict[str, int]:
                 nonzero += int(torch.count_nonzero(tensor))
     stats.update(stored_params=numel, nonzero_params=nonzero)
     return stats
+
+
+def load_model(path: str | Path) -> Any:
+    """`AutoModelForCausalLM.from_pretrained(path)` in fp32.
+
+    Stages train fp32 weights, so a hub checkpoint stored in bf16 is upcast.
+    """
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -14,7 +14,7 @@ from leanlm import distill as _distill  # noqa: F401  (each import registers a s
 from leanlm import pretrain as _pretrain  # noqa: F401
 from leanlm import prune as _prune  # noqa: F401
 from leanlm import sparsify as _sparsify  # noqa: F401
-from leanlm.config import RunConfig, dumps_toml
+from leanlm.config import INIT_STAGE, RunConfig, dumps_toml
 from leanlm.model import weights_stats
 from leanlm.report import write_report
 from leanlm.stages import STAGES, RunResources, StageContext, StageResult
@@ -38,7 +38,9 @@ def stage_hash(config: RunConfig, stage: str, previous_hash: str) -> str:
     That is data, tokenizer, model, seed, precision, the stage's own section, and the previous
     stage's hash (so changing an early stage invalidates every later one).
     """
-    own = config.fingerprint("seed", "mixed_precision", "data", "tokenizer", "model", stage)
+    own = config.fingerprint(
+        "seed", "mixed_precision", "init_model", "data", "tokenizer", "model", stage
+    )
     return hashlib.sha256(f"{own}:{previous_hash}".encode()).hexdigest()[:16]
 
 
@@ -71,6 +73,8 @@ def run_pipeline(
     outputs: dict[str, Path] = {}
     previous_dir: Path | None = None
     previous_hash = ""
+    if config.init_model:  # a local folder or a hub id; from_pretrained takes either
+        previous_dir = outputs[INIT_STAGE] = Path(config.init_model)
     start = time.perf_counter()
     for name in config.stages:
         stage_dir = out_dir / name

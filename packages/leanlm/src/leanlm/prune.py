@@ -11,13 +11,12 @@ import time
 from typing import Any, ClassVar
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from leanlm.checkpoint import save_atomically
 from leanlm.config import PruneConfig
 from leanlm.evaluate import evaluate_perplexity
 from leanlm.metrics import peak_memory_mib
-from leanlm.model import count_parameters
+from leanlm.model import count_parameters, load_model
 from leanlm.stages import StageContext, StageResult, register_stage
 from prune_distill import PruneTarget, collect_importance, prune
 
@@ -61,7 +60,7 @@ class Prune:
         cfg = ctx.config.prune
         acc = ctx.accelerator
         start = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(ctx.input_dir).to(acc.device)
+        model = load_model(ctx.input_dir).to(acc.device)
         batches = calibration_batches(
             ctx.resources.train_blocks,
             samples=cfg.calibration_samples,

@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from leanlm.config import SparsifyConfig
 from leanlm.evaluate import evaluate_perplexity
 from leanlm.metrics import peak_memory_mib, reset_peak_memory
-from leanlm.model import count_parameters
+from leanlm.model import count_parameters, load_model
 from leanlm.prune import calibration_batches
 from leanlm.stages import StageContext, StageResult, register_stage
 from leanlm.trainer import causal_lm_loss, train
@@ -63,7 +62,7 @@ class Sparsify:
         acc = ctx.accelerator
         start = time.perf_counter()
         reset_peak_memory(acc.device)
-        model = AutoModelForCausalLM.from_pretrained(ctx.input_dir).to(acc.device)
+        model = load_model(ctx.input_dir).to(acc.device)
         batches = calibration_batches(
             ctx.resources.train_blocks,
             samples=cfg.calibration_samples,
@@ -90,7 +89,7 @@ class Sparsify:
             metrics = train(ctx, model, cfg, causal_lm_loss, save=_save_sparse)
         else:
             metrics = _save_one_shot(ctx, model, one_shot)
-        final = AutoModelForCausalLM.from_pretrained(ctx.model_dir)
+        final = load_model(ctx.model_dir)
         if acc.is_main_process:
             from sparse_kernels import load_masks_
 

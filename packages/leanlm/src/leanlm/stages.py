@@ -14,6 +14,7 @@ section (a `RunConfig` field and an entry in `config.STAGE_NAMES`) and one impor
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -62,6 +63,18 @@ class RunResources:
 
     @cached_property
     def _tokenizer_and_key(self) -> tuple[Any, str]:
+        if self.config.init_model:  # the model's own tokenizer, keyed by its content
+            from transformers import AutoTokenizer
+
+            with self.accelerator.main_process_first():
+                tokenizer = AutoTokenizer.from_pretrained(self.config.init_model)
+            if not tokenizer.is_fast or tokenizer.eos_token_id is None:
+                raise ValueError(
+                    f"`init_model` ({self.config.init_model!r}) needs a fast tokenizer with an "
+                    "end-of-sequence token (documents are joined with it)"
+                )
+            content = tokenizer.backend_tokenizer.to_str()
+            return tokenizer, hashlib.sha256(content.encode()).hexdigest()[:16]
         with self.accelerator.main_process_first():
             return load_or_train_tokenizer(
                 self.corpus, self.config.tokenizer, cache_dir=self.cache_dir
