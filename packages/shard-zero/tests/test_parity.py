@@ -3,7 +3,7 @@
 The metric is the relative error of each tensor's *update* (final minus initial parameters), in
 norm, against the single-process update: summing the gradient over ranks reorders float sums
 (~1e-7 relative per step) and Adam-like normalisation amplifies that only for near-zero entries,
-so elementwise max error is the wrong metric. 10 steps of AdamW/Adafactor in fp32 measure at
+so elementwise max error is the wrong metric. 10 steps of AdamW/Adafactor/CAME in fp32 measure at
 ~1e-6 here; we assert 1e-4 (the issue's bound), ~100x headroom, while a real bug (a wrong
 statistic, a lost micro-batch, a padded row entering the statistics) gives 1e-2..1.
 """
@@ -21,6 +21,7 @@ from torch import nn
 from leanlm_testing import spawn
 from leanlm_testing.models import random_batches, tiny_llama
 from optim_adafactor import Adafactor
+from optim_came import CAME
 from shard_zero import ZeroConfig, full_state_dict, prepare
 
 STEPS = 10
@@ -55,6 +56,8 @@ def _optimizer(name: str) -> Callable[[list[nn.Parameter]], torch.optim.Optimize
         return Adafactor
     if name == "adafactor_mom":
         return lambda params: Adafactor(params, lr=1e-2, relative_step=False, beta1=0.9)
+    if name == "came":  # CAME: factored second moment + factored instability statistics
+        return lambda params: CAME(params, lr=1e-2, weight_decay=0.01, instability_init=1.0)
     if name == "adafactor_undeclared":  # negative control: the shards' row declaration removed
         return lambda params: Adafactor([_undeclared(p) for p in params])
     raise ValueError(name)
@@ -151,10 +154,11 @@ CASES = [
         for s in (1, 2, 3)
     ],
     *[("llama", "adafactor", ZeroConfig(stage=s, min_shard_numel=100)) for s in (1, 2, 3)],
+    *[("llama", "came", ZeroConfig(stage=s, min_shard_numel=100)) for s in (1, 2, 3)],
     *[
         ("odd", opt, ZeroConfig(stage=s, min_shard_numel=0, bucket_numel=64))
         for s in (1, 2, 3)
-        for opt in ("adamw", "adafactor_mom", "sgd")
+        for opt in ("adamw", "adafactor_mom", "came", "sgd")
     ],
 ]
 
