@@ -105,7 +105,7 @@ def test_fingerprint_changes_only_with_the_named_sections():
         ({"sparsify": {"pattern": "dense"}}, "sparsify.pattern", "must be 'N:M'"),
         ({"sparsify": {"method": "random"}}, "sparsify.method", "must be one of"),
         ({"sparsify": {"sparsity": 1.0}}, "sparsify.sparsity", "must be in [0, 1)"),
-        ({"sparsify": {"zero_stage": 2}}, "sparsify.zero_stage", "not supported yet"),
+        ({"sparsify": {"zero_stage": 3}}, "sparsify.zero_stage", "use 0, 1 or 2"),
         ({"sparsify": {"steps": -1}}, "sparsify.steps", "must be >= 0"),
     ],
 )

@@ -311,10 +311,11 @@ class SparsifyConfig(TrainConfig):
     Pruning is sparse-kernels' `sparsify_`; the fine-tune (next-token loss) keeps the masks
     fixed; `steps` = 0 skips it.
 
-    The fine-tune runs replicated (`zero_stage` must stay 0: masks under shard-zero are not
-    supported yet). The output folder holds the dense-format model with zeros baked in (loads
-    with `AutoModelForCausalLM`) plus its masks; `compressed.safetensors` next to it is the
-    compact format (2:4 values + metadata, or bitmask + kept values).
+    The fine-tune may be sharded with ZeRO-1/2 (the masks hold, and the updates equal the
+    replicated run's; ZeRO-3 is not supported here yet). The output folder holds the
+    dense-format model with zeros baked in (loads with `AutoModelForCausalLM`) plus its masks;
+    `compressed.safetensors` next to it is the compact format (2:4 values + metadata, or
+    bitmask + kept values).
     """
 
     pattern: str = "2:4"
@@ -339,11 +340,11 @@ class SparsifyConfig(TrainConfig):
         if self.steps:  # the training settings matter only when there is a fine-tune
             super().__post_init__()
         _positive(self, "calibration_samples", "calibration_batch_size", "block_size")
-        if self.zero_stage:
+        if self.zero_stage == 3:
             raise ConfigError(
                 "zero_stage",
-                f"({self.zero_stage}) must be 0: sparse fine-tuning under shard-zero is not "
-                "supported yet",
+                "(3) is not supported for sparse fine-tuning yet (ZeRO-3 frees the masked "
+                "weights between uses and the sparse export reads them); use 0, 1 or 2",
             )
         nm = re.fullmatch(r"(\d+):(\d+)", self.pattern)
         if nm is None and self.pattern not in ("unstructured", "block"):

@@ -52,7 +52,12 @@ def smoke() -> RunConfig:
             steps=100, micro_batch_size=8, lr=2e-3, warmup_steps=10, eval_every=50, zero_stage=2
         ),
         sparsify=SparsifyConfig(
-            steps=40, micro_batch_size=8, lr=1e-3, warmup_steps=5, calibration_samples=32
+            steps=40,
+            micro_batch_size=8,
+            lr=1e-3,
+            warmup_steps=5,
+            calibration_samples=32,
+            zero_stage=2,
         ),
     )
 
@@ -106,6 +111,7 @@ def default() -> RunConfig:
             eval_every=30,
             checkpoint_every=15,
             calibration_samples=64,
+            zero_stage=2,
             **train,
         ),
     )
