@@ -6,10 +6,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from leanlm.config import dumps_toml
+from leanlm.config import DistillConfig, PruneConfig, SparsifyConfig, dumps_toml
 
 
 def _leanlm(*args, **kwargs):
@@ -63,3 +64,54 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_config):
         assert torch.equal(a[name], b[name]), f"{name} differs after resume"
     assert _loss_rows(full) == _loss_rows(killed)
     assert not list((killed / "pretrain" / "checkpoints").glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("stage", ["distill", "sparsify"])
+def test_sigkill_in_a_later_stage_then_resume_equals_uninterrupted(tmp_path, tiny_config, stage):
+    # The kill lands in `stage` (after the earlier stages finished): resuming skips the finished
+    # stages (same hashes) and continues `stage` from its checkpoint; for `sparsify` the masks
+    # are rebuilt from the same calibration batches before the checkpoint restores the weights.
+    train = {"steps": 160, "checkpoint_every": 10, "eval_every": 80, "micro_batch_size": 4}
+    train |= {"warmup_steps": 4, "eval_batch_size": 4}
+    config = tiny_config(
+        stages=("pretrain", "prune", stage) if stage == "distill" else ("pretrain", stage),
+        pretrain={"steps": 20, "checkpoint_every": 0},
+        prune=PruneConfig(hidden_size=24, intermediate_size=48, calibration_samples=8),
+        distill=DistillConfig(**train),
+        sparsify=SparsifyConfig(**train, calibration_samples=8),
+    )
+    path = tmp_path / "run.toml"
+    path.write_text(dumps_toml(config))
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    subprocess.run(
+        _leanlm("run", path, "--out", full), check=True, capture_output=True, timeout=300
+    )
+    proc = subprocess.Popen(
+        _leanlm("run", path, "--out", killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    target = killed / stage / "checkpoints" / "step-00000020"
+    deadline = time.monotonic() + 240
+    while not target.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert target.exists(), "the run ended before the checkpoint; cannot test the kill"
+    assert not (killed / stage / "result.json").exists(), "the stage finished before the kill"
+    finished_before = (killed / "pretrain" / "result.json").read_text()
+
+    resumed = subprocess.run(
+        _leanlm("run", path, "--out", killed, "--resume"),
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    log = resumed.stdout + resumed.stderr
+    assert "pretrain: finished earlier with the same config, skipped" in log
+    assert f"[{stage}] resuming from step-000000" in log
+    assert (killed / "pretrain" / "result.json").read_text() == finished_before
+    a = load_file(full / stage / "model" / "model.safetensors")
+    b = load_file(killed / stage / "model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{stage}: {name} differs after resume"
