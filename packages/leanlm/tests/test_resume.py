@@ -26,6 +26,38 @@ def _loss_rows(run_dir):
     return [{k: r[k] for k in keep if k in r} for r in rows]
 
 
+def _kill_after(path, out, target):
+    """Run `leanlm run path --out out` and SIGKILL it as soon as `target` exists."""
+    proc = subprocess.Popen(
+        _leanlm("run", path, "--out", out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 240
+    while not target.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert target.exists(), "the run ended before the checkpoint; cannot test the kill"
+
+
+def _resume(path, out):
+    done = subprocess.run(
+        _leanlm("run", path, "--out", out, "--resume"),
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return done.stdout + done.stderr
+
+
+def _assert_same_weights(a_dir, b_dir):
+    a = load_file(a_dir / "model" / "model.safetensors")
+    b = load_file(b_dir / "model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{b_dir.name}: {name} differs after resume"
+
+
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_config):
     config = tiny_config(pretrain={"steps": 160, "checkpoint_every": 10, "eval_every": 40})
     path = tmp_path / "run.toml"
@@ -36,32 +68,11 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_config):
         _leanlm("run", path, "--out", full), check=True, capture_output=True, timeout=300
     )
 
-    proc = subprocess.Popen(
-        _leanlm("run", path, "--out", killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    target = killed / "pretrain" / "checkpoints" / "step-00000020"
-    deadline = time.monotonic() + 240
-    while not target.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert target.exists(), "the run ended before its second checkpoint; cannot test the kill"
+    _kill_after(path, killed, killed / "pretrain" / "checkpoints" / "step-00000020")
     assert not (killed / "pretrain" / "result.json").exists(), "the run finished before the kill"
 
-    resumed = subprocess.run(
-        _leanlm("run", path, "--out", killed, "--resume"),
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert "resuming from step-000000" in resumed.stdout + resumed.stderr
-
-    a = load_file(full / "pretrain" / "model" / "model.safetensors")
-    b = load_file(killed / "pretrain" / "model" / "model.safetensors")
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
+    assert "resuming from step-000000" in _resume(path, killed)
+    _assert_same_weights(full / "pretrain", killed / "pretrain")
     assert _loss_rows(full) == _loss_rows(killed)
     assert not list((killed / "pretrain" / "checkpoints").glob(".tmp-*"))
 
@@ -86,32 +97,12 @@ def test_sigkill_in_a_later_stage_then_resume_equals_uninterrupted(tmp_path, tin
     subprocess.run(
         _leanlm("run", path, "--out", full), check=True, capture_output=True, timeout=300
     )
-    proc = subprocess.Popen(
-        _leanlm("run", path, "--out", killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    target = killed / stage / "checkpoints" / "step-00000020"
-    deadline = time.monotonic() + 240
-    while not target.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert target.exists(), "the run ended before the checkpoint; cannot test the kill"
+    _kill_after(path, killed, killed / stage / "checkpoints" / "step-00000020")
     assert not (killed / stage / "result.json").exists(), "the stage finished before the kill"
     finished_before = (killed / "pretrain" / "result.json").read_text()
 
-    resumed = subprocess.run(
-        _leanlm("run", path, "--out", killed, "--resume"),
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    log = resumed.stdout + resumed.stderr
+    log = _resume(path, killed)
     assert "pretrain: finished earlier with the same config, skipped" in log
     assert f"[{stage}] resuming from step-000000" in log
     assert (killed / "pretrain" / "result.json").read_text() == finished_before
-    a = load_file(full / stage / "model" / "model.safetensors")
-    b = load_file(killed / stage / "model" / "model.safetensors")
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"{stage}: {name} differs after resume"
+    _assert_same_weights(full / stage, killed / stage)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar
 
-import torch
-
+from leanlm.calibration import load_input_with_calibration
 from leanlm.checkpoint import save_atomically
 from leanlm.config import PruneConfig
 from leanlm.evaluate import evaluate_perplexity
 from leanlm.metrics import peak_memory_mib
-from leanlm.model import count_parameters, load_model
+from leanlm.model import count_parameters
 from leanlm.stages import StageContext, StageResult, register_stage
 from prune_distill import PruneTarget, collect_importance, prune
 
@@ -35,18 +34,6 @@ def prune_target(config: PruneConfig) -> PruneTarget:
     return PruneTarget(**sizes, layer_metric=config.layer_metric)
 
 
-def calibration_batches(
-    blocks: torch.Tensor, *, samples: int, batch_size: int, seed: int, device: torch.device
-) -> list[dict[str, torch.Tensor]]:
-    """`samples` training sequences (a seeded random choice) as model-kwarg batches."""
-    gen = torch.Generator().manual_seed(seed)
-    chosen = torch.randperm(blocks.shape[0], generator=gen)[:samples]
-    return [
-        {"input_ids": blocks[chosen[i : i + batch_size]].to(device)}
-        for i in range(0, chosen.numel(), batch_size)
-    ]
-
-
 @register_stage
 class Prune:
     """Shrink the previous stage's model to the sizes in `config.prune`."""
@@ -55,18 +42,11 @@ class Prune:
 
     def run(self, ctx: StageContext) -> StageResult:
         """Score importance, prune, evaluate and save (every process computes the same model)."""
-        if ctx.input_dir is None:
-            raise ValueError("the `prune` stage needs a previous stage's model")
         cfg = ctx.config.prune
         acc = ctx.accelerator
         start = time.perf_counter()
-        model = load_model(ctx.input_dir).to(acc.device)
-        batches = calibration_batches(
-            ctx.resources.train_blocks,
-            samples=cfg.calibration_samples,
-            batch_size=cfg.calibration_batch_size,
-            seed=ctx.config.seed,
-            device=acc.device,
+        model, batches = load_input_with_calibration(
+            ctx, samples=cfg.calibration_samples, batch_size=cfg.calibration_batch_size
         )
         scores = collect_importance(
             model, batches, num_samples=None, layer_loss=cfg.layer_metric == "lm_loss"

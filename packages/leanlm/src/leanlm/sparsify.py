@@ -17,11 +17,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from leanlm.calibration import load_input_with_calibration
 from leanlm.config import SparsifyConfig
 from leanlm.evaluate import evaluate_perplexity
 from leanlm.metrics import peak_memory_mib, reset_peak_memory
 from leanlm.model import count_parameters, load_model
-from leanlm.prune import calibration_batches
 from leanlm.stages import StageContext, StageResult, register_stage
 from leanlm.trainer import causal_lm_loss, train
 from sparse_kernels import (
@@ -56,19 +56,12 @@ class Sparsify:
 
     def run(self, ctx: StageContext) -> StageResult:
         """Mask, score the one-shot model, fine-tune with masks held, save both formats."""
-        if ctx.input_dir is None:
-            raise ValueError("the `sparsify` stage needs a previous stage's model")
         cfg: SparsifyConfig = ctx.config.sparsify
         acc = ctx.accelerator
         start = time.perf_counter()
         reset_peak_memory(acc.device)
-        model = load_model(ctx.input_dir).to(acc.device)
-        batches = calibration_batches(
-            ctx.resources.train_blocks,
-            samples=cfg.calibration_samples,
-            batch_size=cfg.calibration_batch_size,
-            seed=ctx.config.seed,
-            device=acc.device,
+        model, batches = load_input_with_calibration(
+            ctx, samples=cfg.calibration_samples, batch_size=cfg.calibration_batch_size
         )
         # Deterministic given the calibration batches: a resumed run rebuilds the same masks
         # before its checkpoint restores the fine-tuned weights.

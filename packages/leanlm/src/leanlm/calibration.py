@@ -1,0 +1,46 @@
+"""The input of the stages that score a trained model: the model and its calibration batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from leanlm.model import load_model
+from leanlm.stages import StageContext
+
+
+def calibration_batches(
+    blocks: torch.Tensor, *, samples: int, batch_size: int, seed: int, device: torch.device
+) -> list[dict[str, torch.Tensor]]:
+    """`samples` training sequences (a seeded random choice) as model-kwarg batches."""
+    gen = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(blocks.shape[0], generator=gen)[:samples]
+    return [
+        {"input_ids": blocks[chosen[i : i + batch_size]].to(device)}
+        for i in range(0, chosen.numel(), batch_size)
+    ]
+
+
+def load_input_with_calibration(
+    ctx: StageContext, *, samples: int, batch_size: int
+) -> tuple[Any, list[dict[str, torch.Tensor]]]:
+    """The previous stage's model (fp32, on this process's device) and calibration batches.
+
+    The batches are the same on every process and in every run with the same seed, so a stage
+    that derives something from them (importance scores, masks) derives it identically.
+
+    Raises:
+        ValueError: the stage is the first one (there is no previous model).
+    """
+    if ctx.input_dir is None:
+        raise ValueError(f"the `{ctx.stage_dir.name}` stage needs a previous stage's model")
+    device = ctx.accelerator.device
+    batches = calibration_batches(
+        ctx.resources.train_blocks,
+        samples=samples,
+        batch_size=batch_size,
+        seed=ctx.config.seed,
+        device=device,
+    )
+    return load_model(ctx.input_dir).to(device), batches
