@@ -28,7 +28,7 @@ def _local_hub_dataset(root: Path) -> Path:
     return root
 
 
-def _tiny(config, hub_folder, cache_dir):
+def _tiny(config, hub_folder, tiny):
     """The same stages, optimizers, precision and data path, at sizes a CPU runs in seconds."""
     train = {
         "steps": 4,
@@ -41,20 +41,12 @@ def _tiny(config, hub_folder, cache_dir):
     }
     return dataclasses.replace(
         config,
-        cache_dir=str(cache_dir),
+        cache_dir=tiny.cache_dir,
         data=dataclasses.replace(
             config.data, hub_name=str(hub_folder), hub_config=None, seq_len=32, eval_windows=4
         ),
         tokenizer=dataclasses.replace(config.tokenizer, vocab_size=384),
-        model=dataclasses.replace(
-            config.model,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        ),
+        model=tiny.model,  # the shared tiny Llama of conftest.tiny_config
         pretrain=dataclasses.replace(config.pretrain, **train),
         prune=dataclasses.replace(
             config.prune,
@@ -79,7 +71,7 @@ def test_example_config_loads(path):
     assert config.name == path.stem
 
 
-def test_gpu_scale_config_dry_runs_on_cpu(tmp_path, cache_dir):
+def test_gpu_scale_config_dry_runs_on_cpu(tmp_path, tiny_config):
     config = load_toml(CONFIGS / "llama-350m-wikitext.toml")
     assert config.stages == ("pretrain", "prune", "distill", "sparsify")
     assert config.mixed_precision == "bf16"
@@ -87,7 +79,7 @@ def test_gpu_scale_config_dry_runs_on_cpu(tmp_path, cache_dir):
     assert (config.data.hub_name, config.data.hub_config) == ("wikitext", "wikitext-103-raw-v1")
     assert config.prune.hidden_size < config.model.hidden_size  # it shrinks
     folder = _local_hub_dataset(tmp_path / "wikitext-like")
-    tiny = _tiny(config, folder, cache_dir)
+    tiny = _tiny(config, folder, tiny_config())
     (tmp_path / "tiny.toml").write_text(dumps_toml(tiny))
     # A fresh process: accelerate keeps one mixed-precision setting per process (bf16 here).
     cmd = [sys.executable, "-m", "leanlm", "run", str(tmp_path / "tiny.toml")]

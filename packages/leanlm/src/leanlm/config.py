@@ -38,6 +38,15 @@ class ConfigError(ValueError):
         return ConfigError(f"{section}.{self.key}", self.message)
 
 
+def _non_negative(obj: object, *names: str, zero: str = "") -> None:
+    """`ConfigError` unless every named field is >= 0; `zero` says what 0 means, if anything."""
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0:
+            meaning = f" (0 = {zero})" if zero else ""
+            raise ConfigError(name, f"must be >= 0{meaning}, got {value!r}")
+
+
 def _positive(obj: object, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -215,15 +224,9 @@ class TrainConfig:
             "keep_checkpoints",
             "log_every",
         )
-        for name in (
-            "warmup_steps",
-            "weight_decay",
-            "grad_clip",
-            "checkpoint_every",
-            "max_bad_steps",
-        ):
-            if getattr(self, name) < 0:
-                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)!r}")
+        _non_negative(
+            self, "warmup_steps", "weight_decay", "grad_clip", "checkpoint_every", "max_bad_steps"
+        )
         if self.warmup_steps >= self.steps:
             raise ConfigError(
                 "warmup_steps", f"({self.warmup_steps}) must be < `steps` ({self.steps})"
@@ -237,6 +240,16 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PretrainConfig(TrainConfig):
     """Stage `pretrain`: train `model` from scratch on the corpus."""
+
+
+PRUNE_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+)
+"""The model sizes `[prune]` may lower (each also a `[model]` key)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -266,15 +279,7 @@ class PruneConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "calibration_samples", "calibration_batch_size")
-        for name in (
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "num_hidden_layers",
-        ):
-            if getattr(self, name) < 0:
-                raise ConfigError(name, f"must be >= 0 (0 = keep), got {getattr(self, name)}")
+        _non_negative(self, *PRUNE_SIZES, zero="keep")
         heads, kv = self.num_attention_heads, self.num_key_value_heads
         if heads and kv and heads % kv:
             raise ConfigError(
@@ -300,8 +305,7 @@ class DistillConfig(TrainConfig):
         _positive(self, "temperature")
         if not 0.0 <= self.lm_loss_weight <= 1.0:
             raise ConfigError("lm_loss_weight", f"must be in [0, 1], got {self.lm_loss_weight}")
-        if self.top_k < 0:
-            raise ConfigError("top_k", f"must be >= 0 (0 = full vocabulary), got {self.top_k}")
+        _non_negative(self, "top_k", zero="full vocabulary")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -335,8 +339,7 @@ class SparsifyConfig(TrainConfig):
     warmup_steps: int = 5
 
     def __post_init__(self) -> None:
-        if self.steps < 0:
-            raise ConfigError("steps", f"must be >= 0 (0 = no fine-tune), got {self.steps}")
+        _non_negative(self, "steps", zero="no fine-tune")
         if self.steps:  # the training settings matter only when there is a fine-tune
             super().__post_init__()
         _positive(self, "calibration_samples", "calibration_batch_size", "block_size")
@@ -439,13 +442,7 @@ class RunConfig:
         target, model = self.prune, self.model
         kv = target.num_key_value_heads or model.num_key_value_heads
         heads = target.num_attention_heads or model.num_attention_heads
-        for name in (
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "num_hidden_layers",
-        ):
+        for name in PRUNE_SIZES:
             value, current = getattr(target, name), getattr(model, name)
             if value > current:
                 raise ConfigError(

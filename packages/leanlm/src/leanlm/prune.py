@@ -12,25 +12,17 @@ from typing import Any, ClassVar
 
 from leanlm.calibration import load_input_with_calibration
 from leanlm.checkpoint import save_atomically
-from leanlm.config import PruneConfig
+from leanlm.config import PRUNE_SIZES, PruneConfig
 from leanlm.evaluate import evaluate_perplexity
 from leanlm.metrics import peak_memory_mib
 from leanlm.model import count_parameters
 from leanlm.stages import StageContext, StageResult, register_stage
 from prune_distill import PruneTarget, collect_importance, prune
 
-_SIZES = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "num_hidden_layers",
-)
-
 
 def prune_target(config: PruneConfig) -> PruneTarget:
     """The `prune_distill.PruneTarget` of a stage config (0 = keep becomes None)."""
-    sizes: dict[str, Any] = {name: getattr(config, name) or None for name in _SIZES}
+    sizes: dict[str, Any] = {name: getattr(config, name) or None for name in PRUNE_SIZES}
     return PruneTarget(**sizes, layer_metric=config.layer_metric)
 
 
