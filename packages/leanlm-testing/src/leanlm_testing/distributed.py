@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,13 @@ def _worker(
     # finalization with a live gloo context (a work handle or group still referenced by a test's
     # objects) sometimes aborts ("terminate called without an active exception", SIGABRT) after
     # the test passed. So: barrier, destroy, then leave without running C++ static destructors.
-    dist.barrier()
+    try:
+        dist.barrier()
+    except RuntimeError:
+        # A peer failed and closed its sockets; its error is the one to report. Wait so that
+        # `spawn` sees that peer exit first (it then reports it and terminates this process).
+        time.sleep(60)
+        raise
     dist.destroy_process_group()
     gc.collect()
     sys.stdout.flush()
