@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from shard_zero._config import ZeroConfig
-from shard_zero._engine import ZeroEngine, check_group
+from shard_zero._engine import ZeroEngine, check_group, model_device
 from shard_zero._optimizer import ZeroOptimizer
 
 ENGINE_ATTR = "_shard_zero_engine"
@@ -40,9 +39,15 @@ def prepare(
     Returns:
         `(model, optimizer)`: the same model object and a `ZeroOptimizer` to use as usual.
 
+    Every buffer shard-zero allocates lives on the model's device (CPU with gloo, CUDA with
+    NCCL). With `config.timeout` this creates a process group (a collective over the default
+    group: every rank must call `prepare`, in the same order).
+
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        ValueError: the model was already prepared, or ranks disagree on its parameters.
+        ValueError: the model was already prepared, its parameters are on several devices,
+            ranks disagree on its parameters, or `config.timeout` is set with a `group`
+            smaller than the world.
         TypeError: `make_optimizer` did not return a `torch.optim.Optimizer`.
     """
     check_group(group)
@@ -51,8 +56,7 @@ def prepare(
         raise TypeError(f"`config` must be a ZeroConfig, got {type(config).__name__}")
     if hasattr(model, ENGINE_ATTR):
         raise ValueError("`model` was already prepared by shard-zero; prepare it once")
-    if any(p.device.type != "cpu" and p.device != _device_of(model) for p in model.parameters()):
-        raise ValueError("all parameters of `model` must be on one device")
+    model_device(model)  # raises ValueError unless every parameter is on one device
     engine = ZeroEngine(model, config, group)
     masters = [e.master for e in engine.entries]
     optimizer = make_optimizer(masters)
@@ -64,10 +68,6 @@ def prepare(
     setattr(model, ENGINE_ATTR, engine)
     model.no_sync = engine.no_sync  # type: ignore[assignment]
     return model, ZeroOptimizer(optimizer, engine)
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 def _check_covers(optimizer: Optimizer, masters: Iterable[nn.Parameter]) -> None:

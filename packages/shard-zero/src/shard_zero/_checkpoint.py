@@ -57,15 +57,12 @@ def save_checkpoint(
     inner = optimizer.optimizer
     params: dict[str, Any] = {}
     for e in engine.entries:
-        state = {
-            k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-            for k, v in inner.state.get(e.master, {}).items()
-        }
+        state = {k: _to_cpu(v) for k, v in inner.state.get(e.master, {}).items()}
         params[e.name] = {
             "shape": e.shape,
             "rows": (e.start, e.end),
             "sharded": e.sharded,
-            "master": e.master.detach().clone(),
+            "master": _to_cpu(e.master),
             "state": state,
         }
     groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
@@ -136,12 +133,37 @@ def load_checkpoint(
             else:
                 state[key] = _reslice_state(e, pieces, key)
         if state:
-            inner.state[e.master] = state
+            group = _group_of(inner, e.master)
+            inner.state[e.master] = {k: _to_device(k, v, e.master, group) for k, v in state.items()}
         else:
             inner.state.pop(e.master, None)
     for group, saved_group in zip(inner.param_groups, saved[0]["param_groups"], strict=True):
         group.update(saved_group)
     engine.push_params()
+
+
+def _to_cpu(value: Any) -> Any:
+    """A CPU copy of a tensor (files hold CPU tensors whatever the model's device)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    return value
+
+
+def _group_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any]:
+    return next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), {})
+
+
+def _to_device(key: str, value: Any, param: torch.Tensor, group: dict[str, Any]) -> Any:
+    """Move a loaded state tensor to `param`'s device, as `Optimizer.load_state_dict` does.
+
+    torch's optimizers keep `step` on the CPU unless `capturable` or `fused`; other tensors
+    live with the parameter.
+    """
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key == "step" and not (group.get("capturable") or group.get("fused")):
+        return value
+    return value.to(param.device)
 
 
 def _reslice(e: Entry, pieces: list[dict[str, Any]], key: str) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -34,6 +36,17 @@ class ZeroConfig:
             every unit belong to the root unit, gathered once per step.
         prefetch: stage 3 only: start gathering the next unit (forward) / previous unit
             (backward) while the current one computes.
+        timeout: how long a shard-zero collective may wait for the other ranks before it fails
+            (a `datetime.timedelta`, or seconds as a number). None uses the process group's own
+            timeout (torch's defaults: 30 min for gloo, 10 min for NCCL). When set, `prepare`
+            creates a process group over the same ranks and backend with this timeout (a
+            collective: every rank of the default group must call `prepare` with the same
+            config) and runs every shard-zero collective on it.
+        check_consistency: detect ranks that diverge (a rank that skips a wrapped unit or runs
+            a different number of forward/backward passes) and raise a `RuntimeError` naming the
+            likely cause instead of exchanging mismatched data. Each all-gather carries a 16-byte
+            tag per rank, and `step()` adds one 16-byte broadcast (on GPU it also reads the tags
+            back to the host once per step).
     """
 
     stage: Literal[1, 2, 3] = 2
@@ -43,6 +56,8 @@ class ZeroConfig:
     bucket_numel: int = 2**24
     wrap_policy: Callable[[str, nn.Module], bool] | None = None
     prefetch: bool = True
+    timeout: datetime.timedelta | float | None = None
+    check_consistency: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
@@ -64,3 +79,31 @@ class ZeroConfig:
             raise ValueError(f"`bucket_numel` ({self.bucket_numel}) must be >= 1")
         if self.wrap_policy is not None and not callable(self.wrap_policy):
             raise TypeError(f"`wrap_policy` must be callable or None, got {self.wrap_policy!r}")
+        for name in ("prefetch", "check_consistency"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
+        if self.timeout is not None:
+            seconds = timeout_seconds(self.timeout)
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise ValueError(
+                    f"`timeout` ({self.timeout!r}) must be > 0 seconds and finite, or None for "
+                    "the process group's own timeout"
+                )
+
+    @property
+    def timeout_delta(self) -> datetime.timedelta | None:
+        """`timeout` as a `datetime.timedelta` (None when unset)."""
+        if self.timeout is None:
+            return None
+        return datetime.timedelta(seconds=timeout_seconds(self.timeout))
+
+
+def timeout_seconds(timeout: object) -> float:
+    """Seconds in a `timeout` value (a `datetime.timedelta` or a real number); TypeError else."""
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(
+            f"`timeout` must be a datetime.timedelta, a number of seconds or None, got {timeout!r}"
+        )
+    return float(timeout)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shard_zero._comm import Comm
+from shard_zero._comm import Comm, Gather
 from shard_zero._config import ZeroConfig
 from shard_zero._layout import (
     Bucket,
@@ -42,20 +42,36 @@ from shard_zero._layout import (
 
 ROW_SHARD_ATTR = "leanlm_row_shard"
 _FREE, _GATHERING, _READY = 0, 1, 2
+# collective idents (what a collective carries, for the divergence checks and error messages)
+_GRADS_OF_UNIT = 100_000  # + unit index; a unit's parameter gather is its index
+_PARAMS_OF_BUCKET = 200_000  # + bucket index
+_GRADS_OF_BUCKET = 300_000
+_MASTERS_OF_BUCKET = 400_000
+_REPLICATED, _FINGERPRINT, CLIP_IDENT = 500_000, 500_001, 500_002
 
 
 class Unit:
     """Stage 3: parameters gathered and freed together, stored as views of one flat buffer."""
 
-    def __init__(self, name: str, entries: list[Entry], dtype: torch.dtype, root: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        entries: list[Entry],
+        dtype: torch.dtype,
+        root: bool,
+        *,
+        ident: int,
+        device: torch.device,
+    ) -> None:
         self.name = name
         self.root = root
-        self.bucket = Bucket(entries)
-        self.full = torch.empty(sum(e.param.numel() for e in entries), dtype=dtype)
+        self.ident = ident
+        self.bucket = Bucket(entries, ident=_GRADS_OF_UNIT + ident)
+        numel = sum(e.param.numel() for e in entries)
+        self.full = torch.empty(numel, dtype=dtype, device=device)
         self.nbytes = self.full.untyped_storage().nbytes()
         self.state = _READY
-        self.work: Any = None
-        self.out: torch.Tensor | None = None
+        self.gather: Gather | None = None
 
     def free(self) -> None:
         """Release the gathered storage (the parameters' views stay, pointing at 0 bytes)."""
@@ -70,8 +86,16 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, config: ZeroConfig, group: Any) -> None:
         self.model = model
         self.config = config
-        self.comm = Comm(group)
-        self.group = group
+        self.device = model_device(model)
+        self.comm = Comm(
+            group,
+            device=self.device,
+            timeout=config.timeout_delta,
+            check=config.check_consistency,
+        )
+        # every collective (also the row-shard declaration's and the checkpoints' barriers) runs
+        # on `comm.group`: the caller's group, or a copy of it with `config.timeout`
+        self.group = self.comm.group
         self.world = self.comm.world_size
         self.rank = self.comm.rank
         self.stage = config.stage
@@ -90,6 +114,13 @@ class ZeroEngine:
         self.replicated = [e for e in self.entries if not e.sharded]
         # backward produces gradients roughly in reverse registration order
         self.buckets = make_buckets(self.sharded[::-1], config.bucket_numel)
+        for i, bucket in enumerate(self.buckets):
+            bucket.ident = _GRADS_OF_BUCKET + i
+            first = bucket.entries[0].name
+            self.comm.names[_PARAMS_OF_BUCKET + i] = f"the parameters of bucket {i} ({first!r}...)"
+            self.comm.names[bucket.ident] = f"the gradients of bucket {i} ({first!r}...)"
+        self.comm.names[_REPLICATED] = "the gradients of the replicated (small) parameters"
+        self.comm.names[CLIP_IDENT] = "the global gradient norm (clip_grad_norm_)"
         self.units: list[Unit] = []
         self._unit_of: dict[int, Unit] = {}
         self._fwd_order: list[Unit] = []
@@ -105,9 +136,10 @@ class ZeroEngine:
             f"{n}:{tuple(p.shape)}:{p.requires_grad}" for n, p in model.named_parameters()
         )
         digest = int.from_bytes(hashlib.sha256(desc.encode()).digest()[:7], "little")
-        mine = torch.tensor([digest], dtype=torch.int64)
-        every = torch.empty(self.world, dtype=torch.int64)
-        self.comm.all_gather(every, mine, async_op=False)
+        mine = torch.tensor([digest], dtype=torch.int64, device=self.device)
+        every = torch.empty(self.world, dtype=torch.int64, device=self.device)
+        self.comm.names[_FINGERPRINT] = "the model fingerprint check in `prepare`"
+        self.comm.wait(self.comm.all_gather(every, mine, ident=_FINGERPRINT), _FINGERPRINT)
         if bool((every != mine).any()):
             raise ValueError(
                 "ranks disagree on the model's parameters (names, shapes or requires_grad): "
@@ -160,7 +192,13 @@ class ZeroEngine:
                     "with uniform dtypes"
                 )
             dtype = next(iter(dtypes)) if dtypes else torch.float32
-            unit = Unit(name, members, dtype, root=module is self.model)
+            ident = len(self.units)
+            unit = Unit(
+                name, members, dtype, root=module is self.model, ident=ident, device=self.device
+            )
+            label = f"stage-3 unit {name or '<root>'!r}"
+            self.comm.names[ident] = label
+            self.comm.names[unit.bucket.ident] = f"the gradients of {label}"
             offset = 0
             for e in members:
                 view = unit.full[offset : offset + e.param.numel()].view(e.shape)
@@ -182,22 +220,21 @@ class ZeroEngine:
             return
         b = unit.bucket
         unit.full.untyped_storage().resize_(unit.nbytes)
-        inp = torch.empty(b.size, dtype=unit.full.dtype)
+        gather = Gather(self.comm, unit.ident, b.size, unit.full.dtype)
         for e, off in zip(b.entries, b.offsets, strict=True):
-            inp[off : off + e.local_numel].copy_(e.master.detach().reshape(-1))
-        unit.out = torch.empty(self.world * b.size, dtype=unit.full.dtype)
-        unit.work = self.comm.all_gather(unit.out, inp, async_op=True)
+            gather.payload[off : off + e.local_numel].copy_(e.master.detach().reshape(-1))
+        unit.gather = gather.start()
         unit.state = _GATHERING
 
     def _gather_wait(self, unit: Unit) -> None:
         self._gather_start(unit)
         if unit.state == _GATHERING:
-            unit.work.wait()
-            assert unit.out is not None
-            out = unit.out.view(self.world, unit.bucket.size)
+            assert unit.gather is not None
+            gather, unit.gather = unit.gather, None
+            out = gather.wait()
             for e, off in zip(unit.bucket.entries, unit.bucket.offsets, strict=True):
                 unpack_full(out, off, e, e.param.data)
-            unit.out, unit.work, unit.state = None, None, _READY
+            unit.state = _READY
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         self._fwd_order = []
@@ -271,12 +308,12 @@ class ZeroEngine:
         return self._entry_unit[id(e)]
 
     def _launch_reduce(self, bucket: Bucket) -> None:
-        buf = torch.empty(self.world, bucket.size, dtype=self.reduce_dtype)
+        buf = torch.empty(self.world, bucket.size, dtype=self.reduce_dtype, device=self.device)
         for e, off in zip(bucket.entries, bucket.offsets, strict=True):
             pack_full(buf, off, e, e.acc)
             e.acc = None
-        out = torch.empty(bucket.size, dtype=self.reduce_dtype)
-        work = self.comm.reduce_scatter(out, buf.view(-1), async_op=True)
+        out = torch.empty(bucket.size, dtype=self.reduce_dtype, device=self.device)
+        work = self.comm.reduce_scatter(out, buf.view(-1), ident=bucket.ident)
         bucket.launched = True
         self._pending.append((work, out, bucket))
 
@@ -285,11 +322,15 @@ class ZeroEngine:
             return
         flat = torch.cat(
             [
-                (e.acc if e.acc is not None else torch.zeros(e.shape)).reshape(-1)
+                (
+                    e.acc
+                    if e.acc is not None
+                    else torch.zeros(e.shape, dtype=torch.float32, device=self.device)
+                ).reshape(-1)
                 for e in self.replicated
             ]
         ).to(self.reduce_dtype)
-        self.comm.all_reduce(flat)
+        self.comm.all_reduce(flat, ident=_REPLICATED)
         flat = flat.to(torch.float32).mul_(1.0 / self.world)
         offset = 0
         for e in self.replicated:
@@ -300,7 +341,7 @@ class ZeroEngine:
 
     def _wait_pending(self) -> None:
         for work, out, bucket in self._pending:
-            work.wait()
+            self.comm.wait(work, bucket.ident)
             for e, off in zip(bucket.entries, bucket.offsets, strict=True):
                 piece = local_piece(out, off, e).to(torch.float32).mul_(1.0 / self.world)
                 _add_grad(e.master, piece)
@@ -345,35 +386,38 @@ class ZeroEngine:
                 unit.free()  # the next forward gathers the new values
             return
         gathers = []
-        for bucket in self.buckets:
+        for i, bucket in enumerate(self.buckets):
             dtype = bucket.entries[0].param.dtype
-            inp = torch.empty(bucket.size, dtype=dtype)
+            gather = Gather(self.comm, _PARAMS_OF_BUCKET + i, bucket.size, dtype)
             for e, off in zip(bucket.entries, bucket.offsets, strict=True):
-                inp[off : off + e.local_numel].copy_(e.master.detach().reshape(-1))
-            out = torch.empty(self.world * bucket.size, dtype=dtype)
-            gathers.append((self.comm.all_gather(out, inp, async_op=True), out, bucket))
-        for work, out, bucket in gathers:
-            work.wait()
-            out2d = out.view(self.world, bucket.size)
+                gather.payload[off : off + e.local_numel].copy_(e.master.detach().reshape(-1))
+            gathers.append((gather.start(), bucket))
+        for gather, bucket in gathers:
+            out2d = gather.wait()
             for e, off in zip(bucket.entries, bucket.offsets, strict=True):
                 unpack_full(out2d, off, e, e.param.data)
 
     def gather_masters(self) -> dict[nn.Parameter, torch.Tensor]:
         """Full fp32 copies of every trainable parameter (a collective: call on every rank)."""
         result: dict[nn.Parameter, torch.Tensor] = {}
-        for bucket in make_buckets(self.sharded, self.config.bucket_numel):
-            inp = torch.empty(bucket.size, dtype=torch.float32)
+        for i, bucket in enumerate(make_buckets(self.sharded, self.config.bucket_numel)):
+            ident = _MASTERS_OF_BUCKET + i
+            self.comm.names[ident] = f"the master weights of bucket {i} (full_state_dict)"
+            gather = Gather(self.comm, ident, bucket.size, torch.float32)
             for e, off in zip(bucket.entries, bucket.offsets, strict=True):
-                inp[off : off + e.local_numel].copy_(e.master.detach().reshape(-1))
-            out = torch.empty(self.world * bucket.size, dtype=torch.float32)
-            self.comm.all_gather(out, inp, async_op=False)
+                gather.payload[off : off + e.local_numel].copy_(e.master.detach().reshape(-1))
+            out2d = gather.start().wait()
             for e, off in zip(bucket.entries, bucket.offsets, strict=True):
-                full = torch.empty(e.shape, dtype=torch.float32)
-                unpack_full(out.view(self.world, bucket.size), off, e, full)
+                full = torch.empty(e.shape, dtype=torch.float32, device=self.device)
+                unpack_full(out2d, off, e, full)
                 result[e.param] = full
         for e in self.replicated:
             result[e.param] = e.master.detach().clone()
         return result
+
+    def check_step(self) -> None:
+        """Raise if the ranks issued different collectives since the last step (collective)."""
+        self.comm.check_step()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -404,6 +448,17 @@ def _default_wrap_policy(model: nn.Module) -> Any:
         for child in module
     }
     return lambda name, module: id(module) in children
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of `model`'s parameters (CPU for a model without parameters)."""
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise ValueError(
+            f"all parameters of `model` must be on one device, got {sorted(map(str, devices))}; "
+            "move the model with `model.to(device)` before `prepare`"
+        )
+    return next(iter(devices)) if devices else torch.device("cpu")
 
 
 def check_group(group: Any) -> None:

@@ -97,6 +97,7 @@ class Bucket:
     size: int = 0
     pending: int = 0
     launched: bool = False
+    ident: int = 0  # what `Comm` calls this bucket's gradient reduction
 
     def __post_init__(self) -> None:
         offset = 0

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from shard_zero._engine import ZeroEngine
+from shard_zero._engine import CLIP_IDENT, ZeroEngine
 
 
 class ZeroOptimizer(Optimizer):
@@ -47,6 +47,7 @@ class ZeroOptimizer(Optimizer):
         if closure is not None:
             raise ValueError("`closure` is not supported by shard-zero (run backward yourself)")
         self.engine.reduce_leftover()
+        self.engine.check_step()  # before the weights change: a diverged step raises here
         loss = self.optimizer.step()
         self.engine.push_params()
         self.engine.comm.end_step()
@@ -78,18 +79,22 @@ class ZeroOptimizer(Optimizer):
             replicated = []  # every rank holds the same replicated gradients: count them once
         grads = [g for g in sharded + replicated if g.numel() > 0]
         if math.isinf(norm_type):
-            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
+            local = (
+                torch.stack([g.abs().max() for g in grads]).max()
+                if grads
+                else torch.zeros((), device=engine.device)
+            )
             total = local.float().reshape(1)
-            engine.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
+            engine.comm.all_reduce(total, ident=CLIP_IDENT, op=torch.distributed.ReduceOp.MAX)
             total_norm = total[0]
         else:
             local = (
                 torch.stack([g.float().abs().pow(norm_type).sum() for g in grads]).sum()
                 if grads
-                else torch.zeros(())
+                else torch.zeros((), device=engine.device)
             )
             total = local.reshape(1).clone()
-            engine.comm.all_reduce(total)
+            engine.comm.all_reduce(total, ident=CLIP_IDENT)
             total_norm = total[0].pow(1.0 / norm_type)
         coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
         for e in engine.entries:

@@ -1,0 +1,277 @@
+"""Buffers on the model's device, the collective timeout, and clear errors when ranks diverge.
+
+Divergence (a rank that skips a stage-3 unit, or runs an extra forward/backward) must raise a
+`RuntimeError` that names the likely cause, on the ranks involved, instead of hanging or pairing
+unrelated collectives. The timeout checks assert gloo's own "3000ms" in the message (the group
+really has the configured timeout), never wall-clock time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from leanlm_testing import spawn
+from shard_zero import ZeroConfig, full_state_dict, load_checkpoint, prepare, save_checkpoint
+from shard_zero._api import engine_of
+from shard_zero._engine import model_device
+
+TIMEOUT = 3.0  # seconds: long enough for a loaded 2-core machine, short enough for a test
+WIDTH = 24
+
+
+class Stack(nn.Module):
+    """An input layer, `depth` same-size wrapped layers (stage-3 units) and a head."""
+
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, WIDTH)
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(depth))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor, skip: tuple[int, ...] = ()) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for i, layer in enumerate(self.layers):
+            if i not in skip:
+                h = torch.tanh(layer(h))
+        loss: torch.Tensor = self.head(h).pow(2).mean()
+        return loss
+
+
+def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _data(device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).to(device)
+
+
+# ---------------------------------------------------------------------- configuration
+
+
+def test_timeout_and_flag_validation() -> None:
+    assert ZeroConfig(timeout=5).timeout_delta == datetime.timedelta(seconds=5)
+    assert ZeroConfig(timeout=0.5).timeout_delta == datetime.timedelta(milliseconds=500)
+    delta = datetime.timedelta(minutes=2)
+    assert ZeroConfig(timeout=delta).timeout_delta == delta
+    assert ZeroConfig().timeout_delta is None
+    for bad in (0, -1.0, float("nan"), float("inf"), datetime.timedelta(0)):
+        with pytest.raises(ValueError, match="`timeout`"):
+            ZeroConfig(timeout=bad)
+    for wrong in (True, "30", [1]):
+        with pytest.raises(TypeError, match="`timeout`"):
+            ZeroConfig(timeout=wrong)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`check_consistency`"):
+        ZeroConfig(check_consistency=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`prefetch`"):
+        ZeroConfig(prefetch=None)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- device placement
+
+
+def test_parameters_on_two_devices_are_rejected() -> None:
+    model = Stack()
+    model.head.to("meta")
+    with pytest.raises(ValueError, match="one device, got \\['cpu', 'meta'\\]"):
+        model_device(model)
+    assert model_device(Stack()) == torch.device("cpu")
+    assert model_device(nn.ReLU()) == torch.device("cpu")
+
+
+_FACTORIES = {
+    torch.empty,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.tensor,
+    torch.as_tensor,
+    torch.arange,
+    torch.empty_strided,
+    torch.rand,
+    torch.randn,
+}
+
+
+class _DevicelessFactories(TorchFunctionMode):
+    """Records shard_zero lines that create a tensor without saying on which device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _FACTORIES and kwargs.get("device") is None:
+            caller = sys._getframe(1)
+            if caller.f_globals.get("__name__", "").startswith("shard_zero"):
+                self.found.append(f"{caller.f_code.co_filename}:{caller.f_lineno} {func.__name__}")
+        return func(*args, **kwargs)
+
+
+def _plain(device: torch.device, steps: int) -> dict[str, torch.Tensor]:
+    model = Stack().to(device)
+    opt = _adamw(list(model.parameters()))
+    for _ in range(steps):
+        model(_data(device)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train(model: nn.Module, opt: Any, device: torch.device, steps: int) -> None:
+    for _ in range(steps):
+        x = _data(device)
+        with model.no_sync():  # type: ignore[operator]
+            (model(x[:2]) / 2).backward()
+        (model(x[2:]) / 2).backward()
+        opt.clip_grad_norm_(1e9)  # a no-op clip that still runs the norm's collective
+        opt.step()
+        opt.zero_grad()
+
+
+def _world_one_on(device: torch.device, tmp: Path) -> None:
+    """prepare + steps + checkpoint at world 1 on `device` equal plain training there."""
+    steps = 3
+    init = {k: v.detach().clone() for k, v in Stack().to(device).state_dict().items()}
+    # the micro-batch halves are averaged: same gradient as the whole batch up to rounding
+    ref = _plain(device, steps)
+    for stage in (1, 2, 3):
+        tracker = _DevicelessFactories()
+        with tracker:
+            config = ZeroConfig(stage=stage, min_shard_numel=0, bucket_numel=300, timeout=60)
+            model, opt = prepare(Stack().to(device), _adamw, config)
+            engine = engine_of(model)
+            assert engine.device == device
+            assert all(u.full.device == device for u in engine.units)
+            _train(model, opt, device, steps)
+            assert all(e.master.device == device for e in engine.entries)
+            for state in opt.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        assert value.device == device, (stage, key, value.device)
+            got = full_state_dict(model)
+            save_checkpoint(tmp / f"ckpt-{stage}", model, opt)
+            fresh, fresh_opt = prepare(Stack().to(device), _adamw, config)
+            load_checkpoint(tmp / f"ckpt-{stage}", fresh, fresh_opt)
+            for state in fresh_opt.state.values():
+                assert state["exp_avg"].device == device
+            _train(model, opt, device, 1)
+            _train(fresh, fresh_opt, device, 1)
+            resumed, uninterrupted = full_state_dict(fresh), full_state_dict(model)
+        assert not tracker.found, f"tensors created without a device: {sorted(set(tracker.found))}"
+        saved = torch.load(tmp / f"ckpt-{stage}" / "rank00000.pt", weights_only=True)
+        for piece in saved["params"].values():
+            assert piece["master"].device.type == "cpu"
+            assert all(v.device.type == "cpu" for v in piece["state"].values())
+        for key, final in ref.items():
+            assert got[key].device == device
+            d_ref = (final - init[key]).double()
+            err = float((got[key].double() - init[key].double() - d_ref).norm() / d_ref.norm())
+            assert err < 1e-5, f"stage {stage} on {device}: {key}: update error {err:.3g}"
+            assert torch.equal(resumed[key], uninterrupted[key]), f"stage {stage}: {key} resume"
+    # mixed precision runs on the device too (values are checked by the bf16 parity test)
+    config = ZeroConfig(stage=3, min_shard_numel=0, param_dtype=torch.bfloat16)
+    model, opt = prepare(Stack().to(device), _adamw, config)
+    for _ in range(2):
+        model(_data(device).to(torch.bfloat16)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.isfinite(v).all() for v in full_state_dict(model).values())
+
+
+def _single_process_group(backend: str, tmp: Path, device: torch.device) -> None:
+    store = dist.FileStore(str(tmp / "store"), 1)  # type: ignore[attr-defined]
+    # NCCL: bind the device (else `barrier()` in the checkpoint code warns, an error here)
+    bound = device if backend == "nccl" else None
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, device_id=bound)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+def test_world_one_on_device_matches_plain_training(tmp_path: Path, device: str) -> None:
+    """On CUDA: NCCL (gloo with CUDA tensors where NCCL is missing); on CPU: gloo, plus the
+    check that no shard_zero line creates a tensor without a device (a CPU-only buffer)."""
+    backend = "nccl" if device == "cuda" and dist.is_nccl_available() else "gloo"
+    where = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(where)
+    _single_process_group(backend, tmp_path, where)
+    try:
+        _world_one_on(where, tmp_path)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- divergent ranks
+
+
+def _skipped_unit(rank: int, world: int) -> None:
+    x = _data()
+    for prefetch in (True, False):
+        config = ZeroConfig(stage=3, min_shard_numel=0, prefetch=prefetch, timeout=TIMEOUT)
+        model, opt = prepare(Stack(), _adamw, config)
+        model(x).backward()  # one agreeing step first
+        opt.step()
+        opt.zero_grad()
+        skip = (1,) if rank == 1 else ()
+        # rank 1 never runs layers.1 (same size as its neighbours, so without the check the
+        # gathers would pair up silently); both ranks see the mismatch at the same gather
+        with pytest.raises(RuntimeError, match=r"ranks ran different modules: rank [01] gathered"):
+            model(x, skip=skip).backward()
+    # `timeout` needs a group over every rank (else new_group would need the others too)
+    sub = dist.new_group([0])  # every rank calls new_group
+    if rank == 0:
+        with pytest.raises(ValueError, match="default process group only"):
+            prepare(Stack(), _adamw, ZeroConfig(timeout=TIMEOUT), group=sub)
+    # the parameter-set check still works with a timeout group
+    with pytest.raises(ValueError, match="ranks disagree"):
+        prepare(Stack(depth=2 + rank), _adamw, ZeroConfig(timeout=TIMEOUT))
+
+
+@pytest.mark.distributed
+def test_a_rank_that_skips_a_unit_raises_a_clear_error(tmp_path: Path) -> None:
+    spawn(_skipped_unit, world_size=2, tmp_path=tmp_path)
+
+
+def _extra_backward(rank: int, world: int, stage: int) -> None:
+    config = ZeroConfig(stage=stage, min_shard_numel=0, timeout=TIMEOUT)  # type: ignore[arg-type]
+    model, opt = prepare(Stack(), _adamw, config)
+    x = _data()
+    for _ in range(2 if rank == 0 else 1):  # rank 0 runs one forward/backward more
+        model(x).backward()
+    opt.step()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_extra_backward_on_one_rank_fails_after_the_timeout(tmp_path: Path, stage: int) -> None:
+    # stage 2: rank 0's extra reduce-scatter meets rank 1's per-step check; stage 3: rank 0's
+    # next gather does. gloo pairs neither (no data exchanged): both time out after 3 s, and the
+    # first rank to fail reports the cause
+    with pytest.raises(Exception, match=r"(?s)3000ms.*ranks ran different code") as info:
+        spawn(_extra_backward, stage, world_size=2, tmp_path=tmp_path)
+    assert "ZeroConfig.timeout` 0:00:03" in str(info.value)
