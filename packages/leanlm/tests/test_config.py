@@ -101,6 +101,13 @@ def test_fingerprint_changes_only_with_the_named_sections():
         ({"prune": {"layer_metric": "random"}}, "prune.layer_metric", "must be one of"),
         ({"distill": {"lm_loss_weight": 2.0}}, "distill.lm_loss_weight", "must be in [0, 1]"),
         ({"distill": {"temperature": 0}}, "distill.temperature", "must be > 0"),
+        ({"distill": {"hidden_loss_weight": -1.0}}, "distill.hidden_loss_weight", ">= 0"),
+        (
+            {"distill": {"teacher_correction_steps": -2}},
+            "distill.teacher_correction_steps",
+            "must be >= 0 (0 = no correction)",
+        ),
+        ({"distill": {"teacher_correction_lr": -1e-4}}, "distill.teacher_correction_lr", ">= 0"),
         ({"sparsify": {"pattern": "4:2"}}, "sparsify.pattern", "needs 0 < N < M"),
         ({"sparsify": {"pattern": "dense"}}, "sparsify.pattern", "must be 'N:M'"),
         ({"sparsify": {"method": "random"}}, "sparsify.method", "must be one of"),

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -165,3 +166,40 @@ def test_init_model_continues_pretraining(full_run, tmp_path, tiny_config):
     # from scratch the first loss is ~ln(512) = 6.2; the loaded model starts where it ended
     assert first["loss"] < original["pretrain"].metrics["val_loss"] + 0.5
     assert result.metrics["params"] == original["pretrain"].metrics["params"]
+
+
+def test_distill_with_hidden_loss_and_teacher_correction(full_run, tmp_path, tiny_config):
+    # The full run's pretrained model as teacher, pruned to half width (a projection 16 -> 32 is
+    # learned), its copy corrected for 2 steps, then 6 distillation steps with the hidden loss.
+    _, out, original = full_run
+    base = _full_config(tiny_config)
+    config = dataclasses.replace(
+        base,
+        init_model=str(out / "pretrain" / "model"),
+        stages=("prune", "distill"),
+        distill=dataclasses.replace(
+            base.distill,
+            teacher_stage="init",
+            steps=6,
+            warmup_steps=1,
+            eval_every=6,
+            checkpoint_every=3,
+            hidden_loss_weight=1.0,
+            teacher_correction_steps=2,
+        ),
+    )
+    results = {r.stage: r for r in run_pipeline(config, tmp_path / "run")}
+    metrics = results["distill"].metrics
+    assert metrics["params"] == original["prune"].metrics["params"]  # projection not counted
+    before, after = metrics["teacher_val_loss"], metrics["corrected_teacher_val_loss"]
+    assert before == pytest.approx(original["pretrain"].metrics["val_loss"], rel=1e-5)
+    assert after != before  # the teacher was fine-tuned
+    lines = (tmp_path / "run" / "distill" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 6
+    assert all(math.isfinite(x) for x in losses)
+    folder = tmp_path / "run" / "distill" / "model"
+    keys = set(load_file(folder / "model.safetensors"))
+    assert not any(k.startswith(("student.", "hidden.")) for k in keys), sorted(keys)
+    AutoModelForCausalLM.from_pretrained(folder)  # a plain checkpoint of the student

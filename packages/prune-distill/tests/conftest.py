@@ -1,3 +1,9 @@
+import os
+
+# The Triton interpreter must be chosen before any kernel module is imported (CPU runs only).
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from collections.abc import Callable
 from typing import Any
 

@@ -299,6 +299,21 @@ class DistillConfig(TrainConfig):
     """Weight of the next-token cross-entropy in the loss (the KL gets 1 - this)."""
     top_k: int = 0
     """Distill on the teacher's top-k logits only (0 = the full vocabulary)."""
+    hidden_loss_weight: float = 0.0
+    """Weight of prune-distill's intermediate hidden-state loss, added to the KL/CE mix (0 = off):
+    1 - cosine between student and teacher layer outputs after each model's final norm, the
+    student's layers spread evenly over the teacher's (last onto last). When the hidden sizes
+    differ, a learned linear map to the teacher's width trains with the student; it is kept in
+    the training checkpoints but not in the saved model. Minitron found it helps only when depth
+    is cut a lot."""
+    teacher_correction_steps: int = 0
+    """Before distilling, fine-tune a copy of the teacher for this many optimizer steps on the
+    distillation data (Minitron's "teacher correction": next-token loss, the stage's optimizer,
+    batch size and `grad_clip`, constant LR, the same batches as the first distillation steps;
+    every process computes the same corrected teacher). 0 = off."""
+    teacher_correction_lr: float = 0.0
+    """Learning rate of the teacher correction (0 = `lr` / 5, the ratio Minitron's second paper
+    is reported to use for its teacher's fine-tune)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -306,6 +321,9 @@ class DistillConfig(TrainConfig):
         if not 0.0 <= self.lm_loss_weight <= 1.0:
             raise ConfigError("lm_loss_weight", f"must be in [0, 1], got {self.lm_loss_weight}")
         _non_negative(self, "top_k", zero="full vocabulary")
+        _non_negative(self, "hidden_loss_weight", zero="off")
+        _non_negative(self, "teacher_correction_steps", zero="no correction")
+        _non_negative(self, "teacher_correction_lr", zero="`lr` / 5")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -3,10 +3,14 @@
 Defaults follow Minitron (arXiv 2407.14679, Sec. 3 and Table 15): forward KL on the logits at
 temperature 1, no cross-entropy term, AdamW. The teacher runs under ``torch.no_grad`` in eval mode
 (its weights and mode are left as they were); its logits can be cut to their top-k to save memory.
+Optionally an intermediate hidden-state loss (`prune_distill.hidden`) is added, and
+`correct_teacher` fine-tunes a copy of the teacher on the distillation data first (Minitron's
+"teacher correction", arXiv 2408.11796) with this same loop.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,8 +21,9 @@ from torch import nn
 
 from prune_distill._arch import model_device
 from prune_distill.cache import TOPK_INDICES, TOPK_VALUES
+from prune_distill.hidden import HiddenLossType, HiddenStateLoss
 from prune_distill.importance import lm_targets, model_inputs
-from prune_distill.losses import TopK, forward_kl
+from prune_distill.losses import Backend, TopK, forward_kl
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -39,6 +44,9 @@ class DistillConfig:
     Minitron saw quality losses for k <= 100."""
     chunk_size: int | None = 1024
     """Token rows per chunk of the memory-lean KL; None uses plain autograd."""
+    kl_backend: Backend = "auto"
+    """`forward_kl` backend: "auto" (fused Triton kernel for CUDA logits and a dense teacher,
+    else chunked PyTorch), "torch" or "triton"."""
     lr: float = 1e-4
     """Learning rate of the default AdamW."""
     weight_decay: float = 0.0
@@ -53,6 +61,17 @@ class DistillConfig:
     """Stop after this many optimizer steps; None runs through `batches` once."""
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm; None disables clipping."""
+    hidden_loss_weight: float = 0.0
+    """Weight of the intermediate hidden-state loss (`HiddenStateLoss`); 0 = off. Minitron found it
+    helps only when depth is cut a lot (Table 17); with different hidden sizes a learned linear
+    map student -> teacher width is trained with the student (`DistillResult.projection`)."""
+    hidden_layer_map: Mapping[int, int] | None = None
+    """Student layer -> teacher layer whose outputs are matched (0-based). None: spread the
+    student's layers evenly over the teacher's, last onto last (`even_layer_map`); for a
+    depth-pruned student `pruned_layer_map(teacher, scores, target)` gives the kept layers."""
+    hidden_loss_type: HiddenLossType = "cosine"
+    """Per-token hidden-state loss: `"cosine"` (1 - cosine similarity; Minitron's best) or
+    `"mse"` (on layer-normed states)."""
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -62,8 +81,28 @@ class DistillConfig:
                 f"`kl_weight` ({self.kl_weight}) and `lm_loss_weight` ({self.lm_loss_weight}) "
                 "must be >= 0"
             )
-        if self.kl_weight == 0 and self.lm_loss_weight == 0:
-            raise ValueError("`kl_weight` and `lm_loss_weight` are both 0: nothing to train on")
+        if not self.hidden_loss_weight >= 0:
+            raise ValueError(f"`hidden_loss_weight` ({self.hidden_loss_weight}) must be >= 0")
+        if self.kl_weight == 0 and self.lm_loss_weight == 0 and self.hidden_loss_weight == 0:
+            raise ValueError(
+                "`kl_weight`, `lm_loss_weight` and `hidden_loss_weight` are all 0: nothing to "
+                "train on"
+            )
+        if self.hidden_loss_type not in ("cosine", "mse"):
+            raise ValueError(
+                f"`hidden_loss_type` ({self.hidden_loss_type!r}) must be 'cosine' or 'mse'"
+            )
+        if self.hidden_layer_map is not None:
+            bad = {
+                s: t
+                for s, t in self.hidden_layer_map.items()
+                if not (isinstance(s, int) and isinstance(t, int) and s >= 0 and t >= 0)
+            }
+            if bad or not self.hidden_layer_map:
+                raise ValueError(
+                    f"`hidden_layer_map` ({dict(self.hidden_layer_map)}) must map student layer "
+                    "indices to teacher layer indices (non-negative ints), at least one pair"
+                )
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"`top_k` ({self.top_k}) must be >= 1 or None")
         if self.grad_accumulation_steps < 1:
@@ -84,8 +123,13 @@ class DistillResult:
     """KL term (unweighted), mean over the step's micro-batches."""
     lm_loss: list[float] = field(default_factory=list)
     """Student cross-entropy (unweighted; computed only when `lm_loss_weight` > 0, else NaN)."""
+    hidden_loss: list[float] = field(default_factory=list)
+    """Hidden-state loss (unweighted; computed only when `hidden_loss_weight` > 0, else NaN)."""
     tokens: int = 0
     """Non-padding tokens the student trained on."""
+    projection: nn.Linear | None = None
+    """The trained student -> teacher hidden-size map of the hidden-state loss (None when the
+    loss is off or the widths are equal). It is not part of the student; keep it to resume."""
 
     @property
     def steps(self) -> int:
@@ -97,27 +141,58 @@ def _move(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
+TeacherStates = tuple[torch.Tensor, ...]
+
+
 def _teacher_logits(
     teacher: nn.Module | None, batch: Mapping[str, Any], device: torch.device, top_k: int | None
 ) -> torch.Tensor | TopK:
+    target, _ = _teacher_outputs(teacher, batch, device, top_k)
+    assert target is not None
+    return target
+
+
+def _teacher_outputs(
+    teacher: nn.Module | None,
+    batch: Mapping[str, Any],
+    device: torch.device,
+    top_k: int | None,
+    *,
+    hidden: bool = False,
+    optional: bool = False,
+) -> tuple[torch.Tensor | TopK | None, TeacherStates | None]:
+    """Teacher logits (dense or top-k) and, if `hidden`, its hidden states (left on its device).
+
+    With `optional`, no teacher and no cached logits give (None, None) instead of an error.
+    """
     if TOPK_VALUES in batch:  # offline: cached by `cache_teacher_topk`
+        if hidden:
+            raise ValueError(
+                "`hidden_loss_weight` > 0 needs the teacher's hidden states, but the batch holds "
+                "cached top-k logits only (offline mode): distill online with a teacher model, "
+                "or set `hidden_loss_weight` = 0"
+            )
         values, indices = batch[TOPK_VALUES], batch[TOPK_INDICES]
         if top_k is not None:
             values, indices = values[..., :top_k], indices[..., :top_k]
-        return values.to(device), indices.to(device)
+        return (values.to(device), indices.to(device)), None
     if teacher is None:
+        if optional:
+            return None, None
         raise ValueError(
             "`teacher` is None but the batch holds no cached teacher logits: pass a teacher "
             "model, or batches from `cache_teacher_topk` / `TeacherCache`"
         )
     with torch.no_grad():
         inputs = _move(model_inputs(batch), model_device(teacher))
-        logits = teacher(**inputs, use_cache=False).logits
+        out = teacher(**inputs, use_cache=False, output_hidden_states=hidden)
+        states = tuple(out.hidden_states) if hidden else None
+        logits = out.logits
         if top_k is not None:
             values, indices = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1)
-            return values.to(device), indices.to(device)
+            return (values.to(device), indices.to(device)), states
         dense: torch.Tensor = logits.to(device)
-        return dense
+        return dense, states
 
 
 def distill(
@@ -132,46 +207,87 @@ def distill(
         student: the model to train (e.g. the output of `prune`); trained on its own device.
         teacher: a causal LM with the same vocabulary, on any device and dtype (bf16 is fine);
             frozen: run without gradients in eval mode, its mode restored afterwards. None for
-            offline distillation from batches holding cached teacher top-k logits.
+            offline distillation from batches holding cached teacher top-k logits (not with the
+            hidden-state loss), or for plain LM training when `kl_weight` is 0.
         batches: iterable of dicts with ``input_ids`` (B, S), optional ``attention_mask`` (padding
             is excluded from both losses), optional ``labels`` (for the CE term) and, offline,
             ``teacher_topk_values`` / ``teacher_topk_indices`` (see `cache_teacher_topk`).
         config: loss, optimizer and loop settings; None uses `DistillConfig()`.
 
     Returns:
-        Per-step losses. The student keeps its train/eval mode from before the call.
+        Per-step losses (and the hidden-state `projection`, if one was trained). The student
+        keeps its train/eval mode from before the call.
+
+    Raises:
+        ValueError: no trainable parameters, no teacher where one is needed, or a
+            `hidden_layer_map` outside the models' layers.
     """
     cfg = config or DistillConfig()
     device = model_device(student)
     params = [p for p in student.parameters() if p.requires_grad]
     if not params:
         raise ValueError("`student` has no parameters with requires_grad=True")
+    hidden: HiddenStateLoss | None = None
+    if cfg.hidden_loss_weight > 0:
+        if teacher is None:
+            raise ValueError(
+                "`hidden_loss_weight` > 0 needs a teacher model (its hidden states are not "
+                "cached offline); pass `teacher` or set `hidden_loss_weight` = 0"
+            )
+        hidden = HiddenStateLoss.between(
+            student, teacher, cfg.hidden_layer_map, kind=cfg.hidden_loss_type
+        )
+        params += list(hidden.parameters())  # the projection, if the widths differ
     if cfg.optimizer is not None:
         opt = cfg.optimizer(params)
     else:
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = cfg.scheduler(opt) if cfg.scheduler is not None else None
 
-    result = DistillResult()
+    result = DistillResult(projection=hidden.projection if hidden is not None else None)
     student_was_training = student.training
     teacher_was_training = teacher.training if teacher is not None else False
     student.train()
     if teacher is not None:
         teacher.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # total, kl, ce of this step
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # total, kl, ce, hidden
+    nan = torch.full((), float("nan"), device=device)
+    teacher_optional = cfg.kl_weight == 0 and hidden is None
     micro = 0
     try:
         opt.zero_grad(set_to_none=True)
         for raw in batches:
             batch = _move(raw, device)
             mask = batch.get("attention_mask")
-            target = _teacher_logits(teacher, batch, device, cfg.top_k)
-            logits = student(**model_inputs(batch), use_cache=False).logits
-            kl = forward_kl(
-                logits, target, mask=mask, temperature=cfg.temperature, chunk_size=cfg.chunk_size
+            target, teacher_states = _teacher_outputs(
+                teacher,
+                batch,
+                device,
+                cfg.top_k,
+                hidden=hidden is not None,
+                optional=teacher_optional,
             )
-            loss = cfg.kl_weight * kl
-            ce = torch.full((), float("nan"), device=device)
+            out = student(
+                **model_inputs(batch), use_cache=False, output_hidden_states=hidden is not None
+            )
+            logits = out.logits
+            loss, kl = torch.zeros((), device=device), nan
+            if target is not None:  # None only for plain LM training (`correct_teacher`)
+                kl = forward_kl(
+                    logits,
+                    target,
+                    mask=mask,
+                    temperature=cfg.temperature,
+                    chunk_size=cfg.chunk_size,
+                    backend=cfg.kl_backend,
+                )
+                loss = cfg.kl_weight * kl
+            hs = nan
+            if hidden is not None:
+                assert teacher_states is not None
+                hs = hidden(out.hidden_states, teacher_states, mask)
+                loss = loss + cfg.hidden_loss_weight * hs
+            ce = nan
             if cfg.lm_loss_weight > 0:
                 targets = lm_targets(batch)
                 ce = F.cross_entropy(
@@ -181,7 +297,7 @@ def distill(
                 )
                 loss = loss + cfg.lm_loss_weight * ce
             (loss / cfg.grad_accumulation_steps).backward()  # type: ignore[no-untyped-call]
-            sums += torch.stack([loss.detach(), kl.detach(), ce.detach()]).double()
+            sums += torch.stack([loss.detach(), kl.detach(), ce.detach(), hs.detach()]).double()
             result.tokens += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
             micro += 1
             if micro == cfg.grad_accumulation_steps:
@@ -209,6 +325,66 @@ def distill(
     return result
 
 
+def correct_teacher(
+    teacher: nn.Module,
+    batches: Iterable[Mapping[str, Any]],
+    *,
+    steps: int,
+    lr: float = 1e-5,
+    weight_decay: float = 0.0,
+    optimizer: OptimizerFactory | None = None,
+    scheduler: SchedulerFactory | None = None,
+    grad_accumulation_steps: int = 1,
+    max_grad_norm: float | None = 1.0,
+) -> nn.Module:
+    """Teacher correction: fine-tune a copy of `teacher` on the distillation data (LM loss).
+
+    Minitron's second paper (arXiv 2408.11796) first fine-tunes the teacher on the data it will
+    distill on, because a teacher trained on another distribution guides the student poorly. This
+    runs `distill`'s loop with the next-token cross-entropy only (no teacher, no KL) on a deep copy
+    of `teacher`, in the teacher's device and dtype, with every parameter trainable.
+
+    Args:
+        teacher: the causal LM to correct; not modified (weights, mode, ``requires_grad``).
+        batches: the distillation batches (dicts as for `distill`; ``labels`` are honoured,
+            padding is excluded, cached teacher logits are ignored).
+        steps: optimizer steps (at most; fewer if `batches` runs out first).
+        lr: learning rate of the default AdamW (NeMo's tutorial decays 1e-4 -> 1e-5).
+        weight_decay: weight decay of the default AdamW.
+        optimizer: optimizer factory over the parameters, as `DistillConfig.optimizer`.
+        scheduler: LR scheduler factory, as `DistillConfig.scheduler`.
+        grad_accumulation_steps: micro-batches per optimizer step.
+        max_grad_norm: clip the global gradient norm; None disables clipping.
+
+    Returns:
+        The corrected copy, in eval mode, with the input's ``requires_grad`` flags. It holds a
+        second set of weights: drop the original if memory is tight.
+    """
+    if steps < 1:
+        raise ValueError(f"`steps` ({steps}) must be >= 1")
+    cfg = DistillConfig(
+        kl_weight=0.0,
+        lm_loss_weight=1.0,
+        lr=lr,
+        weight_decay=weight_decay,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        grad_accumulation_steps=grad_accumulation_steps,
+        max_steps=steps,
+        max_grad_norm=max_grad_norm,
+    )
+    corrected = copy.deepcopy(teacher)
+    flags = [p.requires_grad for p in corrected.parameters()]
+    corrected.requires_grad_(True)
+    plain = ({k: v for k, v in b.items() if k not in (TOPK_VALUES, TOPK_INDICES)} for b in batches)
+    try:
+        distill(corrected, None, plain, cfg)
+    finally:
+        for p, flag in zip(corrected.parameters(), flags, strict=True):
+            p.requires_grad_(flag)
+    return corrected.eval()
+
+
 def _step(
     *,
     opt: torch.optim.Optimizer,
@@ -229,10 +405,11 @@ def _step(
     if sched is not None:
         sched.step()
     opt.zero_grad(set_to_none=True)
-    total, kl, ce = (sums / micro).tolist()  # one host sync per optimizer step
+    total, kl, ce, hs = (sums / micro).tolist()  # one host sync per optimizer step
     result.losses.append(total)
     result.kl.append(kl)
     result.lm_loss.append(ce)
+    result.hidden_loss.append(hs)
     sums.zero_()
 
 

@@ -10,17 +10,28 @@ The chunked path computes the loss and the gradient w.r.t. the student logits to
 of rows at a time, in fp32: ``dL/ds_n = w_n * T * (softmax(s_n / T) - q_n)`` where ``q_n`` is the
 (possibly top-k, scattered) teacher distribution. It never holds the log-softmax of both full
 (N, V) tensors, only one chunk of each plus the gradient (in the logits' dtype).
+
+Backends (`forward_kl(..., backend=)`): ``"torch"`` is the chunked path above (``chunk_size=None``:
+plain autograd, the reference); ``"triton"`` is the fused kernel in `_kl_triton` (log-softmax of
+both, KL and the student gradient in one kernel, no fp32 (N, V) temporaries; dense teacher only,
+CUDA, or CPU under ``TRITON_INTERPRET=1``); ``"auto"`` picks Triton for dense-teacher CUDA logits
+when Triton is installed and the chunked path otherwise (top-k teachers always run chunked). Both
+memory-lean paths save only the gradient for backward and scale it in place there, so their
+backward can run once per forward (no ``retain_graph`` double backward).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
 TopK = tuple[torch.Tensor, torch.Tensor]
 """Teacher top-k logits: (values (N, k), indices (N, k))."""
+
+Backend = Literal["auto", "torch", "triton"]
+"""Which implementation `forward_kl` runs; see the module docstring."""
 
 
 def _target_logprobs(
@@ -69,13 +80,78 @@ class _ChunkedKL(torch.autograd.Function):
                     g.scatter_add_(-1, indices, -logp_t.exp())
                 g *= (w * temperature)[:, None]
                 grad[rows] = g.to(grad.dtype)
-        ctx.save_for_backward(grad)
+        ctx.grad = grad
         return total * scale
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
-        (grad,) = ctx.saved_tensors
-        return grad * grad_out.to(grad.dtype), None, None, None, None
+        return _consume_grad(ctx, grad_out), None, None, None, None
+
+
+class _FusedKL(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        student: torch.Tensor,
+        teacher: torch.Tensor,
+        weights: torch.Tensor,
+        temperature: float,
+    ) -> torch.Tensor:
+        from prune_distill import _kl_triton
+
+        rows, grad = _kl_triton.fused_kl(
+            student, teacher, weights, temperature, need_grad=ctx.needs_input_grad[0]
+        )
+        ctx.grad = grad
+        return rows.sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
+        return _consume_grad(ctx, grad_out), None, None, None
+
+
+def _consume_grad(ctx: Any, grad_out: torch.Tensor) -> torch.Tensor | None:
+    """The gradient saved by forward, scaled by `grad_out` in place (no second (N, V) buffer).
+
+    Kept as a plain attribute, not `save_for_backward`, because it is modified in place and handed
+    to autograd; it is released here, so a second backward through the same graph fails loudly.
+    """
+    grad: torch.Tensor | None = ctx.grad
+    if grad is None:
+        if ctx.needs_input_grad[0]:
+            raise RuntimeError(
+                "forward_kl's saved gradient was consumed by an earlier backward: the memory-lean "
+                "paths support one backward per forward (recompute the loss, or use "
+                "chunk_size=None for retain_graph)"
+            )
+        return None
+    ctx.grad = None
+    return grad.mul_(grad_out.to(grad.dtype))
+
+
+def _resolve_backend(backend: str, teacher: torch.Tensor | TopK, device: torch.device) -> str:
+    """`"torch"` or `"triton"` for `backend`, the teacher's form and `device`."""
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"`backend` ({backend!r}) must be 'auto', 'torch' or 'triton'")
+    if backend == "torch":
+        return backend
+    from prune_distill import _kl_triton
+
+    dense = not isinstance(teacher, tuple)
+    if backend == "auto":
+        return "triton" if dense and device.type == "cuda" and _kl_triton.HAS_TRITON else "torch"
+    if not dense:
+        raise ValueError(
+            "backend 'triton' takes dense teacher logits only; a top-k teacher runs on the "
+            "chunked PyTorch path (backend='auto' or 'torch')"
+        )
+    if not _kl_triton.available(device):
+        raise ValueError(
+            "backend 'triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 set before "
+            f"import on CPU); got {device} with triton "
+            f"{'installed' if _kl_triton.HAS_TRITON else 'not installed'}"
+        )
+    return backend
 
 
 def forward_kl(
@@ -85,6 +161,7 @@ def forward_kl(
     mask: torch.Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = 1024,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """Temperature-scaled forward KL from the teacher to the student, mean over valid tokens.
 
@@ -94,8 +171,12 @@ def forward_kl(
             each (e.g. ``torch.topk(teacher_logits, k)``; indices into the student's vocab).
         mask: (...) 1 for tokens that count, 0 for padding; None counts every token.
         temperature: T; the loss is multiplied by T^2 so gradient scales match T = 1.
-        chunk_size: token rows per chunk of the memory-lean path; None uses plain autograd (the
-            reference implementation).
+        chunk_size: token rows per chunk of the chunked PyTorch path; None uses plain autograd
+            (the reference implementation, whatever `backend` says unless it is ``"triton"``,
+            which then raises). The Triton kernel ignores it (it streams one row at a time).
+        backend: ``"torch"`` (chunked / plain PyTorch), ``"triton"`` (the fused kernel: dense
+            teacher, CUDA or ``TRITON_INTERPRET=1``) or ``"auto"`` (Triton for a dense teacher on
+            CUDA when Triton is installed, else ``"torch"``).
 
     Returns:
         A scalar fp32 loss.
@@ -126,12 +207,24 @@ def forward_kl(
     else:
         m = mask.reshape(-1).float()
         weights = m / m.sum().clamp_min(1.0)
+    chosen = _resolve_backend(backend, t, s.device)
     if chunk_size is None:
+        if backend == "triton":
+            raise ValueError(
+                "`chunk_size` None selects the plain autograd reference, which conflicts with "
+                "`backend` 'triton': pass an int chunk size (ignored by the kernel) or "
+                "backend='torch'"
+            )
         logp_s = F.log_softmax(s.float() / temperature, dim=-1)
         logp_t, idx = _target_logprobs(t, slice(None), temperature)
         return (_kl_rows(logp_s, logp_t, idx) * weights).sum() * temperature**2
     if chunk_size < 1:
         raise ValueError(f"`chunk_size` ({chunk_size}) must be >= 1 or None")
+    if chosen == "triton":
+        assert isinstance(t, torch.Tensor)
+        out = _FusedKL.apply(s, t, weights, temperature)  # type: ignore[no-untyped-call]
+        assert isinstance(out, torch.Tensor)
+        return out
     out = _ChunkedKL.apply(s, t, weights, temperature, chunk_size)  # type: ignore[no-untyped-call]
     assert isinstance(out, torch.Tensor)
     return out
