@@ -1,17 +1,30 @@
 #!/usr/bin/env python
-"""CAME step time on a Llama-shaped parameter set, against came-pytorch and pytorch_optimizer.
+"""CAME step time on a Llama-shaped parameter set, against came-pytorch, pytorch_optimizer, AdamW.
 
-Command (from the repository root; the CPU numbers in RESULTS.md were taken with it):
+Commands (from the repository root; the CPU numbers in RESULTS.md were taken with the first):
 
     python packages/optim-came/benchmarks/bench_came.py --threads 2 --repeats 9
+    python packages/optim-came/benchmarks/bench_came.py --device cuda --repeats 20
 
-Every case steps the same parameters with the same fixed random gradients: warm-up steps, then
-the median of `--repeats` timed steps, the cases interleaved within each repeat so that load on a
-shared machine hits all of them alike. Ratios are against `came_pytorch.CAME` measured in the
-same run. Also printed: optimizer-state bytes per parameter element, vs AdamW's 8.
+Every case steps its own copy of the same parameters with the same fixed random gradients:
+warm-up steps, then the median of `--repeats` timed steps, the cases interleaved within each
+repeat so that load on a shared machine hits all of them alike. Ratios are against
+`came_pytorch.CAME` measured in the same run. Also printed: optimizer-state bytes per parameter
+element, vs AdamW's 8.
 
-On CUDA (`--device cuda`) the fused path's achieved bandwidth is reported against the 22 B/elem
-floor of an exact fused step with bf16 g/p and fp32 m (research note §7: `3G + 3M + 2P`).
+The bandwidth table (always on CUDA; `--bandwidth` on CPU) adds, for each case, the bytes per
+element an exact fused step must move (research note §7) and what the case achieves against it:
+
+- CAME: `3G + 3M + 2P` (G, P, M: bytes per element of the gradient, the parameter and the first
+  moment): 32 B in fp32, 22 B with bf16 g/p and an fp32 first moment, 16 B all bf16.
+- AdamW: `G + 2P + 4S` (torch keeps `exp_avg`/`exp_avg_sq` in the parameter's dtype S): 28 B in
+  fp32, 14 B in bf16.
+
+"GB/s" is that floor over the step time; "x floor" is the step time over the floor's time at
+the copy bandwidth measured in the same run (`dst.copy_(src)` of 1 GiB, 256 MiB on CPU; read +
+write), so 1.0 is an ideal fused step (the issue's target is <= 1.3). "vs AdamW" divides by
+`torch.optim.AdamW` of the same parameter dtype (fused on CUDA, foreach on CPU; the CPU table
+also shows torch's default for-loop AdamW).
 """
 
 from __future__ import annotations
@@ -22,17 +35,22 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from optim_came import CAME
 
+Kind = Literal["came", "adamw"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
-    """A Llama-shaped parameter set (untied embeddings, no biases): 50.3M parameters."""
+    """A Llama-shaped parameter set (untied embeddings, no biases): 50.3M parameters by default."""
 
     hidden: int = 512
     intermediate: int = 1408
@@ -46,21 +64,36 @@ class Config:
         return [(self.vocab, h), (self.vocab, h), (h,)] + per_layer * self.layers
 
 
+# The CUDA default: large enough (333M parameters) that the step is bandwidth-bound, small
+# enough that every case's parameters, gradients and state fit together in ~30 GB.
+CUDA_CONFIG = Config(hidden=2048, intermediate=5632, layers=4, vocab=32000)
+
+
 @dataclass(frozen=True, kw_only=True)
-class Result:
-    """Median step time of one case and its state size."""
+class Case:
+    """One timed optimizer: its parameters and the traffic model of its floor."""
 
     name: str
-    ms: float
-    state_bytes: int
+    opt: torch.optim.Optimizer
+    params: list[torch.Tensor]
+    kind: Kind
+    param_dtype: torch.dtype
+    moment_dtype: torch.dtype  # CAME's `exp_avg`; AdamW's two moments
+    anchor: bool = False  # the AdamW that "vs AdamW" divides by
+
+    def floor_bytes_per_elem(self) -> int:
+        """Bytes per element of an exact fused step (research note §7)."""
+        g = p = self.param_dtype.itemsize
+        m = self.moment_dtype.itemsize
+        return 3 * g + 3 * m + 2 * p if self.kind == "came" else g + 2 * p + 4 * m
 
 
 def _params(cfg: Config, device: str, dtype: torch.dtype) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     params = []
     for shape in cfg.shapes():
-        p = (torch.randn(shape, generator=gen) * 0.02).to(device, dtype).requires_grad_()
-        p.grad = torch.randn(shape, generator=gen).mul_(1e-3).to(device, dtype)
+        p = (torch.randn(shape, generator=gen, device=device) * 0.02).to(dtype).requires_grad_()
+        p.grad = torch.randn(shape, generator=gen, device=device).mul_(1e-3).to(dtype)
         params.append(p)
     return params
 
@@ -70,24 +103,45 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
         v.numel() * v.element_size()
         for s in opt.state.values()
         for k, v in s.items()
-        if isinstance(v, torch.Tensor) and k != "RMS"
+        if isinstance(v, torch.Tensor) and k not in {"RMS", "step"}
     )
 
 
-def _time(opts: dict[str, torch.optim.Optimizer], device: str, warmup: int, repeats: int):
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for opt in opts.values():
+def _sync(device: str) -> Callable[[], None]:
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def _time(cases: list[Case], device: str, warmup: int, repeats: int) -> dict[str, float]:
+    """Median step time (ms) of each case, interleaved across cases."""
+    sync = _sync(device)
+    for case in cases:
         for _ in range(warmup):
-            opt.step()
+            case.opt.step()
     sync()
-    times: dict[str, list[float]] = {name: [] for name in opts}
+    times: dict[str, list[float]] = {case.name: [] for case in cases}
     for _ in range(repeats):
-        for name, opt in opts.items():
+        for case in cases:
             start = time.perf_counter()
-            opt.step()
+            case.opt.step()
             sync()
-            times[name].append(time.perf_counter() - start)
+            times[case.name].append(time.perf_counter() - start)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def copy_bandwidth(device: str, repeats: int, nbytes: int = 1 << 30) -> float:
+    """Achieved bytes/s of `dst.copy_(src)` (read + write), median of `repeats`."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    sync = _sync(device)
+    dst.copy_(src)
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / statistics.median(times)
 
 
 def _version(dist: str) -> str:
@@ -111,69 +165,159 @@ def _git_sha() -> str:
         return "unknown"
 
 
+def build_cases(cfg: Config, device: str, dtypes: list[str], *, anchors: bool) -> list[Case]:
+    """The cases of the run: fp32 (with came-pytorch/pytorch_optimizer anchors) and/or bf16."""
+    lr, wd = 2e-4, 1e-2
+    backend = "triton" if device == "cuda" else "torch"
+    fused = device == "cuda"
+    cases: list[Case] = []
+    fp32, bf16 = torch.float32, torch.bfloat16
+
+    def add(  # type: ignore[no-untyped-def]
+        name: str, kind: Kind, dtype: torch.dtype, moment: torch.dtype, make, *, anchor=False
+    ) -> None:
+        params = _params(cfg, device, dtype)
+        cases.append(
+            Case(
+                name=name,
+                opt=make(params),
+                params=params,
+                kind=kind,
+                param_dtype=dtype,
+                moment_dtype=moment,
+                anchor=anchor,
+            )
+        )
+
+    for label in dtypes:
+        dtype = DTYPES[label]
+        suffix = "" if dtype == fp32 else ", bf16 params/grads"
+        if dtype == fp32 and anchors:
+            try:
+                import came_pytorch
+
+                add(
+                    "came_pytorch.CAME 0.1.3",
+                    "came",
+                    fp32,
+                    fp32,
+                    lambda p: came_pytorch.CAME(p, lr=lr, weight_decay=wd),
+                )
+            except ImportError:
+                print("came_pytorch not installed: no anchor")
+            try:
+                import pytorch_optimizer
+
+                add(
+                    "pytorch_optimizer.CAME",
+                    "came",
+                    fp32,
+                    fp32,
+                    lambda p: pytorch_optimizer.CAME(p, lr=lr, weight_decay=wd),
+                )
+            except ImportError:
+                print("pytorch_optimizer not installed")
+        add(
+            f"optim_came.CAME{suffix}",
+            "came",
+            dtype,
+            fp32,
+            lambda p: CAME(p, lr=lr, weight_decay=wd, backend=backend),
+        )
+        add(
+            f"optim_came.CAME{suffix} (bf16 first moment)",
+            "came",
+            dtype,
+            bf16,
+            lambda p: CAME(p, lr=lr, weight_decay=wd, backend=backend, state_dtype=bf16),
+        )
+        if not fused:
+            # torch's default on CPU is the single-tensor loop (neither foreach nor fused).
+            add(
+                f"torch.optim.AdamW (for-loop, CPU default){suffix}",
+                "adamw",
+                dtype,
+                dtype,
+                lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=wd),
+            )
+        add(
+            f"torch.optim.AdamW ({'fused' if fused else 'foreach'}){suffix}",
+            "adamw",
+            dtype,
+            dtype,
+            lambda p: torch.optim.AdamW(
+                p, lr=lr, weight_decay=wd, fused=fused or None, foreach=None if fused else True
+            ),
+            anchor=True,
+        )
+    return cases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=None, help="default: 8 (cpu), 4 (cuda)")
+    parser.add_argument(
+        "--dtypes",
+        default=None,
+        help="comma-separated fp32,bf16 (default: fp32 on cpu, both on cuda)",
+    )
+    parser.add_argument("--bandwidth", action="store_true", help="bandwidth table on CPU too")
     args = parser.parse_args()
+    dev = args.device
+    if dev == "cuda" and not torch.cuda.is_available():
+        raise ValueError("`--device cuda` needs a CUDA device; none is available")
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = Config(layers=args.layers)
-    dev = args.device
-    lr, wd = 2e-4, 1e-2
-    cases: dict[str, tuple[torch.optim.Optimizer, list[torch.Tensor]]] = {}
-
-    def add(name: str, make) -> None:  # type: ignore[no-untyped-def]
-        params = _params(cfg, dev, torch.float32)
-        cases[name] = (make(params), params)
-
-    try:
-        import came_pytorch
-
-        add("came_pytorch.CAME 0.1.3", lambda p: came_pytorch.CAME(p, lr=lr, weight_decay=wd))
-    except ImportError:
-        print("came_pytorch not installed: no anchor")
-    try:
-        import pytorch_optimizer
-
-        add(
-            "pytorch_optimizer.CAME",
-            lambda p: pytorch_optimizer.CAME(p, lr=lr, weight_decay=wd),
-        )
-    except ImportError:
-        print("pytorch_optimizer not installed")
-    backend = "triton" if dev == "cuda" else "torch"
-    add("optim_came.CAME", lambda p: CAME(p, lr=lr, weight_decay=wd, backend=backend))
-    add(
-        "optim_came.CAME (bf16 first moment)",
-        lambda p: CAME(p, lr=lr, weight_decay=wd, backend=backend, state_dtype=torch.bfloat16),
+    dtypes = (args.dtypes or ("fp32,bf16" if dev == "cuda" else "fp32")).split(",")
+    for label in dtypes:
+        if label not in DTYPES:
+            raise ValueError(f"`--dtypes` entry {label!r} must be one of {sorted(DTYPES)}")
+    base = CUDA_CONFIG if dev == "cuda" else Config()
+    cfg = Config(
+        hidden=base.hidden,
+        intermediate=base.intermediate,
+        layers=base.layers if args.layers is None else args.layers,
+        vocab=base.vocab,
     )
-    add("torch.optim.AdamW (foreach)", lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=wd))
-
-    n = sum(p.numel() for p in next(iter(cases.values()))[1])
-    print(f"bench_came  git {_git_sha()}  device {dev} ({platform.processor() or 'cpu'}), "
+    cases = build_cases(cfg, dev, dtypes, anchors=True)
+    n = sum(p.numel() for p in cases[0].params)
+    where = torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu"
+    print(f"bench_came  git {_git_sha()}  device {dev} ({where}), "
           f"threads {torch.get_num_threads()}")  # fmt: skip
     print(f"torch {torch.__version__}, triton {_version('triton')}, came-pytorch "
           f"{_version('came-pytorch')}, pytorch_optimizer {_version('pytorch_optimizer')}, "
           f"python {platform.python_version()}")  # fmt: skip
-    print(f"{n / 1e6:.1f}M fp32 params in {len(cfg.shapes())} tensors; median of "
-          f"{args.repeats} interleaved steps after {args.warmup} warm-up\n")  # fmt: skip
-    ms = _time({k: v[0] for k, v in cases.items()}, dev, args.warmup, args.repeats)
+    print(f"{n / 1e6:.1f}M params in {len(cfg.shapes())} tensors ({', '.join(dtypes)}); median "
+          f"of {args.repeats} interleaved steps after {args.warmup} warm-up\n")  # fmt: skip
+    ms = _time(cases, dev, args.warmup, args.repeats)
     anchor = ms.get("came_pytorch.CAME 0.1.3")
     print("| implementation | step ms | vs came-pytorch | state B/elem | state / AdamW |")
     print("|---|---:|---:|---:|---:|")
     adamw_bytes = 8.0
-    for name, (opt, _) in cases.items():
-        ratio = f"{ms[name] / anchor:.2f}x" if anchor else "-"
-        per = _state_bytes(opt) / n
-        print(f"| {name} | {ms[name]:.1f} | {ratio} | {per:.2f} | {per / adamw_bytes:.2f} |")
-    if dev == "cuda":
-        floor = 22 * n  # bf16 g/p + fp32 m would be 22 B; these fp32 runs move 32 B
-        fused = ms["optim_came.CAME"] / 1e3
-        print(f"\nfused fp32: {32 * n / fused / 1e9:.0f} GB/s at 32 B/elem ({floor=} B for bf16)")
+    for case in cases:
+        ratio = f"{ms[case.name] / anchor:.2f}x" if anchor else "-"
+        per = _state_bytes(case.opt) / n
+        print(f"| {case.name} | {ms[case.name]:.1f} | {ratio} | {per:.2f} | "
+              f"{per / adamw_bytes:.2f} |")  # fmt: skip
+
+    if dev == "cuda" or args.bandwidth:
+        nbytes = 1 << 30 if dev == "cuda" else 1 << 28
+        copy = copy_bandwidth(dev, args.repeats, nbytes)
+        print(f"\ncopy bandwidth ({nbytes >> 20} MiB dst.copy_(src), read + write): "
+              f"{copy / 1e9:.0f} GB/s\n")  # fmt: skip
+        print("| implementation | floor B/elem | GB/s at floor | x floor | vs AdamW (same dtype) |")
+        print("|---|---:|---:|---:|---:|")
+        adamw_ms = {c.param_dtype: ms[c.name] for c in cases if c.anchor}
+        for case in cases:
+            floor = case.floor_bytes_per_elem() * n
+            sec = ms[case.name] / 1e3
+            versus = f"{ms[case.name] / adamw_ms[case.param_dtype]:.2f}x"
+            print(f"| {case.name} | {case.floor_bytes_per_elem()} | {floor / sec / 1e9:.3g} | "
+                  f"{sec / (floor / copy):.2f} | {versus} |")  # fmt: skip
 
 
 if __name__ == "__main__":
