@@ -1,14 +1,33 @@
 #!/usr/bin/env python
-"""BlockSparseLinear (PyTorch CPU path) vs dense nn.Linear, forward and forward+backward.
+"""BlockSparseLinear vs dense: CPU (PyTorch path, fp32) or GPU (Triton, bf16, vs cuBLAS).
 
-Command (from the repository root):
+Commands (from the repository root):
+    # CPU: PyTorch path vs nn.Linear, fp32, forward and forward+backward
     python packages/sparse-kernels/benchmarks/bench_sparse.py [--size 4096] [--tokens 1024]
         [--blocks 32 64] [--sparsities 0.5 0.75 0.9] [--repeats 5]
+    # GPU: Triton BlockSparseLinear and torch 2:4 vs F.linear (cuBLAS), bf16, prefill + decode
+    python packages/sparse-kernels/benchmarks/bench_sparse.py --device cuda
+        [--prefill-tokens 2048 4096 8192] [--decode-tokens 1 8 32] [--blocks 32 64 128]
+    # dry run of the GPU code path on CPU through the Triton interpreter (tiny shapes)
+    python packages/sparse-kernels/benchmarks/bench_sparse.py --device cpu --backend triton --tiny
 
-Weight `size x size` fp32, input `tokens x size`; block sparsity = fraction of tiles dropped
-(random tile mask). Times are medians over `repeats` after one warm-up. FLOPs count
-2·tokens·size² per dense GEMM (3 GEMMs for forward+backward) and density x that for the sparse
-layer; "useful GFLOP/s" divides the sparse layer's (non-zero) FLOPs by its time.
+CPU mode: weight `size x size` fp32, input `tokens x size`; block sparsity = fraction of tiles
+dropped (tiles chosen by magnitude, random for a random init). Times are medians over
+`repeats` after one warm-up. FLOPs count 2·tokens·size² per dense GEMM (3 GEMMs for
+forward+backward) and density x that for the sparse layer; "useful GFLOP/s" divides the
+sparse layer's (non-zero) FLOPs by its time.
+
+GPU mode: bf16 weights (out x in) 4096x4096 (attention projection) and 14336x4096 (MLP
+4096->14336), no bias; prefill (tokens 2048-8192: forward and forward+backward) and decode
+(tokens 1-32: forward). Anchor: `F.linear` on the dense weight (cuBLAS), timed in the same
+run. Sparse: `BlockSparseLinear(backend="triton")` at each block size and sparsity, and 2:4
+through `to_semi_structured_` (torch's cuSPARSELt/CUTLASS kernels; forward only). Times are
+`triton.testing.do_bench` medians (CUDA events, L2 flushed between calls). Per point:
+speedup = dense ms / sparse ms; dense TFLOP/s = dense FLOPs / dense time; useful TFLOP/s =
+density x dense FLOPs / sparse time; efficiency = useful / dense TFLOP/s = density x speedup
+(1.0 = the sparse kernel is as fast per non-zero FLOP as cuBLAS is per FLOP). Before timing,
+the output (forward points) or dX and the stored dW tiles (forward+backward points) are
+checked against cuBLAS on the masked dense weight: `check` = max |error| / max |reference|.
 """
 
 from __future__ import annotations
@@ -21,11 +40,11 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-
-from sparse_kernels import BlockSparseLinear
 
 
 @dataclass(frozen=True)
@@ -100,22 +119,21 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=4096)
-    parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--blocks", type=int, nargs="+", default=[32, 64])
-    parser.add_argument("--sparsities", type=float, nargs="+", default=[0.5, 0.75, 0.9])
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-
+def versions() -> str:
     try:
         import triton
 
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not installed"
-    print(f"# bench_sparse: git {git_sha()}, torch {torch.__version__}, triton {triton_version}")
+    return f"git {git_sha()}, torch {torch.__version__}, triton {triton_version}"
+
+
+def run_cpu(args: argparse.Namespace) -> None:
+    """The PyTorch path vs nn.Linear, fp32 (the CPU table of RESULTS.md)."""
+    from sparse_kernels import BlockSparseLinear
+
+    print(f"# bench_sparse: {versions()}")
     print(
         f"# device: CPU {cpu_name()}, {os.cpu_count()} cores, "
         f"torch threads {torch.get_num_threads()}; no GPU"
@@ -154,6 +172,261 @@ def main() -> None:
                 f"{dense_fb / s_fb:.2f}x | {useful:.1f} |",
                 flush=True,
             )
+
+
+# ------------------------------------------------------------------------------- GPU mode
+@dataclass(frozen=True)
+class GpuPoint:
+    """One GPU benchmark point: Y = X·Wᵀ with X (tokens, in_f) and W (out_f, in_f)."""
+
+    phase: str  # "prefill" | "decode"
+    tokens: int
+    in_f: int
+    out_f: int
+    op: str  # "fwd" | "fwd+bwd"
+    kind: str  # "block" | "2:4"
+    block: int  # 0 for 2:4
+    sparsity: float
+
+    @property
+    def dense_flops(self) -> float:
+        """2·M·N·K per GEMM; forward+backward runs 3 GEMMs (Y, dX, dW)."""
+        return 2.0 * self.tokens * self.in_f * self.out_f * (3 if self.op == "fwd+bwd" else 1)
+
+
+@dataclass(frozen=True)
+class GpuResult:
+    """Median times (ms) of a point and its dense anchor, and the parity check."""
+
+    point: GpuPoint
+    density: float
+    dense_ms: float
+    sparse_ms: float
+    check: float
+
+    @property
+    def speedup(self) -> float:
+        """Dense time / sparse time."""
+        return self.dense_ms / self.sparse_ms
+
+    @property
+    def dense_tflops(self) -> float:
+        """Dense FLOPs per second of cuBLAS (the anchor)."""
+        return self.point.dense_flops / self.dense_ms / 1e9
+
+    @property
+    def useful_tflops(self) -> float:
+        """Non-zero FLOPs (density x dense FLOPs) per second of the sparse kernel."""
+        return self.density * self.point.dense_flops / self.sparse_ms / 1e9
+
+    @property
+    def efficiency(self) -> float:
+        """Useful TFLOP/s of the sparse kernel / dense TFLOP/s of cuBLAS = density x speedup."""
+        return self.useful_tflops / self.dense_tflops
+
+
+def make_timer(
+    device: torch.device, args: argparse.Namespace
+) -> Callable[[Callable[[], Any]], float]:
+    """Milliseconds per call: `do_bench` median on CUDA, `median_time` elsewhere (dry run).
+
+    With `--cuda-graphs`, `do_bench_cudagraph` replays the calls from a CUDA graph, which removes
+    the Python and launch overhead that dominates decode-sized calls (no L2 flush there).
+    """
+    if device.type == "cuda":
+        from triton.testing import do_bench, do_bench_cudagraph
+
+        def cuda_ms(fn: Callable[[], Any]) -> float:
+            if args.cuda_graphs:
+                return float(do_bench_cudagraph(fn, rep=args.rep_ms, return_mode="median"))
+            return float(do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median"))
+
+        return cuda_ms
+    return lambda fn: 1e3 * median_time(fn, args.repeats)
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.float()
+    return float((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def bench_block(
+    pt: GpuPoint, w: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, *, timer: Any
+) -> GpuResult:
+    """Triton BlockSparseLinear vs F.linear on the dense weight (the anchor)."""
+    from sparse_kernels import BlockSparseLinear
+    from sparse_kernels.layout import dense_to_blocks
+
+    dense = nn.Linear(pt.in_f, pt.out_f, bias=False, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        dense.weight.copy_(w)
+    layer = BlockSparseLinear.from_dense(
+        dense, block_size=pt.block, sparsity=pt.sparsity, backend="triton"
+    )
+    wd = layer.to_dense().detach().requires_grad_(True)  # masked dense weight: the reference
+    w_req = w.detach().requires_grad_(pt.op == "fwd+bwd")
+    if pt.op == "fwd":
+        with torch.no_grad():  # inference: no autograd graph for either side
+            check = rel_err(layer(x), F.linear(x, wd))
+            dense_ms = timer(lambda: F.linear(x, w))
+            sparse_ms = timer(lambda: layer(x))
+    else:
+        xg = x.detach().requires_grad_(True)
+        got = torch.autograd.grad(layer(xg), (xg, layer.values), dy)
+        ref_dx, ref_dw = torch.autograd.grad(F.linear(xg, wd), (xg, wd), dy)
+        check = max(rel_err(got[0], ref_dx), rel_err(got[1], dense_to_blocks(ref_dw, layer.layout)))
+        dense_ms = timer(lambda: torch.autograd.grad(F.linear(xg, w_req), (xg, w_req), dy))
+        sparse_ms = timer(lambda: torch.autograd.grad(layer(xg), (xg, layer.values), dy))
+    return GpuResult(pt, layer.density, dense_ms, sparse_ms, check)
+
+
+def bench_24(pt: GpuPoint, w: torch.Tensor, x: torch.Tensor, timer: Any) -> GpuResult | str:
+    """2:4 with torch's kernels (via `to_semi_structured_`) vs F.linear; forward only."""
+    from sparse_kernels import to_semi_structured_
+    from sparse_kernels.masks import nm_mask
+
+    w24 = w * nm_mask(w.abs(), 2, 4)
+    linear = nn.Linear(pt.in_f, pt.out_f, bias=False, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(w24)
+    try:  # torch refuses some devices, archs and shapes: report why instead of stopping
+        to_semi_structured_(linear)
+        with torch.no_grad():
+            check = rel_err(linear(x), F.linear(x, w24))
+            dense_ms = timer(lambda: F.linear(x, w))
+            sparse_ms = timer(lambda: linear(x))
+    except (ValueError, RuntimeError, NotImplementedError) as err:
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:100]}"
+    return GpuResult(pt, 0.5, dense_ms, sparse_ms, check)
+
+
+def gpu_points(args: argparse.Namespace) -> list[GpuPoint]:
+    pts = []
+    for phase, tokens_list, ops in (
+        ("prefill", args.prefill_tokens, ("fwd", "fwd+bwd")),
+        ("decode", args.decode_tokens, ("fwd",)),
+    ):
+        for in_f, out_f in args.shapes:
+            for tokens in tokens_list:
+                for op in ops:
+                    if not args.no_24 and op == "fwd":
+                        pts.append(GpuPoint(phase, tokens, in_f, out_f, op, "2:4", 0, 0.5))
+                    for block in args.blocks:
+                        for s in args.sparsities:
+                            pts.append(GpuPoint(phase, tokens, in_f, out_f, op, "block", block, s))
+    return pts
+
+
+def run_gpu(args: argparse.Namespace) -> None:
+    """Triton BlockSparseLinear and 2:4 vs cuBLAS (or the interpreter dry run on CPU)."""
+    device = torch.device(args.device)
+    dtype = torch.bfloat16
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        where = (
+            f"{props.name}, sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB, "
+            f"CUDA {torch.version.cuda}"
+        )
+    else:
+        where = f"CPU {cpu_name()} under TRITON_INTERPRET=1 (dry run: times are meaningless)"
+    print(f"# bench_sparse --device {args.device}: {versions()}")
+    print(f"# device: {where}")
+    print(
+        f"# bf16, no bias; weights (in->out) {args.shapes}; prefill tokens {args.prefill_tokens}, "
+        f"decode tokens {args.decode_tokens}; blocks {args.blocks}, sparsities {args.sparsities}"
+    )
+    bench = "do_bench_cudagraph" if args.cuda_graphs else "do_bench"
+    timing = f"{bench} median, rep {args.rep_ms} ms" if device.type == "cuda" else "perf_counter"
+    anchor = "F.linear (cuBLAS)" if device.type == "cuda" else "F.linear (CPU)"
+    print(f"# timing: {timing}; anchor {anchor} on the dense weight\n")
+    timer = make_timer(device, args)
+    print(
+        "| phase | in->out | tokens | op | kernel | density | dense ms | sparse ms | speedup "
+        "| dense TFLOP/s | useful TFLOP/s | efficiency | check |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    gen = torch.Generator(device=device).manual_seed(0)
+    weights: dict[tuple[int, int], torch.Tensor] = {}
+    failed = 0
+    for pt in gpu_points(args):
+        key = (pt.in_f, pt.out_f)
+        if key not in weights:
+            bound = pt.in_f**-0.5  # nn.Linear's init scale
+            weights[key] = (
+                torch.rand(pt.out_f, pt.in_f, generator=gen, device=device) * 2 - 1
+            ).mul_(bound).to(dtype)  # fmt: skip
+        w = weights[key]
+        x = torch.randn(pt.tokens, pt.in_f, generator=gen, device=device).to(dtype)
+        dy = torch.randn(pt.tokens, pt.out_f, generator=gen, device=device).to(dtype)
+        if pt.kind == "2:4":
+            res: GpuResult | str = bench_24(pt, w, x, timer)
+            label = "2:4 (torch semi-structured)"
+        else:
+            res = bench_block(pt, w, x, dy, timer=timer)
+            label = f"triton block {pt.block}"
+        prefix = f"| {pt.phase} | {pt.in_f}->{pt.out_f} | {pt.tokens} | {pt.op} | {label} |"
+        if isinstance(res, str):
+            print(f"{prefix} 0.500 | - | - | - | - | - | - | unavailable: {res} |", flush=True)
+            continue
+        flag = "" if res.check <= args.tolerance else " FAIL"
+        failed += bool(flag)
+        print(
+            f"{prefix} {res.density:.3f} | {res.dense_ms:.4f} | {res.sparse_ms:.4f} | "
+            f"{res.speedup:.2f}x | {res.dense_tflops:.1f} | {res.useful_tflops:.1f} | "
+            f"{res.efficiency:.2f} | {res.check:.1e}{flag} |",
+            flush=True,
+        )
+    print(f"\n# parity checks above tolerance {args.tolerance}: {failed}")
+    if failed:
+        raise SystemExit(1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--backend",
+        choices=("torch", "triton"),
+        help="cpu: torch (default, the CPU table) or triton (interpreter dry run, needs --tiny); "
+        "cuda: triton (default)",
+    )
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter dry run)")
+    parser.add_argument("--size", type=int, default=4096, help="CPU mode: weight size x size")
+    parser.add_argument("--tokens", type=int, default=1024, help="CPU mode: tokens")
+    parser.add_argument("--blocks", type=int, nargs="+", help="default: CPU 32 64, GPU 32 64 128")
+    parser.add_argument("--sparsities", type=float, nargs="+", default=[0.5, 0.75, 0.9])
+    parser.add_argument("--repeats", type=int, default=5, help="CPU timing repeats")
+    parser.add_argument("--prefill-tokens", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--decode-tokens", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench time per point (ms)")
+    parser.add_argument("--no-24", action="store_true", help="skip the 2:4 rows")
+    parser.add_argument(
+        "--cuda-graphs", action="store_true", help="time CUDA-graph replays (no launch overhead)"
+    )
+    parser.add_argument("--tolerance", type=float, default=2e-2, help="max check (bf16)")
+    args = parser.parse_args()
+    backend = args.backend or ("triton" if args.device == "cuda" else "torch")
+    if args.device == "cuda" and backend != "triton":
+        parser.error("--device cuda benchmarks the Triton backend (drop --backend torch)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device visible to torch")
+    if args.device == "cpu" and backend == "triton" and not args.tiny:
+        parser.error("--device cpu --backend triton runs the interpreter: add --tiny")
+    args.shapes = [(4096, 4096), (4096, 14336)]
+    if backend == "torch":
+        args.blocks = args.blocks or [32, 64]
+        run_cpu(args)
+        return
+    if args.tiny:  # a few tiles per weight, odd token counts: seconds under the interpreter
+        args.shapes = [(64, 96), (64, 160)]
+        args.prefill_tokens, args.decode_tokens = [33], [1, 8]
+        args.blocks = args.blocks or [16, 32]
+        args.repeats = 1
+    args.blocks = args.blocks or [32, 64, 128]
+    if args.device == "cpu":
+        # The kernels read this at import: set before the first `sparse_kernels` import.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    run_gpu(args)
 
 
 if __name__ == "__main__":
