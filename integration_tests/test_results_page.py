@@ -196,3 +196,31 @@ def test_bad_results_exit_2(gen, tmp_path, capsys):
     assert gen.main(["--root", str(root)]) == 2
     assert "gen_results.py: error: packages/beta/benchmarks/RESULTS.md:" in capsys.readouterr().err
     assert not (root / "docs" / "results.md").exists()
+
+
+def test_included_readme_is_inlined_with_links_rewritten(gen, tmp_path):
+    root = make_repo(tmp_path)
+    readme = root / "packages" / "alpha" / "README.md"
+    (root / "packages" / "alpha" / "docs").mkdir()
+    (root / "packages" / "alpha" / "docs" / "curve.png").write_bytes(b"\x89PNG curve")
+    readme.write_text("# alpha\n\n## Plot\n\n![curve](docs/curve.png) and [results](#plot)\n")
+    page = 'Intro.\n\n--8<-- "packages/alpha/README.md"\n\n--8<-- "docs/results.md:alpha"\n'
+
+    assert gen.readme_markdown(page, root) == (
+        "Intro.\n\n# alpha\n\n## Plot\n\n"
+        "![curve](/assets/results/packages/alpha/docs/curve.png) and [results](#plot)\n\n"
+        '--8<-- "docs/results.md:alpha"\n'
+    )
+    # The README's plot is copied with the Results page's files, and checked like them.
+    assets = gen.render(root).assets
+    assert assets["assets/results/packages/alpha/docs/curve.png"] == readme.parent / "docs" / (
+        "curve.png"
+    )
+    assert gen.main(["--root", str(root)]) == 0
+    assert gen.check(root) is None
+    (root / "docs" / "assets" / "results" / "packages" / "alpha" / "docs" / "curve.png").unlink()
+    assert "docs/curve.png is missing" in gen.check(root)
+
+    readme.write_text("# alpha\n\n[gone](docs/missing.png)\n")
+    with pytest.raises(gen.ResultsError, match=r"README.md:3: link `docs/missing.png`"):
+        gen.readme_markdown(page, root)

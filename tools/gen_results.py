@@ -20,6 +20,10 @@ order. Each section is that file with three changes:
 - It is wrapped in snippet section markers named after the package, so that the package's
   overview page includes just its section: `--8<-- "docs/results.md:<dist>"`.
 
+Package READMEs that an overview page includes (`--8<-- "packages/<dist>/README.md"`) get the same
+link rewriting, without the heading change, when the docs are built (`readme_markdown`, called by
+`tools/mkdocs_hooks.py`); the files they link to are copied here along with the Results page's.
+
 `docs/assets/results/` belongs to this script: writing replaces it. Standard library only.
 """
 
@@ -91,6 +95,35 @@ def find_results(root: Path) -> list[tuple[str, Path]]:
     return [(dist, path) for dist, path in found if path.is_file()]
 
 
+_README_INCLUDE = re.compile(r'^--8<-- "(packages/[^/"]+/README\.md)"[ \t]*$', re.MULTILINE)
+"""An overview page's include line of a package README."""
+
+
+def find_readmes(root: Path) -> list[Path]:
+    """The package READMEs that a page under `docs/packages/` includes, sorted."""
+    found: set[Path] = set()
+    for page in (root / "docs" / "packages").glob("*.md"):
+        found.update(root / rel for rel in _README_INCLUDE.findall(page.read_text("utf-8")))
+    return sorted(path for path in found if path.is_file())
+
+
+def readme_markdown(markdown: str, root: Path) -> str:
+    """`markdown` (a docs page) with each README include line replaced by that README.
+
+    Links are rewritten to docs-root paths as in the Results page; headings are kept.
+
+    Raises:
+        ResultsError: if an included README has a link that cannot be rewritten.
+    """
+
+    def expand(match: re.Match[str]) -> str:
+        source = root / match.group(1)
+        text = source.read_text(encoding="utf-8")
+        return convert(text, source=source, root=root, assets={}, demote=False)
+
+    return _README_INCLUDE.sub(expand, markdown)
+
+
 def rewrite_url(url: str, *, source: Path, root: Path, assets: dict[str, Path], where: str) -> str:
     """The docs-root URL for `url` as written in `source`; records files to copy in `assets`.
 
@@ -152,11 +185,13 @@ def _rewrite_links(line: str, fix: Callable[[str], str]) -> str:
     return "".join([*pieces, outside_code(line[last:])])
 
 
-def convert(text: str, *, source: Path, root: Path, assets: dict[str, Path]) -> str:
+def convert(
+    text: str, *, source: Path, root: Path, assets: dict[str, Path], demote: bool = True
+) -> str:
     """One `RESULTS.md` (`text`, read from `source`) as a section of the Results page.
 
-    Headings go one level down and relative links are rewritten (see the module docstring);
-    leading and trailing blank lines are dropped.
+    Headings go one level down (unless `demote` is false: an included README) and relative links
+    are rewritten (see the module docstring); leading and trailing blank lines are dropped.
 
     Raises:
         ResultsError: if the text does not start with a `# ` heading, has a level-6 heading, or
@@ -185,7 +220,7 @@ def convert(text: str, *, source: Path, root: Path, assets: dict[str, Path]) -> 
             continue
 
         demoted = line
-        if heading := _HEADING.match(line):
+        if demote and (heading := _HEADING.match(line)):
             if len(heading.group(2)) == 6:
                 raise ResultsError(f"{where}: a level-6 heading cannot go one level down")
             demoted = f"{heading.group(1)}#{line[heading.start(2) :]}"
@@ -207,6 +242,8 @@ def render(root: Path) -> Generated:
             raise ResultsError(f"packages/{dist}: not a valid snippet section name")
         section = convert(path.read_text(encoding="utf-8"), source=path, root=root, assets=assets)
         parts.append(f"<!-- --8<-- [start:{dist}] -->\n{section}\n<!-- --8<-- [end:{dist}] -->\n")
+    for readme in find_readmes(root):  # only for the files they link to
+        convert(readme.read_text("utf-8"), source=readme, root=root, assets=assets, demote=False)
     return Generated(
         page="\n".join(parts), packages=tuple(dist for dist, _ in found), assets=assets
     )
@@ -244,7 +281,7 @@ def stale(root: Path, generated: Generated) -> list[str]:
         source = generated.assets[dest].relative_to(root).as_posix()
         problems.append(f"docs/{dest} is missing (a copy of {source})")
     for dest in sorted(on_disk - generated.assets.keys()):
-        problems.append(f"docs/{dest} is no longer linked from any RESULTS.md")
+        problems.append(f"docs/{dest} is no longer linked from any RESULTS.md or README")
     for dest in sorted(generated.assets.keys() & on_disk):
         if (docs / dest).read_bytes() != generated.assets[dest].read_bytes():
             source = generated.assets[dest].relative_to(root).as_posix()

@@ -2,6 +2,8 @@
 
 `on_pre_build` fails the build when `docs/results.md` is out of date with the packages'
 `benchmarks/RESULTS.md` files, with the message of `python tools/gen_results.py --check`.
+`on_page_markdown` inlines the package READMEs an overview page includes, with their relative
+links (e.g. a plot under `benchmarks/`) rewritten to the copies `gen_results.py` keeps in the docs.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from types import ModuleType
 
 from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import Files
+from mkdocs.structure.pages import Page
 
 
 def _gen_results() -> ModuleType:
@@ -36,3 +40,12 @@ def on_pre_build(config: MkDocsConfig) -> None:
         raise PluginError(f"docs/results.md cannot be generated: {err}") from err
     if message:
         raise PluginError(message)
+
+
+def on_page_markdown(markdown: str, *, page: Page, config: MkDocsConfig, files: Files) -> str:
+    """`markdown` with `--8<-- "packages/<dist>/README.md"` lines replaced by the README."""
+    gen = _gen_results()
+    try:
+        return gen.readme_markdown(markdown, Path(config.config_file_path).resolve().parent)
+    except gen.ResultsError as err:
+        raise PluginError(f"{page.file.src_uri}: {err}") from err
