@@ -84,18 +84,18 @@ def _closure(names: list[str]) -> list[Member]:
 
 
 class Stack:
-    """The shared pip venv that holds torch and the rest of the ML stack."""
+    """The shared pip venv that holds torch and the rest of the ML stack (or another `venv`)."""
 
-    def __init__(self, session: nox.Session) -> None:
+    def __init__(self, session: nox.Session, venv: Path = STACK) -> None:
         self.session = session
         bindir = "Scripts" if sys.platform == "win32" else "bin"
-        self.python = str(STACK / bindir / ("python.exe" if sys.platform == "win32" else "python"))
+        self.python = str(venv / bindir / ("python.exe" if sys.platform == "win32" else "python"))
         if not Path(self.python).exists():
-            session.log(f"creating the shared venv {STACK}")
-            session.run_install(sys.executable, "-m", "venv", str(STACK))
+            session.log(f"creating the venv {venv}")
+            session.run_install(sys.executable, "-m", "venv", str(venv))
             self.pip("install", "--upgrade", "pip", "hatchling", "editables")
-        session.env["VIRTUAL_ENV"] = str(STACK)
-        session.env["PATH"] = os.pathsep.join([str(STACK / bindir), os.environ.get("PATH", "")])
+        session.env["VIRTUAL_ENV"] = str(venv)
+        session.env["PATH"] = os.pathsep.join([str(venv / bindir), os.environ.get("PATH", "")])
         session.env.setdefault("HF_HOME", str(ROOT / ".nox" / "hf-home"))
 
     def pip(self, *args: str) -> None:
@@ -200,12 +200,23 @@ def demo(session: nox.Session) -> None:
     stack.run("-m", "leanlm", "demo", *session.posargs)
 
 
+# Requirements only benchmarks need (baselines to compare against). A package listed here gets
+# its own venv `.nox/bench-<package>` (same constraints, local torch wheel, the package's closure
+# and test group, plus these), so they never enter the shared `.nox/stack` the tests use.
+BENCH_EXTRAS: dict[str, tuple[str, ...]] = {"shard-zero": ("deepspeed",)}
+
+
 @nox.session(venv_backend="none", default=False)
 @nox.parametrize("package", PACKAGES, ids=PACKAGES)
 def bench(session: nox.Session, package: str) -> None:
     """Every benchmarks/bench_*.py of one package (not in CI: benchmarks are not tests)."""
-    stack = Stack(session)
+    extras = BENCH_EXTRAS.get(package, ())
+    stack = Stack(session, ROOT / ".nox" / f"bench-{package}" if extras else STACK)
     stack.install_only([package])
+    if extras:  # a separate call: deepspeed is an sdist that builds in its own isolated env
+        stack.pip("install", "-c", str(CONSTRAINTS), *extras)
+        # DeepSpeed JIT-builds a C++ op on first use (~1 min on CPU): keep the build between runs
+        session.env["TORCH_EXTENSIONS_DIR"] = str(ROOT / ".nox" / "torch-extensions")
     scripts = sorted((MEMBERS[package].path / "benchmarks").glob("bench_*.py"))
     if not scripts:
         session.skip(f"{package} has no benchmarks/bench_*.py")
@@ -215,8 +226,10 @@ def bench(session: nox.Session, package: str) -> None:
 
 @nox.session(venv_backend="none", default=False)
 def clean(session: nox.Session) -> None:
-    """Delete the shared venv (the next session rebuilds it)."""
+    """Delete the shared venv and the benchmark venvs (the next session rebuilds them)."""
     shutil.rmtree(STACK, ignore_errors=True)
+    for package in BENCH_EXTRAS:
+        shutil.rmtree(ROOT / ".nox" / f"bench-{package}", ignore_errors=True)
 
 
 if __name__ == "__main__":
