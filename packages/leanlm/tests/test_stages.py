@@ -3,6 +3,8 @@
 import dataclasses
 import json
 import math
+import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from leanlm.config import DistillConfig, PruneConfig, SparsifyConfig
 from leanlm.pipeline import run_pipeline
+from leanlm.prune import pruned_layer_map_for
 from leanlm.sparsify import COMPRESSED_FILE
 from sparse_kernels import load_compressed_
 
@@ -203,3 +206,21 @@ def test_distill_with_hidden_loss_and_teacher_correction(full_run, tmp_path, tin
     keys = set(load_file(folder / "model.safetensors"))
     assert not any(k.startswith(("student.", "hidden.")) for k in keys), sorted(keys)
     AutoModelForCausalLM.from_pretrained(folder)  # a plain checkpoint of the student
+    # prune recorded where the student came from (width pruning keeps every layer in place),
+    # and distill matched layers with that record since the teacher is the same model
+    record = json.loads((tmp_path / "run" / "prune" / "model" / "pruned_from.json").read_text())
+    assert record["source"] == os.path.relpath(out / "pretrain" / "model", tmp_path / "run")
+    layers = base.model.num_hidden_layers
+    assert record["layer_map"] == {str(i): i for i in range(layers)}
+
+
+def test_pruned_layer_map_is_used_only_for_the_pruned_source(tmp_path):
+    run = tmp_path / "run"
+    student, teacher, other = run / "prune" / "model", run / "pretrain" / "model", tmp_path / "x"
+    student.mkdir(parents=True)
+    ctx = SimpleNamespace(run_dir=run)
+    assert pruned_layer_map_for(ctx, student, teacher) == {}  # not written by prune
+    record = {"source": "pretrain/model", "layer_map": {"0": 0, "1": 2, "2": 3}}
+    (student / "pruned_from.json").write_text(json.dumps(record))
+    assert pruned_layer_map_for(ctx, student, teacher) == {0: 0, 1: 2, 2: 3}
+    assert pruned_layer_map_for(ctx, student, other) == {}  # another teacher: even map instead

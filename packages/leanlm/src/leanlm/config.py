@@ -301,8 +301,10 @@ class DistillConfig(TrainConfig):
     """Distill on the teacher's top-k logits only (0 = the full vocabulary)."""
     hidden_loss_weight: float = 0.0
     """Weight of prune-distill's intermediate hidden-state loss, added to the KL/CE mix (0 = off):
-    1 - cosine between student and teacher layer outputs after each model's final norm, the
-    student's layers spread evenly over the teacher's (last onto last). When the hidden sizes
+    1 - cosine between student and teacher layer outputs after each model's final norm. When
+    the `prune` stage made the student from this teacher, each student layer is matched to the
+    layer it was cut from; otherwise the student's layers are spread evenly over the teacher's
+    (last onto last). When the hidden sizes
     differ, a learned linear map to the teacher's width trains with the student; it is kept in
     the training checkpoints but not in the saved model. Minitron found it helps only when depth
     is cut a lot."""

@@ -22,6 +22,7 @@ from leanlm.data import global_batch_indices
 from leanlm.evaluate import evaluate_perplexity
 from leanlm.model import count_parameters, load_model
 from leanlm.optim import decay_param_groups, optimizer_over
+from leanlm.prune import pruned_layer_map_for
 from leanlm.stages import StageContext, StageResult, register_stage
 from leanlm.trainer import LossFn, save_pretrained, train
 from prune_distill import HiddenStateLoss, correct_teacher, forward_kl
@@ -167,7 +168,9 @@ class Distill:
         teacher = teacher.eval().requires_grad_(False)
         loss_fn = distillation_loss(teacher, cfg)
         if cfg.hidden_loss_weight:
-            hidden = HiddenStateLoss.between(student, teacher)
+            # a depth-pruned student's layers match the layers they were cut from; else even
+            layer_map = pruned_layer_map_for(ctx, ctx.input_dir, ctx.outputs[cfg.teacher_stage])
+            hidden = HiddenStateLoss.between(student, teacher, layer_map or None)
             wrapped = StudentWithHiddenLoss(student, hidden)
             metrics = train(ctx, wrapped, cfg, loss_fn, save=_save_student)
             metrics["params"] = count_parameters(student)  # the model, not the projection
