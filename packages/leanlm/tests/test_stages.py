@@ -141,18 +141,23 @@ def test_one_shot_sparsify_without_fine_tune(tmp_path, tiny_config):
     assert not (tmp_path / "run" / "sparsify" / "metrics.jsonl").exists()
 
 
+def _prune_and_distill_pretrained(tiny_config, out, **distill):
+    """The full run's config as `prune` + `distill` of its pretrained model (`init_model`)."""
+    base = _full_config(tiny_config)
+    return dataclasses.replace(
+        base,
+        init_model=str(out / "pretrain" / "model"),
+        stages=("prune", "distill"),
+        distill=dataclasses.replace(base.distill, teacher_stage="init", **distill),
+    )
+
+
 def test_init_model_runs_the_later_stages_on_an_existing_model(full_run, tmp_path, tiny_config):
     # The full run's pretrained model (and its saved tokenizer) as `init_model`: prune, and
     # distill with `teacher_stage = "init"`, reproduce the full run's stages exactly (same
     # weights, same token ids, same calibration and batches).
     _, out, original = full_run
-    base = _full_config(tiny_config)
-    config = dataclasses.replace(
-        base,
-        init_model=str(out / "pretrain" / "model"),
-        stages=("prune", "distill"),
-        distill=dataclasses.replace(base.distill, teacher_stage="init"),
-    )
+    config = _prune_and_distill_pretrained(tiny_config, out)
     results = {r.stage: r for r in run_pipeline(config, tmp_path / "run")}
     for stage in ("prune", "distill"):
         got, expected = results[stage].metrics, original[stage].metrics
@@ -175,21 +180,15 @@ def test_distill_with_hidden_loss_and_teacher_correction(full_run, tmp_path, tin
     # The full run's pretrained model as teacher, pruned to half width (a projection 16 -> 32 is
     # learned), its copy corrected for 2 steps, then 6 distillation steps with the hidden loss.
     _, out, original = full_run
-    base = _full_config(tiny_config)
-    config = dataclasses.replace(
-        base,
-        init_model=str(out / "pretrain" / "model"),
-        stages=("prune", "distill"),
-        distill=dataclasses.replace(
-            base.distill,
-            teacher_stage="init",
-            steps=6,
-            warmup_steps=1,
-            eval_every=6,
-            checkpoint_every=3,
-            hidden_loss_weight=1.0,
-            teacher_correction_steps=2,
-        ),
+    config = _prune_and_distill_pretrained(
+        tiny_config,
+        out,
+        steps=6,
+        warmup_steps=1,
+        eval_every=6,
+        checkpoint_every=3,
+        hidden_loss_weight=1.0,
+        teacher_correction_steps=2,
     )
     results = {r.stage: r for r in run_pipeline(config, tmp_path / "run")}
     metrics = results["distill"].metrics
@@ -210,7 +209,7 @@ def test_distill_with_hidden_loss_and_teacher_correction(full_run, tmp_path, tin
     # and distill matched layers with that record since the teacher is the same model
     record = json.loads((tmp_path / "run" / "prune" / "model" / "pruned_from.json").read_text())
     assert record["source"] == os.path.relpath(out / "pretrain" / "model", tmp_path / "run")
-    layers = base.model.num_hidden_layers
+    layers = config.model.num_hidden_layers
     assert record["layer_map"] == {str(i): i for i in range(layers)}
 
 
