@@ -159,6 +159,26 @@ def integration(session: nox.Session) -> None:
     )
 
 
+@nox.session(name="gpu-compile", venv_backend="none", tags=["ci"])
+def gpu_compile(session: nox.Session) -> None:
+    """Compile every launched Triton kernel for sm_80 and sm_90 (no GPU needed) and gate it.
+
+    `tools/gpu_compile.py`: fails on a compile error, a spill, shared memory over the arch's
+    limit, `tl.dot` without tensor cores, or an unpipelined GEMM loop. Records and the markdown
+    table go to `.nox/gpu-compile/`.
+    """
+    stack = Stack(session)
+    stack.install_only(PACKAGES)
+    out = ROOT / ".nox" / "gpu-compile"
+    out.mkdir(parents=True, exist_ok=True)
+    stack.run(
+        str(ROOT / "tools" / "gpu_compile.py"),
+        "--out", str(out / "records.json"), "--markdown", str(out / "table.md"),
+        *session.posargs,
+        env={"TRITON_INTERPRET": "0"},  # the real compiler, not the interpreter
+    )  # fmt: skip
+
+
 @nox.session(venv_backend="none", default=False)
 @nox.parametrize("package", PACKAGES, ids=PACKAGES)
 def gpu(session: nox.Session, package: str) -> None:

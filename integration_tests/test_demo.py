@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-STAGES = ["pretrain", "prune", "distill", "sparsify"]
+STAGES = ["pretrain", "prune", "distill", "sparsify", "control"]
 
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.distributed)])
@@ -51,6 +51,14 @@ def test_smoke_demo_end_to_end(tmp_path, nproc):
     # Measured: pruned 299 -> distilled 248 (1 process), 242 -> 177 (2 processes).
     assert metrics["distill"]["val_perplexity"] < 0.95 * metrics["prune"]["val_perplexity"]
     assert metrics["sparsify"]["nonzero_params"] < metrics["sparsify"]["stored_params"]
+    # control: the dense model, trained on for exactly the compression stages' tokens
+    used = sum(
+        metrics[s]["tokens"] + metrics[s].get("calibration_tokens", 0)
+        for s in ("prune", "distill", "sparsify")
+    )
+    assert metrics["control"]["tokens"] == used
+    assert metrics["control"]["params"] == metrics["pretrain"]["params"]
+    assert "What compression cost at equal tokens" in report
 
     for stage in STAGES:
         folder = out / stage / "model"

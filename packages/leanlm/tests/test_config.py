@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from leanlm import PRESETS, ConfigError, RunConfig, load_toml
 from leanlm.cli import main
 from leanlm.config import ModelConfig, dumps_toml, from_dict
+from prune_distill import SearchSpace
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -27,6 +28,9 @@ def test_fingerprint_changes_only_with_the_named_sections():
     b = dataclasses.replace(a, seed=1)
     assert a.fingerprint("model") == b.fingerprint("model")
     assert a.fingerprint("seed") != b.fingerprint("seed")
+
+
+SEARCH = {"search": True, "search_params": 100_000, "search_hidden_size": [128]}
 
 
 @pytest.mark.parametrize(
@@ -99,8 +103,43 @@ def test_fingerprint_changes_only_with_the_named_sections():
             "(3) must be a multiple of the KV heads kept (2)",
         ),
         ({"prune": {"layer_metric": "random"}}, "prune.layer_metric", "must be one of"),
+        # [prune] search = true (Minitron's architecture search)
+        ({"prune": {"search": True}}, "prune.search_params", "must be > 0 with `search = true`"),
+        (
+            {"prune": {"search_hidden_size": [128]}},
+            "prune.search_hidden_size",
+            "is set but `search` is false",
+        ),
+        (
+            {"prune": {"search": True, "search_params": 1000}},
+            "prune.search",
+            "none of `search_num_hidden_layers`",
+        ),
+        (
+            {"prune": {**SEARCH, "search_intermediate_size": [256, 256]}},
+            "prune.search_intermediate_size",
+            "([256, 256]) must be distinct sizes >= 1",
+        ),
+        (
+            {"prune": {**SEARCH, "hidden_size": 192}},
+            "prune.hidden_size",
+            "(192) and `search_hidden_size` ([128]) are both set",
+        ),
+        (
+            {"prune": {**SEARCH, "num_key_value_heads": 1}},
+            "prune.num_key_value_heads",
+            "cannot be set with `search = true`",
+        ),
+        (
+            {"prune": {**SEARCH, "search_num_hidden_layers": [2, 9]}},
+            "prune.search_num_hidden_layers",
+            "([2, 9]) must be <= `model.num_hidden_layers` (4): pruning only shrinks",
+        ),
+        ({"prune": {**SEARCH, "search_tolerance": 1.0}}, "prune.search_tolerance", "in [0, 1)"),
+        ({"prune": {**SEARCH, "search_steps": 0}}, "prune.search_steps", "must be > 0"),
+        ({"prune": {"search_hidden_size": 128}}, "prune.search_hidden_size", "must be a list"),
         ({"distill": {"lm_loss_weight": 2.0}}, "distill.lm_loss_weight", "must be in [0, 1]"),
-        ({"distill": {"temperature": 0}}, "distill.temperature", "must be > 0"),
+        ({"distill": {"temperature": 0}}, "distill.temperature", "(0.0) must be > 0"),
         ({"distill": {"hidden_loss_weight": -1.0}}, "distill.hidden_loss_weight", ">= 0"),
         (
             {"distill": {"teacher_correction_steps": -2}},
@@ -108,10 +147,18 @@ def test_fingerprint_changes_only_with_the_named_sections():
             "must be >= 0 (0 = no correction)",
         ),
         ({"distill": {"teacher_correction_lr": -1e-4}}, "distill.teacher_correction_lr", ">= 0"),
-        ({"sparsify": {"pattern": "4:2"}}, "sparsify.pattern", "needs 0 < N < M"),
-        ({"sparsify": {"pattern": "dense"}}, "sparsify.pattern", "must be 'N:M'"),
+        # sparse-kernels' SparsityConfig checks these; its errors name the [sparsify] key
+        ({"sparsify": {"pattern": "4:2"}}, "sparsify.pattern", "'4:2': `n` (4) must satisfy"),
+        ({"sparsify": {"pattern": "dense"}}, "sparsify.pattern", "('dense') must be"),
         ({"sparsify": {"method": "random"}}, "sparsify.method", "must be one of"),
-        ({"sparsify": {"sparsity": 1.0}}, "sparsify.sparsity", "must be in [0, 1)"),
+        (
+            {"sparsify": {"pattern": "unstructured", "sparsity": 1.0}},
+            "sparsify.sparsity",
+            "(1.0) must be in [0, 1)",
+        ),
+        ({"sparsify": {"block_size": 0}}, "sparsify.block_size", "(0) must be >= 1"),
+        # prune-distill's DistillConfig checks the loss settings
+        ({"distill": {"top_k": -1}}, "distill.top_k", "(-1) must be >= 1"),
         ({"sparsify": {"zero_stage": 3}}, "sparsify.zero_stage", "use 0, 1 or 2"),
         ({"sparsify": {"steps": -1}}, "sparsify.steps", "must be >= 0"),
     ],
@@ -122,6 +169,17 @@ def test_bad_values_name_the_key(data, key, text):
     assert info.value.key == key
     assert text in str(info.value)
     assert str(info.value).startswith(f"config key `{key}`")
+
+
+def test_prune_search_round_trips_and_fixed_sizes_are_single_choices(tmp_path):
+    prune = {**SEARCH, "search_num_hidden_layers": [2, 3], "intermediate_size": 512}
+    config = from_dict(RunConfig, {"prune": prune})
+    path = tmp_path / "c.toml"
+    path.write_text(dumps_toml(config))
+    assert load_toml(path) == config
+    assert config.prune.search_space == SearchSpace(
+        num_hidden_layers=(2, 3), hidden_size=(128,), intermediate_size=(512,)
+    )
 
 
 def test_int_is_accepted_where_float_is_expected():

@@ -11,6 +11,7 @@ from leanlm.data import (
     blocks,
     global_batch_indices,
     load_corpus,
+    selection_windows,
     split_by_file,
     spread_windows,
     stdlib_files,
@@ -180,6 +181,17 @@ def test_blocks():
     assert blocks(stream, 3, limit=2).shape == (2, 3)
     with pytest.raises(ValueError, match="shorter than one window"):
         blocks(stream, 11)
+
+
+def test_selection_windows_lie_between_the_spread_windows():
+    stream = torch.arange(200)
+    test = spread_windows(stream, 10, 4)  # windows 0, 6, 13, 19 of 20
+    chosen = selection_windows(stream, 10, 4)  # halfway: 3, 9, 16
+    assert torch.equal(chosen[:, 0], torch.tensor([30, 90, 160]))
+    assert not set(chosen[:, 0].tolist()) & set(test[:, 0].tolist())
+    for count, length in ((1, 200), (11, 200)):  # too few test windows / too short a stream
+        with pytest.raises(ValueError, match=r"`count` \(\d+\) must be >= 2"):
+            selection_windows(torch.arange(length), 10, count)
 
 
 def test_spread_windows_cover_the_stream_evenly():

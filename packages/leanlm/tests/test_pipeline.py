@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from leanlm.config import dumps_toml
 from leanlm.pipeline import run_pipeline
+from leanlm.rundir import ConfigChangedError
 from leanlm.stages import StageResult
 
 
@@ -140,7 +141,9 @@ def test_resume_after_a_config_change_reruns_the_stage(tmp_path, tiny_config):
     out = tmp_path / "run"
     before = run_pipeline(first, out)[0]
     changed = tiny_config(pretrain={"steps": 14})
-    after = run_pipeline(changed, out, resume=True)[0]
+    with pytest.raises(ConfigChangedError, match=r"`pretrain.steps`.*--restart-changed"):
+        run_pipeline(changed, out, resume=True)
+    after = run_pipeline(changed, out, resume=True, restart_changed=True)[0]
     assert after.config_hash != before.config_hash
     assert after.metrics["tokens"] == 14 * 4 * 32  # trained from step 0, not from a checkpoint
     names = sorted(p.name for p in (out / "pretrain" / "checkpoints").iterdir())

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-import leanlm.pretrain
+import leanlm.evaluate
 from leanlm.cli import main
 from leanlm.config import dumps_toml
 from leanlm.pipeline import run_pipeline
@@ -21,7 +21,7 @@ def _poison(monkeypatch, bad_calls):
         loss = causal_lm_loss(model, input_ids)
         return loss * float("nan") if calls["n"] in bad_calls else loss
 
-    monkeypatch.setattr(leanlm.pretrain, "causal_lm_loss", loss_fn)
+    monkeypatch.setattr(leanlm.evaluate, "causal_lm_loss", loss_fn)
 
 
 def _rows(run_dir):

@@ -1,23 +1,22 @@
-"""The full pipeline on a tiny model: pretrain -> prune -> distill -> sparsify, and its report."""
+"""The full pipeline on a tiny model: pretrain -> prune -> distill -> sparsify -> control."""
 
 import dataclasses
 import json
 import math
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from leanlm.config import DistillConfig, PruneConfig, SparsifyConfig
+from leanlm.config import ConfigError, ControlConfig, DistillConfig, PruneConfig, SparsifyConfig
+from leanlm.lineage import pruned_layer_map_for
 from leanlm.pipeline import run_pipeline
-from leanlm.prune import pruned_layer_map_for
 from leanlm.sparsify import COMPRESSED_FILE
 from sparse_kernels import load_compressed_
 
-STAGES = ("pretrain", "prune", "distill", "sparsify")
+STAGES = ("pretrain", "prune", "distill", "sparsify", "control")
 
 
 def _full_config(tiny_config, **pretrain):
@@ -37,6 +36,7 @@ def _full_config(tiny_config, **pretrain):
             eval_batch_size=4,
             calibration_samples=16,
         ),
+        control=ControlConfig(micro_batch_size=4, warmup_steps=2, eval_every=30, eval_batch_size=4),
     )
 
 
@@ -61,7 +61,7 @@ def test_every_stage_runs_and_reports(full_run):
     pre, pruned = results["pretrain"].metrics, results["prune"].metrics
     assert pruned["params"] < pre["params"]
     assert results["distill"].metrics["params"] == pruned["params"]
-    for stage in ("pretrain", "distill", "sparsify"):
+    for stage in ("pretrain", "distill", "sparsify", "control"):
         assert results[stage].metrics["optimizer"] == "came"
         assert results[stage].metrics["bad_steps"] == 0
 
@@ -217,9 +217,192 @@ def test_pruned_layer_map_is_used_only_for_the_pruned_source(tmp_path):
     run = tmp_path / "run"
     student, teacher, other = run / "prune" / "model", run / "pretrain" / "model", tmp_path / "x"
     student.mkdir(parents=True)
-    ctx = SimpleNamespace(run_dir=run)
-    assert pruned_layer_map_for(ctx, student, teacher) == {}  # not written by prune
+    assert pruned_layer_map_for(run, student, teacher) == {}  # not written by prune
     record = {"source": "pretrain/model", "layer_map": {"0": 0, "1": 2, "2": 3}}
     (student / "pruned_from.json").write_text(json.dumps(record))
-    assert pruned_layer_map_for(ctx, student, teacher) == {0: 0, 1: 2, 2: 3}
-    assert pruned_layer_map_for(ctx, student, other) == {}  # another teacher: even map instead
+    assert pruned_layer_map_for(run, student, teacher) == {0: 0, 1: 2, 2: 3}
+    assert pruned_layer_map_for(run, student, other) == {}  # another teacher: even map instead
+
+
+def _search_pretrained(tiny_config, out, **search):
+    """`prune` alone on the full run's pretrained model, its shape found by the search."""
+    base = _full_config(tiny_config)
+    prune = PruneConfig(
+        search=True,
+        search_hidden_size=(16, 24, 32),
+        search_intermediate_size=(32, 64),
+        search_num_hidden_layers=(1, 2),
+        search_tolerance=0.1,
+        search_steps=8,
+        search_batch_size=4,
+        search_lr=3e-3,
+        calibration_samples=16,
+        **search,
+    )
+    return dataclasses.replace(
+        base, init_model=str(out / "pretrain" / "model"), stages=("prune",), prune=prune
+    )
+
+
+def test_prune_search_saves_the_shape_with_the_lowest_distilled_loss(
+    full_run, tmp_path, tiny_config
+):
+    config, out, original = full_run
+    budget = int(0.6 * original["pretrain"].metrics["params"])  # 20,985 (34,976 params)
+    search = _search_pretrained(tiny_config, out, search_params=budget)
+    (result,) = run_pipeline(search, tmp_path / "run")
+    m = result.metrics
+    rows = m["search"]
+    # 24/32/2 (21,624), 32/32/1 (22,624) and 24/64/1 (19,272) of the 12 shapes are within ±10%
+    assert len(rows) == 3
+    assert all(abs(r["params"] - budget) <= 0.1 * budget for r in rows)
+    distilled = [r["val_loss_distilled"] for r in rows]
+    assert distilled == sorted(distilled)
+    assert distilled[0] < distilled[-1]
+    assert all(r["val_loss_distilled"] < r["val_loss_pruned"] for r in rows)  # it distilled
+    best = rows[0]  # the lowest validation loss after distillation
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "prune" / "model")
+    c = model.config
+    assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads) == (
+        best["num_hidden_layers"],
+        best["hidden_size"],
+        best["intermediate_size"],
+        best["num_attention_heads"],
+    )
+    assert sum(p.numel() for p in model.parameters()) == m["params"] == best["params"]
+    # saved as pruned, not distilled: the stage's validation loss is the row's pruned loss
+    assert m["val_loss"] == pytest.approx(best["val_loss_pruned"], rel=1e-5)
+    seq = config.data.seq_len
+    assert m["search_tokens"] == 3 * 8 * 4 * seq
+    assert m["tokens"] == 16 * seq + m["search_tokens"]
+    shape = (
+        f"{best['num_hidden_layers']} layers, hidden {best['hidden_size']}, MLP "
+        f"{best['intermediate_size']}, {best['num_attention_heads']} heads"
+    )
+    assert f"chosen: {shape} ({best['params']:,} params)" in result.notes[0]
+    assert len(result.notes) == 1 + len(rows)
+    assert result.notes[1].startswith(f"search rank 1: {shape}")
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "- `prune`: search rank 3: " in report
+
+
+def test_prune_search_budget_no_shape_fits(full_run, tmp_path, tiny_config):
+    _, out, _ = full_run
+    search = _search_pretrained(tiny_config, out, search_params=9_000)
+    with pytest.raises(ConfigError) as info:
+        run_pipeline(search, tmp_path / "run")
+    assert info.value.key == "prune.search_params"
+    assert "(9,000): no shape of the search space" in str(info.value)
+    assert "12 valid shapes have from 11,312 to 34,976" in str(info.value)
+
+
+def test_control_trains_the_dense_model_for_the_compression_tokens(full_run):
+    config, out, results = full_run
+    seq = config.data.seq_len
+    # prune: calibration; distill: steps x batch; sparsify: fine-tune + calibration
+    expected = (
+        config.prune.calibration_samples * seq
+        + config.distill.steps * config.distill.micro_batch_size * seq
+        + config.sparsify.steps * config.sparsify.micro_batch_size * seq
+        + config.sparsify.calibration_samples * seq
+    )
+    m = {stage: r.metrics for stage, r in results.items()}
+    used = sum(
+        m[s]["tokens"] + m[s].get("calibration_tokens", 0) for s in ("prune", "distill", "sparsify")
+    )
+    assert used == expected == 7424
+    assert m["control"]["tokens"] == m["control"]["target_tokens"] == expected  # 58 steps of 128
+    rows = (out / "control" / "metrics.jsonl").read_text().splitlines()
+    assert max(json.loads(r)["step"] for r in rows) == 58
+    # the dense model (pretrain's architecture), trained on: as large as pretrain's
+    assert m["control"]["params"] == m["pretrain"]["params"]
+    assert m["control"]["val_perplexity"] != m["pretrain"]["val_perplexity"]
+
+
+def _table_rows(report):
+    rows = {}
+    lines = report.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| stage |"))
+    titles = [c.strip() for c in lines[header].strip("|").split("|")]
+    for line in lines[header + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = dict(zip(titles, cells, strict=True))
+    return rows
+
+
+def test_report_rows_notes_models_and_samples(full_run):
+    _, out, results = full_run
+    report = (out / "report.md").read_text()
+    rows = _table_rows(report)
+    assert list(rows) == list(STAGES)
+    for stage, result in results.items():
+        m = result.metrics
+        row = rows[stage]
+        assert (
+            row["val perplexity"] == f"{m['val_perplexity']:.3f}"
+            or row["val perplexity"] == f"{m['val_perplexity']:,.0f}"
+        )
+        assert row["params (M)"] == f"{m['params'] / 1e6:.3f}"
+        assert row["tokens"] == f"{m['tokens']:,}"
+        # loading snippet with this stage's folder, and a greedy sample under it
+        folder = (out / result.model_dir).as_posix()
+        assert f'AutoModelForCausalLM.from_pretrained("{folder}")' in report
+        assert f'AutoTokenizer.from_pretrained("{folder}")' in report
+        assert f"### {stage}\n" in report
+    # the sparse row's disk size is the compact file's
+    assert rows["sparsify"]["weights on disk (MB)"] == (
+        f"{results['sparsify'].metrics['compressed_bytes'] / 1e6:.3f}"
+    )
+    assert report.count("```text\ndef main():\n    ") == len(STAGES)
+    sparse, control = results["sparsify"].metrics, results["control"].metrics
+    delta = sparse["val_perplexity"] - control["val_perplexity"]
+    assert "What compression cost at equal tokens" in report
+    assert f"{sparse['val_perplexity']:.2f}" in report
+    assert f"{delta:+.2f} ({delta / control['val_perplexity']:+.1%})" in report
+    for field in ("- Command: `", "- Commit: `", "torch 2.", "transformers ", "accelerate "):
+        assert field in report
+    assert "its training loss is KL to teacher" in report
+
+
+def test_peak_memory_is_measured_per_stage(full_run):
+    _, _, results = full_run
+    peaks = [r.metrics["peak_rss_mib"] for r in results.values()]
+    assert all(p > 0 for p in peaks)
+    # pretrain's training peak is not carried into prune (scored fresh after a reset)
+    assert results["prune"].metrics["peak_rss_mib"] != results["pretrain"].metrics["peak_rss_mib"]
+
+
+def test_kl_is_drawn_on_its_own_axes(full_run):
+    from leanlm.plots import loss_figure, size_figure
+
+    _, out, results = full_run
+    fig = loss_figure(out, list(results.values()))
+    ce_ax, kl_ax = fig.axes
+    ce_labels = [line.get_label() for line in ce_ax.lines]
+    kl_labels = [line.get_label() for line in kl_ax.lines]
+    assert kl_labels == ["distill train"]
+    assert "distill train" not in ce_labels
+    assert {"pretrain train", "sparsify train", "control train", "distill val"} <= set(ce_labels)
+    assert "KL to teacher" in kl_ax.get_title()
+    assert ce_ax.get_title()
+    assert fig._suptitle is not None
+    assert fig.get_layout_engine() is not None
+    # the KL axes hold distill's logged losses, the same numbers as its metrics.jsonl
+    rows = [json.loads(r) for r in (out / "distill" / "metrics.jsonl").read_text().splitlines()]
+    assert list(kl_ax.lines[0].get_ydata()) == [r["loss"] for r in rows if "loss" in r]
+
+    size = size_figure(list(results.values()))
+    (ax,) = size.axes
+    assert "millions" in ax.get_xlabel()
+    assert ax.get_title()
+    xs = sorted(float(c.get_offsets()[0][0]) for c in ax.collections)
+    expected = sorted(
+        r.metrics["nonzero_params"] / 1e6
+        for r in results.values()
+        if "one_shot_val_perplexity" not in r.metrics
+    )
+    assert all(x < 1 for x in xs)  # millions, not raw counts
+    for e in expected:
+        assert any(abs(x - e) < 1e-9 for x in xs), (e, xs)

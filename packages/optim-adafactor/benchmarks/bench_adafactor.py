@@ -17,17 +17,13 @@ run. Also printed: optimizer-state bytes of each implementation vs AdamW's.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import platform
-import statistics
-import subprocess
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from leanlm_testing import bench
 from optim_adafactor import Adafactor
 
 
@@ -78,29 +74,6 @@ def _params(cfg: Config, device: str, dtype: torch.dtype) -> list[torch.Tensor]:
     return params
 
 
-def _time_interleaved(
-    opts: dict[str, torch.optim.Optimizer], device: str, warmup: int, repeats: int
-) -> dict[str, float]:
-    """Median step ms per optimizer.
-
-    Cases alternate within each repeat so that background load on a shared machine hits every
-    case alike.
-    """
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for opt in opts.values():
-        for _ in range(warmup):
-            opt.step()
-    sync()
-    times: dict[str, list[float]] = {name: [] for name in opts}
-    for _ in range(repeats):
-        for name, opt in opts.items():
-            start = time.perf_counter()
-            opt.step()
-            sync()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(
         v.numel() * v.element_size()
@@ -108,27 +81,6 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
         for v in s.values()
         if isinstance(v, torch.Tensor)
     )
-
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _git_sha() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def cases(
@@ -210,14 +162,9 @@ def main() -> None:
         kv_hidden=512 * args.scale,
     )
     numel = sum(torch.Size(s).numel() for s in cfg.shapes())
-    dev_name = (
-        torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
-    )
+    dists = ["optim-adafactor", "transformers", "pytorch_optimizer"]
+    print(bench.header("bench_adafactor", args.device, dists, where=Path(__file__).parents[1]))
     print(
-        f"# bench_adafactor  git {_git_sha()}  device {args.device} ({dev_name}), "
-        f"threads {torch.get_num_threads()}\n# torch {torch.__version__}, transformers "
-        f"{_version('transformers')}, triton {_version('triton')}, pytorch_optimizer "
-        f"{_version('pytorch_optimizer')}, python {platform.python_version()}\n"
         f"# {numel / 1e6:.1f}M fp32 params in {len(cfg.shapes())} tensors; median of "
         f"{args.repeats} interleaved steps after {args.warmup} warm-up"
     )
@@ -225,7 +172,14 @@ def main() -> None:
     opts = {
         name: factory(_params(cfg, args.device, torch.float32)) for name, factory, _ in all_cases
     }
-    ms = _time_interleaved(opts, args.device, args.warmup, args.repeats)
+    # the cases step in turn within each round, so load on a shared machine hits all alike
+    seconds = bench.interleaved_medians(
+        {name: opt.step for name, opt in opts.items()},
+        rounds=args.repeats,
+        warmup=args.warmup,
+        sync=bench.synchronizer(args.device),
+    )
+    ms = {name: s * 1e3 for name, s in seconds.items()}
     results = {
         name: Result(name=name, ms=ms[name], state_bytes=_state_bytes(opts[name]), anchor=anchor)
         for name, _, anchor in all_cases

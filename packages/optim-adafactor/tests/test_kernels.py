@@ -71,7 +71,7 @@ def test_apply_kernel_matches_reference(shape_name: str, dtype: torch.dtype, mom
     blocks = -(-n // _kernels.BLOCK_N)
     mom = torch.randn(b, n, m, device=dev) if momentum else None
     rs, cf = torch.randn(b, n, device=dev) * 1e-2, torch.rand(b, m, device=dev) + 0.5
-    decay = torch.tensor([0.99], device=dev)
+    decay = torch.tensor([1e-2], device=dev)  # weight_decay · lr_t
     p_ref, m_ref = p3.clone(), None if mom is None else mom.clone()
     _kernels._apply_kernel[(b, blocks)](
         g3, p3, mom if mom is not None else g3, rs, cf, decay, 0.9, 0, n, m,

@@ -8,7 +8,7 @@ import transformers.optimization as hf_optimization
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from leanlm_testing import assert_verbose_allclose
+from leanlm_testing.optim import assert_within_reference_error
 from optim_adafactor import Adafactor
 
 SHAPES = [(10, 6), (6,), (2, 3, 4), ()]
@@ -26,12 +26,20 @@ def _grads(seed: int):
 def _run(opt, params, seeds):
     for seed in seeds:
         for p, g in zip(params, _grads(seed), strict=True):
-            p.grad = g
+            p.grad = g.to(p.dtype)
         opt.step()
 
 
-def _clone(params):
-    return [p.detach().clone().requires_grad_() for p in params]
+def _clone(params, dtype=None):
+    return [p.detach().to(dtype).clone().requires_grad_() for p in params]
+
+
+def _float64_copy(cls, params, state_dict, **kw):
+    """`cls` on float64 copies of `params`, loaded from `state_dict` (its state up-cast exactly)."""
+    params64 = _clone(params, torch.float64)
+    opt = cls(params64, **kw)
+    opt.load_state_dict(copy.deepcopy(state_dict))
+    return opt, params64
 
 
 @pytest.mark.parametrize(
@@ -64,10 +72,12 @@ def test_loads_transformers_state_dict() -> None:
     ours = Adafactor(ours_params, **kw)
     ours.load_state_dict(copy.deepcopy(hf.state_dict()))
     assert "RMS" not in ours.state[ours_params[0]]
-    _run(hf, hf_params, range(10, 40))
-    _run(ours, ours_params, range(10, 40))
-    for a, b in zip(hf_params, ours_params, strict=True):
-        assert_verbose_allclose(b, a, atol=1e-6, rtol=1e-5)
+    # yardstick: HF in float64 from the same point (weights and state up-cast exactly)
+    truth, truth_params = _float64_copy(hf_optimization.Adafactor, hf_params, hf.state_dict(), **kw)
+    for opt, params in [(hf, hf_params), (ours, ours_params), (truth, truth_params)]:
+        _run(opt, params, range(10, 40))
+    for a, b, c in zip(ours_params, hf_params, truth_params, strict=True):
+        assert_within_reference_error(a.detach(), b.detach(), c.detach())
 
 
 def test_loads_torch_state_dict_into_torch_preset() -> None:
@@ -82,13 +92,21 @@ def test_loads_torch_state_dict_into_torch_preset() -> None:
     ours = Adafactor.from_torch_args(ours_params, lr=5e-3, weight_decay=0.1)
     ours.load_state_dict(copy.deepcopy(ref.state_dict()))
     assert isinstance(ours.state[ours_params[0]]["step"], int)
+    # yardstick: torch in float64 from the same point, with the fp32 ε1 (its default is
+    # finfo(param dtype).eps: the float64 run would otherwise compute another function)
+    truth, truth_params = _float64_copy(
+        torch.optim.Adafactor, ref_params, ref.state_dict(), lr=5e-3, weight_decay=0.1
+    )
+    truth.param_groups[0]["eps"] = (torch.finfo(torch.float32).eps, 1e-3)
     for seed in range(8, 30):
-        for pa, pb, g in zip(ref_params, ours_params, _grads(seed), strict=False):
-            pa.grad, pb.grad = g, g.clone()
+        for params in (ref_params, ours_params, truth_params):
+            for p, g in zip(params, _grads(seed), strict=False):
+                p.grad = g.to(p.dtype)
         ref.step()
         ours.step()
-    for a, b in zip(ref_params, ours_params, strict=True):
-        assert_verbose_allclose(b, a, atol=1e-6, rtol=1e-5)
+        truth.step()
+    for a, b, c in zip(ours_params, ref_params, truth_params, strict=True):
+        assert_within_reference_error(a.detach(), b.detach(), c.detach())
 
 
 def test_load_keeps_fp32_state_for_bf16_params() -> None:

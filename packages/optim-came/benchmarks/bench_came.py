@@ -30,18 +30,13 @@ also shows torch's default for-loop AdamW).
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import platform
-import statistics
-import subprocess
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 
+from leanlm_testing import bench
 from optim_came import CAME
 
 Kind = Literal["came", "adamw"]
@@ -107,62 +102,12 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     )
 
 
-def _sync(device: str) -> Callable[[], None]:
-    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-
-def _time(cases: list[Case], device: str, warmup: int, repeats: int) -> dict[str, float]:
-    """Median step time (ms) of each case, interleaved across cases."""
-    sync = _sync(device)
-    for case in cases:
-        for _ in range(warmup):
-            case.opt.step()
-    sync()
-    times: dict[str, list[float]] = {case.name: [] for case in cases}
-    for _ in range(repeats):
-        for case in cases:
-            start = time.perf_counter()
-            case.opt.step()
-            sync()
-            times[case.name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-
 def copy_bandwidth(device: str, repeats: int, nbytes: int = 1 << 30) -> float:
     """Achieved bytes/s of `dst.copy_(src)` (read + write), median of `repeats`."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    sync = _sync(device)
-    dst.copy_(src)
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync()
-        times.append(time.perf_counter() - start)
-    return 2 * nbytes / statistics.median(times)
-
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _git_sha() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    sync = bench.synchronizer(device)
+    return 2 * nbytes / bench.median_seconds(lambda: dst.copy_(src), repeats, sync=sync)
 
 
 def build_cases(cfg: Config, device: str, dtypes: list[str], *, anchors: bool) -> list[Case]:
@@ -285,15 +230,17 @@ def main() -> None:
     )
     cases = build_cases(cfg, dev, dtypes, anchors=True)
     n = sum(p.numel() for p in cases[0].params)
-    where = torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu"
-    print(f"bench_came  git {_git_sha()}  device {dev} ({where}), "
-          f"threads {torch.get_num_threads()}")  # fmt: skip
-    print(f"torch {torch.__version__}, triton {_version('triton')}, came-pytorch "
-          f"{_version('came-pytorch')}, pytorch_optimizer {_version('pytorch_optimizer')}, "
-          f"python {platform.python_version()}")  # fmt: skip
-    print(f"{n / 1e6:.1f}M params in {len(cfg.shapes())} tensors ({', '.join(dtypes)}); median "
+    dists = ["optim-came", "optim-adafactor", "came-pytorch", "pytorch_optimizer"]
+    print(bench.header("bench_came", dev, dists, where=Path(__file__).parents[1]))
+    print(f"# {n / 1e6:.1f}M params in {len(cfg.shapes())} tensors ({', '.join(dtypes)}); median "
           f"of {args.repeats} interleaved steps after {args.warmup} warm-up\n")  # fmt: skip
-    ms = _time(cases, dev, args.warmup, args.repeats)
+    seconds = bench.interleaved_medians(
+        {case.name: case.opt.step for case in cases},
+        rounds=args.repeats,
+        warmup=args.warmup,
+        sync=bench.synchronizer(dev),
+    )
+    ms = {name: s * 1e3 for name, s in seconds.items()}
     anchor = ms.get("came_pytorch.CAME 0.1.3")
     print("| implementation | step ms | vs came-pytorch | state B/elem | state / AdamW |")
     print("|---|---:|---:|---:|---:|")

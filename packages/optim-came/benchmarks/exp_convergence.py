@@ -38,17 +38,16 @@ import argparse
 import json
 import math
 import multiprocessing
-import os
 import pathlib
-import platform
 import statistics
-import subprocess
 import sysconfig
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
+
+from leanlm_testing import bench
 
 SHARED_LR = 3e-3
 # name -> lr grid of the seed-0 sweep (each includes SHARED_LR).
@@ -211,36 +210,6 @@ def mean_std(values: list[float]) -> str:
     return f"{statistics.fmean(values):.3f} ± {std:.3f}"
 
 
-def _git_rev() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=pathlib.Path(__file__).parent,
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "."],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=pathlib.Path(__file__).parent.parent,
-        )
-        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _version(dist: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "not installed"
-
-
 def plot(
     panels: list[tuple[str, dict[str, tuple[float, list[list[float]]]]]],
     steps: int,
@@ -298,11 +267,9 @@ def main() -> None:
     cache = Cache(args.cache)
     start = time.perf_counter()
 
-    print(f"exp_convergence  git {_git_rev()}  {platform.machine()} "
-          f"({os.cpu_count()} cores, load avg {os.getloadavg()[0]:.1f}), "
-          f"{args.workers} workers x 1 thread")  # fmt: skip
-    print(f"torch {torch.__version__}, transformers {_version('transformers')}, python "
-          f"{platform.python_version()}; {steps} steps, {seeds} seed(s)\n")  # fmt: skip
+    dists = ["optim-came", "optim-adafactor", "transformers"]
+    print(bench.header("exp_convergence", "cpu", dists, where=pathlib.Path(__file__).parents[1]))
+    print(f"# {args.workers} workers x 1 torch thread; {steps} steps, {seeds} seed(s)\n")
 
     # 1. Every seed at the shared lr (first, so that an interrupted run still has this table),
     # then the seed-0 sweep that picks each optimizer's own lr.

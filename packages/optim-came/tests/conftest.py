@@ -1,8 +1,4 @@
-import os
-
-# The Triton interpreter must be chosen before any kernel module is imported (CPU runs only).
-if not os.path.exists("/dev/nvidia0"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# The Triton interpreter on CPU-only machines is chosen by leanlm-testing's pytest plugin.
 
 import pytest
 import torch

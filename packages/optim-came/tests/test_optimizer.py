@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from leanlm_testing import assert_verbose_allclose
+from leanlm_testing.optim import assert_within_reference_error
 from optim_came import CAME
 
 came_pytorch = pytest.importorskip("came_pytorch")
@@ -32,8 +33,16 @@ def _run(opt, params, seeds):
         opt.step()
 
 
-def _clone(params):
-    return [p.detach().clone().requires_grad_() for p in params]
+def _clone(params, dtype=None):
+    return [p.detach().to(dtype).clone().requires_grad_() for p in params]
+
+
+def _came_pytorch_float64(params, state_dict):
+    """came-pytorch on float64 copies of `params`, loaded from `state_dict` (state up-cast)."""
+    params64 = _clone(params, torch.float64)
+    opt = came_pytorch.CAME(params64, **KW)
+    opt.load_state_dict(copy.deepcopy(state_dict))
+    return opt, params64
 
 
 def _assert_same_state(a_opt, a_params, b_opt, b_params) -> None:
@@ -76,10 +85,12 @@ def test_loads_came_pytorch_state_dict_and_continues_like_it() -> None:
     ours.load_state_dict(copy.deepcopy(theirs.state_dict()))
     assert "RMS" not in ours.state[ours_params[0]]
     assert ours.param_groups[0]["bias_correction"] is False  # defaults filled in
-    _run(theirs, theirs_params, range(10, 40))
-    _run(ours, ours_params, range(10, 40))
-    for a, b in zip(theirs_params, ours_params, strict=True):
-        assert_verbose_allclose(b, a, atol=1e-6, rtol=1e-5)
+    # yardstick: came-pytorch in float64 from the same point (weights and state up-cast exactly)
+    truth, truth_params = _came_pytorch_float64(theirs_params, theirs.state_dict())
+    for opt, params in [(theirs, theirs_params), (ours, ours_params), (truth, truth_params)]:
+        _run(opt, params, range(10, 40))
+    for a, b, c in zip(ours_params, theirs_params, truth_params, strict=True):
+        assert_within_reference_error(a.detach(), b.detach(), c.detach())
 
 
 def test_came_pytorch_loads_our_state_dict_and_continues_like_us() -> None:
@@ -89,10 +100,11 @@ def test_came_pytorch_loads_our_state_dict_and_continues_like_us() -> None:
     theirs_params = _clone(ours_params)
     theirs = came_pytorch.CAME(theirs_params, **KW)
     theirs.load_state_dict(copy.deepcopy(ours.state_dict()))
-    _run(theirs, theirs_params, range(10, 40))
-    _run(ours, ours_params, range(10, 40))
-    for a, b in zip(theirs_params, ours_params, strict=True):
-        assert_verbose_allclose(b, a, atol=1e-6, rtol=1e-5)
+    truth, truth_params = _came_pytorch_float64(ours_params, ours.state_dict())
+    for opt, params in [(theirs, theirs_params), (ours, ours_params), (truth, truth_params)]:
+        _run(opt, params, range(10, 40))
+    for a, b, c in zip(ours_params, theirs_params, truth_params, strict=True):
+        assert_within_reference_error(a.detach(), b.detach(), c.detach())
 
 
 def test_load_keeps_fp32_statistics_for_bf16_params() -> None:

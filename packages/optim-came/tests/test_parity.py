@@ -1,12 +1,14 @@
 """Numerical parity: with `came_pytorch.CAME` 0.1.3 (defaults) and with a float64 reference
 written from the equations (the opt-in extras), over >= 100 steps of fresh random gradients.
 
-Tolerance. Both implementations run in fp32 and differ only in the order of floating-point
-operations (we fuse and reorder: e.g. `û - m_new` is computed as `β1 (û - m_old)`, sums as
-mat-vecs). Each step therefore differs by a few fp32 ulps, which compound over 100 steps. The
-test measures came-pytorch's own fp32 error against a float64 run of came-pytorch and requires
-ours to be within 4x that error (plus 1e-6 relative), and directly within rtol 2e-5 / atol 2e-6
-of came-pytorch's fp32 result (observed: ~1.5e-6 relative to max |p|).
+Yardstick: a float64 run of the reference. came-pytorch runs in float64 and in fp32, ours in
+fp32, from the same weights on the same gradients; our error against the float64 run (max abs,
+relative to the largest entry) must be at most 2x came-pytorch's own fp32 error, for the
+parameter and every state tensor (`assert_within_reference_error`; its floor of about one
+fp32 ulp was never needed: measured, our error is at most 1.2x came-pytorch's
+in all 87 comparisons, its own error reaching 115 ulps of the largest entry and ours
+53). The opt-in extras have no independent reference; they are judged against the equations
+run in float64 and in fp32 the same way.
 """
 
 import math
@@ -16,7 +18,7 @@ import torch
 
 came_pytorch = pytest.importorskip("came_pytorch")
 
-from leanlm_testing import assert_verbose_allclose  # noqa: E402
+from leanlm_testing.optim import assert_within_reference_error  # noqa: E402
 from optim_came import CAME  # noqa: E402
 
 SHAPES = {
@@ -54,42 +56,40 @@ def _run(opt_cls, shape, dtype, steps, **kw):
 def test_matches_came_pytorch_over_100_steps(shape_name: str, weight_decay: float) -> None:
     shape = SHAPES[shape_name]
     kw = {"lr": 3e-3, "weight_decay": weight_decay}
-    truth, _ = _run(came_pytorch.CAME, shape, torch.float64, STEPS, **kw)
+    truth, true_state = _run(came_pytorch.CAME, shape, torch.float64, STEPS, **kw)
     theirs, their_state = _run(came_pytorch.CAME, shape, torch.float32, STEPS, **kw)
     ours, our_state = _run(CAME, shape, torch.float32, STEPS, **kw)
-    scale = truth.abs().max().clamp_min(1e-12)
-    their_err = ((theirs.double() - truth).abs().max() / scale).item()
-    our_err = ((ours.double() - truth).abs().max() / scale).item()
-    assert our_err <= 4 * their_err + 1e-6, (our_err, their_err)
-    assert_verbose_allclose(ours, theirs, atol=2e-6 * scale.item(), rtol=2e-5, name="param")
+    assert_within_reference_error(ours, theirs, truth, name="param")
+    assert our_state.keys() == their_state.keys() - {"RMS"}
     for key, value in their_state.items():
         if key in ("step", "RMS"):
             continue
-        assert_verbose_allclose(our_state[key], value, atol=1e-30, rtol=2e-4, name=key)
+        assert our_state[key].dtype == torch.float32
+        assert_within_reference_error(our_state[key], value, true_state[key], name=key)
     assert our_state["step"] == their_state["step"] == STEPS
     assert "RMS" not in our_state  # came-pytorch computes it every step and never uses it
 
 
 def _reference(shape, steps, *, lr, eps=(1e-30, 1e-16), d=1.0, betas=(0.9, 0.999, 0.9999),
-               wd=0.0, bias_correction=False, init=0.0):  # fmt: skip
-    """CAME in float64, written from the equations (paper Alg. 2 + came-pytorch's choices)."""
+               wd=0.0, bias_correction=False, init=0.0, dtype=torch.float64):  # fmt: skip
+    """CAME written from the equations (paper Alg. 2 + came-pytorch's choices), in `dtype`."""
     gen = torch.Generator().manual_seed(1)
-    p = torch.randn(shape, generator=gen, dtype=torch.float64)
+    p = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
     b1, b2, b3 = betas
     factored = len(shape) >= 2
-    m = torch.zeros(shape, dtype=torch.float64)
+    m = torch.zeros(shape, dtype=dtype)
     if factored:
-        r = torch.zeros(shape[:-1], dtype=torch.float64)
-        c = torch.zeros(shape[:-2] + shape[-1:], dtype=torch.float64)
+        r = torch.zeros(shape[:-1], dtype=dtype)
+        c = torch.zeros(shape[:-2] + shape[-1:], dtype=dtype)
         R, C = torch.full_like(r, init), torch.full_like(c, init)
     else:
-        v = torch.zeros(shape, dtype=torch.float64)
+        v = torch.zeros(shape, dtype=dtype)
 
     def approx(row, col):  # (row_i col_j / mean(row))
         return row.unsqueeze(-1) * col.unsqueeze(-2) / row.mean(-1, keepdim=True).unsqueeze(-1)
 
     for t in range(1, steps + 1):
-        g = _grad(shape, gen)
+        g = _grad(shape, gen).to(dtype)
         bc2 = 1 - b2**t if bias_correction else 1.0
         bc3 = 1 - b3**t if bias_correction and init == 0 else 1.0
         if factored:
@@ -125,7 +125,8 @@ EXTRAS = {
 @pytest.mark.parametrize("shape_name", ["vector", "wide_odd", "3d"])
 def test_options_match_float64_reference(shape_name: str, extra: str) -> None:
     shape, kw = SHAPES[shape_name], dict(EXTRAS[extra])
-    expected = _reference(shape, STEPS, lr=3e-3, **kw)
+    truth = _reference(shape, STEPS, lr=3e-3, **kw)
+    theirs = _reference(shape, STEPS, lr=3e-3, dtype=torch.float32, **kw)
     ours_kw = {
         "lr": 3e-3,
         "weight_decay": kw.pop("wd", 0.0),
@@ -135,9 +136,7 @@ def test_options_match_float64_reference(shape_name: str, extra: str) -> None:
     if "init" in ours_kw:
         ours_kw["instability_init"] = ours_kw.pop("init")
     ours, _ = _run(CAME, shape, torch.float32, STEPS, **ours_kw)
-    scale = expected.abs().max().item()
-    # fp32 vs float64 over 100 steps: a few ulps per step (see the module docstring)
-    assert_verbose_allclose(ours, expected, atol=1e-5 * scale, rtol=1e-5, name=extra)
+    assert_within_reference_error(ours, theirs, truth, name=extra)
 
 
 def _first_step_rms(**kw) -> float:

@@ -60,3 +60,23 @@ def test_trainer_trains_with_came(how: str, tmp_path) -> None:
     # the Trainer's scheduler drives group["lr"]; the optimizer never writes it
     assert opt.param_groups[0]["lr"] < 1e-3
     assert opt.state[next(model.parameters())]["step"] == 4
+
+
+RESUME_CONFIGS = {
+    "fp32": ({"lr": 1e-3, "weight_decay": 0.01, "instability_init": 1.0}, torch.float32),
+    # bf16 weights with stochastic rounding: the rounding generator is in the checkpoint
+    "bf16_sr": ({"lr": 1e-3, "weight_decay": 0.01, "stochastic_rounding": True}, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("config", list(RESUME_CONFIGS))
+def test_trainer_checkpoint_resume_is_exact(config: str, tmp_path) -> None:
+    """Save at step 3, stop, resume from the checkpoint: bit-equal to 6 uninterrupted steps."""
+    from leanlm_testing.hf_trainer import check_trainer_resume_is_exact
+
+    kwargs, dtype = RESUME_CONFIGS[config]
+    _, resumed = check_trainer_resume_is_exact(
+        lambda model: (CAME(model.parameters(), **kwargs), None), tmp_path, dtype=dtype
+    )
+    assert isinstance(resumed.optimizer, CAME)
+    assert resumed.optimizer.param_groups[0]["lr"] < 1e-3  # the Trainer's cosine schedule

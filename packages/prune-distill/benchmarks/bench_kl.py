@@ -36,9 +36,15 @@ separately):
   ``reset_peak_memory_stats``.
 
 Time: median of ``--repeats`` steps after the warm-up (CUDA: synchronised). Ratios are to
-``plain`` measured in the same run. Loss values are printed so every row can be checked to
-compute the same number. All rows use no padding mask (every token counts) so Liger's
-``batchmean`` is the same reduction.
+``plain`` measured in the same run. On an A100 or H100 the ``triton`` row also gets the time the
+fused kernel's traffic implies at the datasheet HBM bandwidth (A100 SXM 2.0 TB/s, H100 SXM
+3.35 TB/s): it reads both logit rows twice (the statistics sweep, then the gradient sweep) and
+writes the gradient once, ``tokens · vocab · (2·(s + t) + s)`` bytes for element sizes s, t; the
+exps (4 per element) are far below the SFU rate, so the kernel is memory bound. The measured step
+also contains what runs around the kernel (the loss reduction, autograd's handling of the
+precomputed gradient), so measured / predicted > 1 is expected. Loss values are printed so every
+row can be checked to compute the same number. All rows use no padding mask (every token counts)
+so Liger's ``batchmean`` is the same reduction.
 """
 
 from __future__ import annotations
@@ -47,11 +53,9 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -86,14 +90,6 @@ class Result:
     grad_mib: float | None = None
     loss: float | None = None
     note: str = ""
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{key} not in /proc/self/status")
 
 
 def _step_fn(case: Case, s: Any, t: Any) -> Any:
@@ -135,6 +131,8 @@ def _run_child(case: Case) -> Result:
 
     import torch
 
+    from leanlm_testing import bench
+
     result = Result(case)
     if case.threads:
         torch.set_num_threads(case.threads)
@@ -158,17 +156,9 @@ def _run_child(case: Case) -> Result:
         loss.backward()
         return float(loss.detach())
 
-    step()  # warm-up: compilation, thread pools, cuBLAS / allocator set-up
-    times = []
-    for _ in range(case.repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    result.median_ms = statistics.median(times) * 1e3
+    # one warm-up (compilation, thread pools, cuBLAS / allocator set-up), then timed steps
+    sync = bench.synchronizer(dev)
+    result.median_ms = bench.median_seconds(step, case.repeats, sync=sync) * 1e3
 
     if not cuda:
         # Timing ran with glibc's defaults. For the memory steps, a fixed mmap threshold (which
@@ -186,15 +176,13 @@ def _run_child(case: Case) -> Result:
             base = torch.cuda.memory_allocated()
         else:
             libc.malloc_trim(0)
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current VmRSS
-            base = _status_kib("VmRSS") * 1024
+            base = int(bench.reset_peak_rss() * 2**20)  # VmHWM := VmRSS
         result.loss = step()
         if cuda:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
         else:
-            peak = _status_kib("VmHWM") * 1024
+            peak = int(bench.peak_rss_mib() * 2**20)
         peaks.append((peak - base) / 2**20)
     result.peak_extra_mib = statistics.median(peaks)
     result.peak_spread_mib = max(peaks) - min(peaks)
@@ -220,51 +208,10 @@ def _spawn(case: Case) -> Result:
     return Result(**data)
 
 
-def _git_rev() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "."],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parents[1],
-        )
-        return out.stdout.strip() + (" (+ uncommitted changes)" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _environment(device: str) -> dict[str, str]:
-    import importlib.metadata as md
+    from leanlm_testing import bench
 
-    import torch
-
-    def version(name: str) -> str:
-        try:
-            return md.version(name)
-        except md.PackageNotFoundError:
-            return "not installed"
-
-    if device == "cuda":
-        where = f"CUDA: {torch.cuda.get_device_name()}"
-    else:
-        where = f"CPU: {platform.machine()}, {os.cpu_count()} logical cores"
-    return {
-        "device": where,
-        "load average": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "triton": version("triton"),
-        "liger-kernel": version("liger-kernel"),
-        "git": _git_rev(),
-    }
+    return bench.environment(device, ["liger-kernel"], where=__file__)
 
 
 def _cases(args: argparse.Namespace, device: str) -> list[Case]:
@@ -289,27 +236,41 @@ def _cases(args: argparse.Namespace, device: str) -> list[Case]:
     ]
 
 
-def _table(results: list[Result]) -> str:
+BANDWIDTH = {"A100": 2.0e12, "H100": 3.35e12}  # datasheet HBM bytes/s (SXM parts)
+
+
+def predicted_ms(case: Case, device_name: str) -> float | None:
+    """Bandwidth-bound time of the fused Triton kernel on an A100/H100 (see the docstring)."""
+    bw = next((v for k, v in BANDWIDTH.items() if k in device_name), None)
+    if case.impl != "triton" or bw is None:
+        return None
+    elt = 4 if case.dtype == "float32" else 2
+    return 1e3 * case.tokens * case.vocab * 5 * elt / bw
+
+
+def _table(results: list[Result], device_name: str = "") -> str:
     rows = [
         "| impl | chunk | dtype | peak extra (MiB) | spread | x plain | of which grad (MiB) "
-        "| median ms | x plain | loss |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| median ms | x plain | loss | predicted kernel ms | measured / predicted |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     anchors = {r.case.dtype: r for r in results if r.case.impl == "plain"}
     for r in results:
         c, a = r.case, anchors.get(r.case.dtype)
         if r.peak_extra_mib is None or r.median_ms is None:
-            rows.append(f"| {c.impl} | | {c.dtype} | {r.note} | | | | | | |")
+            rows.append(f"| {c.impl} | | {c.dtype} | {r.note} | | | | | | | | |")
             continue
         mem_ratio = time_ratio = ""
         if a is not None and a.peak_extra_mib and a.median_ms:
             mem_ratio = f"{r.peak_extra_mib / a.peak_extra_mib:.2f}"
             time_ratio = f"{r.median_ms / a.median_ms:.2f}"
+        pred = predicted_ms(c, device_name)
+        roof = "- | -" if pred is None else f"{pred:.2f} | {r.median_ms / pred:.2f}"
         rows.append(
             f"| {c.impl} | {c.chunk_size or ''} | {c.dtype} | {r.peak_extra_mib:.0f} | "
             f"{r.peak_spread_mib or 0:.0f} | "
             f"{mem_ratio} | {r.grad_mib:.0f} | {r.median_ms:.0f} | {time_ratio} | "
-            f"{r.loss:.6f} |"
+            f"{r.loss:.6f} | {roof} |"
         )
     return "\n".join(rows)
 
@@ -361,7 +322,7 @@ def main() -> None:
             flush=True,
         )
     print()
-    print(_table(results))
+    print(_table(results, env["device"]))
     if args.json:
         payload = {"environment": env, "results": [asdict(r) for r in results]}
         args.json.write_text(json.dumps(payload, indent=2))

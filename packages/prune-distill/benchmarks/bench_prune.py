@@ -6,7 +6,9 @@ Command (from the repository root):
 
 The model is built from a config (random weights; no download): vocab 32000, hidden 512,
 12 layers, 8 query / 2 KV heads of 64, MLP 1536, tied embeddings (~52M parameters). Each number is
-the median of `--repeats` timed runs after one warm-up run. Throughput counts non-padding tokens.
+the median of `--repeats` rounds after one warm-up run; the systems compared in a group (anchor and
+importance collection; the three prunes; the two KL losses) are timed in turn in every round.
+Throughput counts non-padding tokens.
 The anchor for importance collection is a plain `torch.no_grad` forward over the same batches
 (hooks and statistics are the overhead on top of it).
 """
@@ -16,9 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import subprocess
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from leanlm_testing import bench
 from prune_distill import PruneTarget, collect_importance, forward_kl, prune
 
 
@@ -54,30 +54,6 @@ class Result:
     name: str
     median_s: float
     detail: str
-
-
-def _median(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _git_sha() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run(cfg: BenchConfig) -> dict[str, Any]:
@@ -107,9 +83,16 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
             for b in batches:
                 model(**b, use_cache=False)
 
-    t_fwd = _median(forward_only, cfg.repeats)
+    t = bench.interleaved_medians(
+        {
+            "anchor": forward_only,
+            "importance": lambda: collect_importance(model, batches, layer_loss=False),
+            "importance+loss": lambda: collect_importance(model, batches, layer_loss=True),
+        },
+        rounds=cfg.repeats,
+    )
+    t_fwd, t_imp, t_loss = t["anchor"], t["importance"], t["importance+loss"]
     results.append(Result("plain forward (anchor)", t_fwd, f"{tokens / t_fwd:,.0f} tok/s"))
-    t_imp = _median(lambda: collect_importance(model, batches, layer_loss=False), cfg.repeats)
     results.append(
         Result(
             "collect_importance, layer_loss=False",
@@ -117,7 +100,6 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
             f"{tokens / t_imp:,.0f} tok/s, {t_imp / t_fwd:.2f}x the anchor",
         )
     )
-    t_loss = _median(lambda: collect_importance(model, batches, layer_loss=True), cfg.repeats)
     results.append(
         Result(
             "collect_importance, layer_loss=True",
@@ -135,30 +117,44 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
         "depth (12 -> 6 layers)": PruneTarget(num_hidden_layers=6),
         "no-op (copy)": PruneTarget(),
     }
+    t = bench.interleaved_medians(
+        {
+            name: lambda target=target: prune(model, scores, target)
+            for name, target in targets.items()
+        },
+        rounds=cfg.repeats,
+    )
     for name, target in targets.items():
-        t = _median(lambda target=target: prune(model, scores, target), cfg.repeats)
         small = prune(model, scores, target)
         n_small = sum(p.numel() for p in small.parameters())
         results.append(
-            Result(f"prune {name}", t, f"{n_params / 1e6:.1f}M -> {n_small / 1e6:.1f}M params")
+            Result(
+                f"prune {name}", t[name], f"{n_params / 1e6:.1f}M -> {n_small / 1e6:.1f}M params"
+            )
         )
 
     n_rows = cfg.batch_size * cfg.seq_len
     s = torch.randn(n_rows, cfg.vocab, requires_grad=True)
     t_logits = torch.randn(n_rows, cfg.vocab)
-    for label, chunk in (("plain autograd", None), ("chunked 1024 rows", 1024)):
 
-        def kl_step(chunk: int | None = chunk) -> None:
+    def kl_step(chunk: int | None) -> Callable[[], None]:
+        def run() -> None:
             loss = forward_kl(s, t_logits, chunk_size=chunk)
             loss.backward()
             s.grad = None
 
-        t = _median(kl_step, cfg.repeats)
+        return run
+
+    labels = {"plain autograd": None, "chunked 1024 rows": 1024}
+    t = bench.interleaved_medians(
+        {label: kl_step(chunk) for label, chunk in labels.items()}, rounds=cfg.repeats
+    )
+    for label in labels:
         results.append(
             Result(
                 f"forward_kl fwd+bwd, {label}",
-                t,
-                f"{n_rows} tokens x {cfg.vocab} vocab, fp32, {n_rows / t:,.0f} tok/s",
+                t[label],
+                f"{n_rows} tokens x {cfg.vocab} vocab, fp32, {n_rows / t[label]:,.0f} tok/s",
             )
         )
 
@@ -166,14 +162,13 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
         "config": asdict(cfg),
         "params": n_params,
         "results": [asdict(r) for r in results],
-        "device": f"CPU: {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads",
+        "device": f"{bench.device_name('cpu')}, {torch.get_num_threads()} threads",
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         },
-        "git_sha": _git_sha(),
+        "git_sha": bench.git_revision(__file__),
     }
 
 

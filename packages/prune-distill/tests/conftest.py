@@ -1,8 +1,4 @@
-import os
-
-# The Triton interpreter must be chosen before any kernel module is imported (CPU runs only).
-if not os.path.exists("/dev/nvidia0"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# The Triton interpreter on CPU-only machines is chosen by leanlm-testing's pytest plugin.
 
 from collections.abc import Callable
 from typing import Any
@@ -10,13 +6,163 @@ from typing import Any
 import pytest
 import torch
 
+from prune_distill import PruneTarget
+
 VOCAB = 128
+
+
+# Tiny configs with odd but legal shapes: GQA ratios 1-4, head_dim set explicitly and different
+# from hidden / heads, tied and untied embeddings, non-trivial family-specific scales.
+_LLAMA_LIKE: dict[str, dict[str, Any]] = {
+    "llama": {
+        "hidden_size": 64,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 6,
+        "tie_word_embeddings": True,
+    },
+    "mistral": {
+        "hidden_size": 64,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 10,
+        "sliding_window": 8,
+    },
+    "qwen2": {
+        "hidden_size": 48,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 3,
+        "head_dim": 10,
+    },
+    "qwen3": {
+        "hidden_size": 48,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 12,
+        "tie_word_embeddings": True,
+    },
+    "gemma2": {
+        "hidden_size": 48,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 14,
+        "intermediate_size": 80,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 3.0,
+        "tie_word_embeddings": True,
+    },
+    "gemma3": {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 24,
+        "intermediate_size": 80,
+        "query_pre_attn_scalar": 20,
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "final_logit_softcapping": 4.0,
+        "tie_word_embeddings": False,
+    },
+    "phi3": {
+        "hidden_size": 48,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 10,
+        "intermediate_size": 72,
+        "partial_rotary_factor": 0.6,
+    },
+    "olmo2": {
+        "hidden_size": 48,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 10,
+    },
+    "granite": {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 12,
+        "embedding_multiplier": 3.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.2,
+        "logits_scaling": 2.5,
+        "attention_bias": True,
+        "mlp_bias": True,
+        "tie_word_embeddings": True,
+    },
+}
+
+
+# A width + depth target every test architecture accepts (GPT-2 / GPT-NeoX: hidden = heads x
+# head_dim; the config validators want hidden_size divisible by the heads).
+TARGETS: dict[str, PruneTarget] = {
+    "llama": PruneTarget(
+        hidden_size=40, intermediate_size=50, num_attention_heads=4, num_hidden_layers=2
+    ),
+    "mistral": PruneTarget(
+        hidden_size=40,
+        intermediate_size=50,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        num_hidden_layers=2,
+    ),
+    "qwen2": PruneTarget(
+        hidden_size=36, intermediate_size=64, num_attention_heads=3, num_hidden_layers=2
+    ),
+    "qwen3": PruneTarget(
+        hidden_size=40, intermediate_size=72, num_attention_heads=4, num_hidden_layers=2
+    ),
+    "gemma2": PruneTarget(
+        hidden_size=36, intermediate_size=56, num_attention_heads=2, num_hidden_layers=2
+    ),
+    "gemma3": PruneTarget(
+        hidden_size=48,
+        intermediate_size=56,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=2,
+    ),
+    "phi3": PruneTarget(
+        hidden_size=40, intermediate_size=50, num_attention_heads=4, num_hidden_layers=2
+    ),
+    "olmo2": PruneTarget(
+        hidden_size=40, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2
+    ),
+    "granite": PruneTarget(
+        hidden_size=48, intermediate_size=64, num_attention_heads=2, num_hidden_layers=2
+    ),
+    "gpt_neox": PruneTarget(
+        hidden_size=36, intermediate_size=50, num_attention_heads=3, num_hidden_layers=2
+    ),
+    "gpt2": PruneTarget(
+        hidden_size=48, intermediate_size=64, num_attention_heads=3, num_hidden_layers=2
+    ),
+}
+
+
+def _classes(arch: str) -> tuple[Any, Any]:
+    import transformers as tf
+
+    return {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+        "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
+        "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
+        "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM),
+        "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
+    }[arch]
 
 
 def build(arch: str, seed: int = 0, **overrides: Any) -> Any:
     """A tiny randomly initialised causal LM of `arch`, in eval mode."""
-    import transformers as tf
-
     common = {"vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None}
     if arch == "gpt2":
         kwargs: dict[str, Any] = {
@@ -27,31 +173,30 @@ def build(arch: str, seed: int = 0, **overrides: Any) -> Any:
             "n_positions": 64,
             "n_inner": 96,
         }
-        kwargs.update(overrides)
-        config: Any = tf.GPT2Config(**kwargs)
-        cls: Any = tf.GPT2LMHeadModel
+    elif arch == "gpt_neox":
+        kwargs = {
+            **common,
+            "hidden_size": 48,
+            "num_attention_heads": 4,
+            "intermediate_size": 80,
+            "num_hidden_layers": 3,
+            "max_position_embeddings": 64,
+            "partial_rotary_factor": 0.5,
+            "use_parallel_residual": True,
+        }
     else:
         kwargs = {
             **common,
-            "hidden_size": 64,
             "intermediate_size": 96,
             "num_hidden_layers": 3,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 2,
-            "head_dim": 8,
             "max_position_embeddings": 64,
+            **_LLAMA_LIKE[arch],
         }
-        if arch == "llama":
-            kwargs["tie_word_embeddings"] = True
-        if arch == "mistral":
-            kwargs["sliding_window"] = 8
-        kwargs.update(overrides)
-        config, cls = {
-            "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-            "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-        }[arch]
-        config = config(**kwargs)
+        if arch == "qwen2":
+            kwargs["pad_token_id"] = None
+    kwargs.update(overrides)
+    config_cls, cls = _classes(arch)
+    config = config_cls(**kwargs)
     torch.manual_seed(seed)
     model = cls(config).eval()
     with torch.no_grad():  # random, non-trivial norms and biases so slicing bugs show up
@@ -69,7 +214,20 @@ def batches(n: int = 2, batch_size: int = 2, seq_len: int = 12, seed: int = 0) -
     ]
 
 
-ARCHS = ["llama", "mistral", "qwen2", "gpt2"]
+ARCHS = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "olmo2",
+    "granite",
+    "gpt_neox",
+    "gpt2",
+]
+RMS_ARCHS = [a for a in ARCHS if a not in ("gpt2", "gpt_neox")]
 
 
 @pytest.fixture(params=ARCHS)
@@ -85,3 +243,9 @@ def make() -> Callable[..., Any]:
 @pytest.fixture(scope="session")
 def data() -> Callable[..., list[dict]]:
     return batches
+
+
+@pytest.fixture(scope="session")
+def targets() -> dict[str, PruneTarget]:
+    """A width + depth target per family."""
+    return TARGETS

@@ -121,6 +121,73 @@ def test_projection_is_trained_with_the_student(make, data):
     assert proj.weight.grad is None  # gradients cleared at the end
 
 
+def test_seeded_projection_does_not_depend_on_the_global_rng():
+    def projection(global_seed: int, seed: int | None) -> torch.Tensor:
+        torch.manual_seed(global_seed)
+        loss = HiddenStateLoss(
+            {0: 0},
+            student_layers=1,
+            teacher_layers=1,
+            student_hidden_size=48,
+            teacher_hidden_size=64,
+            seed=seed,
+        )
+        assert loss.projection is not None
+        return loss.projection.weight.detach().clone()
+
+    torch.manual_seed(11)
+    rng = torch.get_rng_state()
+    a = HiddenStateLoss(
+        {0: 0},
+        student_layers=1,
+        teacher_layers=1,
+        student_hidden_size=48,
+        teacher_hidden_size=64,
+        seed=3,
+    ).projection
+    assert torch.equal(torch.get_rng_state(), rng)  # the global RNG neither read nor advanced
+    assert a is not None
+    assert torch.equal(projection(0, 3), a.weight)
+    assert torch.equal(projection(1, 3), a.weight)
+    assert not torch.equal(projection(0, 4), a.weight)
+    # nn.Linear's distribution, U(-1/sqrt(48), 1/sqrt(48)), spread over the range
+    bound = 48**-0.5
+    assert a.weight.abs().max() <= bound
+    assert a.weight.abs().max() > 0.95 * bound
+    assert abs(a.weight.std().item() - bound / 3**0.5) < 0.05 * bound
+    # unseeded: nn.Linear's own draw from the global RNG, as before
+    torch.manual_seed(5)
+    expected = torch.nn.Linear(48, 64, bias=False).weight
+    assert torch.equal(projection(5, None), expected)
+    assert not torch.equal(projection(6, None), expected)
+
+
+def test_distill_with_a_projection_seed_is_reproducible(make, data):
+    torch.manual_seed(0)
+    teacher, student, _ = _width_and_depth_students(make, data)["width"]
+    batches = data(3)
+
+    def run(global_seed: int, seed: int | None) -> tuple[Any, dict[str, torch.Tensor]]:
+        torch.manual_seed(global_seed)  # as if the process had run something else before
+        copy_ = copy.deepcopy(student)
+        cfg = DistillConfig(lr=1e-2, hidden_loss_weight=1.0, hidden_projection_seed=seed)
+        result = distill(copy_, teacher, batches, cfg)
+        assert result.projection is not None
+        return result, {**_state(copy_), "projection": result.projection.weight.detach()}
+
+    first, first_state = run(0, seed=7)
+    second, second_state = run(1, seed=7)
+    assert first.losses == second.losses
+    assert first.hidden_loss == second.hidden_loss
+    assert first_state.keys() == second_state.keys()
+    for name, value in first_state.items():
+        assert torch.equal(second_state[name], value), name
+    # without a seed the projection, and so the whole run, follows the global RNG
+    unseeded, unseeded_state = run(1, seed=None)
+    assert unseeded.hidden_loss[0] != first.hidden_loss[0]
+    assert not torch.equal(unseeded_state["projection"], first_state["projection"])
+
+
 def test_layer_maps():
     assert even_layer_map(2, 4) == {0: 1, 1: 3}
     assert even_layer_map(3, 4) == {0: 0, 1: 1, 2: 3}

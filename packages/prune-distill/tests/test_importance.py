@@ -45,7 +45,7 @@ def test_single_sequence_matches_formulas(make, data):
     assert scores.num_tokens == ids.numel()
     for i in range(3):
         # Heads: per-token L2 norm of each head's output, mean over the sequence.
-        per_head = got["o_in"][i][0].reshape(ids.shape[1], 8, 8).norm(dim=-1).mean(0)
+        per_head = got["o_in"][i][0].reshape(ids.shape[1], 8, 6).norm(dim=-1).mean(0)
         torch.testing.assert_close(scores.heads[i], per_head)
         torch.testing.assert_close(scores.neurons[i], got["down_in"][i][0].abs().mean(0))
         cos = F.cosine_similarity(got["layer_in"][i][0], got["layer_out"][i][0], dim=-1)

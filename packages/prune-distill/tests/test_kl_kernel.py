@@ -25,7 +25,7 @@ import torch
 
 from leanlm_testing import assert_verbose_allclose
 from prune_distill import DistillConfig, distill
-from prune_distill import _kl_triton as K
+from prune_distill import _kl_kernels as K
 from prune_distill.losses import forward_kl
 
 pytestmark = pytest.mark.skipif(not K.HAS_TRITON, reason="triton is not installed")

@@ -61,3 +61,24 @@ def test_errors():
         forward_kl(s, torch.zeros(4, 9))
     with pytest.raises(ValueError, match="`chunk_size`"):
         forward_kl(s, t, chunk_size=0)
+
+
+def test_direction_is_forward_kl_teacher_to_student():
+    """A bimodal teacher and a unimodal student: KL(t || s) and KL(s || t) differ by far, and so
+    do their gradients. The loss and gradient must be the forward ones, on every path."""
+    t = torch.log(torch.tensor([[0.45, 0.45, 0.05, 0.05]]))
+    s0 = torch.log(torch.tensor([[0.85, 0.05, 0.05, 0.05]]))
+    p_t, p_s = t.softmax(-1), s0.softmax(-1)
+    fwd = float((p_t * (p_t.log() - p_s.log())).sum())
+    rev = float((p_s * (p_s.log() - p_t.log())).sum())
+    assert abs(fwd - rev) > 0.1  # the case tells the directions apart
+    grad_fwd = p_s - p_t  # d KL(t || s) / d s
+    from prune_distill import _kl_kernels
+
+    paths = [(None, "torch"), (1, "torch")] + [(1, "triton")] * _kl_kernels.HAS_TRITON
+    for chunk, backend in paths:
+        s = s0.clone().requires_grad_()
+        loss = forward_kl(s, t, chunk_size=chunk, backend=backend)
+        (g,) = torch.autograd.grad(loss, s)
+        assert float(loss.detach()) == pytest.approx(fwd, rel=1e-5)
+        torch.testing.assert_close(g, grad_fwd, rtol=1e-5, atol=1e-7)

@@ -224,7 +224,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         outcomes = run_systems(systems, optimizers, args.steps, Path(tmp))
     refs = {name: reference(name, args.steps) for name in optimizers}
-    print(header(CFG, "cpu"))
+    print(header(CFG, "cpu", "bench_factored_error"))
     print(
         f"# {args.steps} steps, world 2, global batch {2 * CFG.batch} x {CFG.seq}; load average "
         f"before {'/'.join(f'{x:.2f}' for x in load_before)}, after "

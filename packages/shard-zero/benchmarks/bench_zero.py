@@ -4,7 +4,7 @@ Command (from the repo root, 2 CPU cores, gloo; DeepSpeed rows need `deepspeed` 
 `nox -s "bench(shard-zero)"` builds one):
 
     DS_ACCELERATOR=cpu python packages/shard-zero/benchmarks/bench_zero.py [--steps 6] [--warmup 2]
-        [--rounds 1] [--systems ddp,fsdp2,...] [--device cpu|cuda]
+        [--rounds 3] [--systems ddp,fsdp2,...] [--device cpu|cuda]
 
 Systems: DDP (the anchor), FSDP2 (`fully_shard` per decoder layer + root), DDP +
 `torch.distributed.optim.ZeroRedundancyOptimizer` (ZeRO-1), DeepSpeed ZeRO-1/2/3
@@ -12,7 +12,8 @@ Systems: DDP (the anchor), FSDP2 (`fully_shard` per decoder layer + root), DDP +
 same Llama (hidden 256, 4 layers, vocab 4096, ~5.0M parameters), fp32, with the same client
 optimizer, `torch.optim.AdamW(lr=1e-3)` (DeepSpeed gets it as `optimizer=`: it is on DeepSpeed's
 ZeRO allow-list and runs the same arithmetic as everywhere else), per-rank batch 4 x 128 tokens,
-in a fresh 2-process world each (`--rounds` repeats the whole list, interleaved).
+in a fresh 2-process world each; `--rounds` (default 3) repeats the whole list, so the systems
+interleave over time, and every number is the median over the rounds.
 
 Measured per rank 0: median step time (forward + backward + step + zero_grad); model-state bytes
 summed over the distinct tensor storages each system holds (parameters incl. fp32 masters,
@@ -20,11 +21,14 @@ gradients after backward, optimizer state after step; for DeepSpeed the tensors 
 object holds, classified by attribute name); peak RSS (VmHWM, includes torch and every import)
 and Δpeak = VmHWM minus the RSS after all imports and process-group setup (the high-water mark
 is reset there through /proc/self/clear_refs), which is the comparable per-rank peak; on CUDA
-also `torch.cuda.max_memory_allocated`. Communication is counted in code: shard-zero's own
-counters; DDP through a counting comm hook (an all-reduce = 2x its buffer); FSDP2 from its
-layout; ZeroRedundancyOptimizer = DDP's 2Ψ + Ψ of parameter broadcasts; DeepSpeed is not
-counted ("-"). gloo emulates reduce-scatter with all-reduce, so CPU step times say nothing
-about communication cost on a real interconnect.
+also `torch.cuda.max_memory_allocated`. Communication is measured the same way for every
+system: one extra, untimed step after the timed ones runs under a dispatch mode that sees every
+`c10d` collective any library issues (`shard_zero.simulate._tracker.CollectiveCounter`) and adds
+up its bytes per rank in the ZeRO paper's convention: an all-gather its gathered output, a
+reduce-scatter its full input, a broadcast its buffer, an all-reduce twice its buffer (a ring
+all-reduce moves a reduce-scatter plus an all-gather). Barriers carry no data and are not
+counted. gloo emulates reduce-scatter with all-reduce, so CPU step times say nothing about
+communication cost on a real interconnect.
 """
 
 from __future__ import annotations
@@ -34,9 +38,7 @@ import json
 import logging
 import math
 import os
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -47,6 +49,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
+
+from leanlm_testing import bench
 
 SYSTEMS = (
     "ddp",
@@ -92,6 +96,7 @@ class Result:
     peak_delta_mib: float = float("nan")
     peak_device_mib: float | None = None
     comm_bytes_per_step: int | None = None
+    comm_calls: dict[str, int] = field(default_factory=dict)
     loss: float = float("nan")
     skipped: str = ""
     step_times: list[float] = field(default_factory=list)
@@ -231,9 +236,8 @@ def wrap(
     *,
     world: int,
     micro_batch: int,
-    comm: dict[str, int] | None = None,
 ) -> Wrapped:
-    """Prepare `model` (already on its device) with `system`; `comm` gets DDP's counted bytes."""
+    """Prepare `model` (already on its device) with `system` (`world` ranks)."""
     if system.startswith("shard-zero"):
         from shard_zero import ZeroConfig, prepare
 
@@ -266,17 +270,6 @@ def wrap(
         on_cuda = next(model.parameters()).is_cuda
         ids = [torch.cuda.current_device()] if on_cuda else None
         model = DistributedDataParallel(model, device_ids=ids)
-        if comm is not None:
-
-            def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
-                buf = bucket.buffer()
-                # a ring all-reduce moves what a reduce-scatter plus an all-gather do: 2 x buffer
-                comm["bytes"] += 2 * buf.numel() * buf.element_size()
-                buf.div_(world)
-                work = dist.all_reduce(buf, async_op=True)
-                return work.get_future().then(lambda f: f.value()[0])
-
-            model.register_comm_hook(None, hook)
         if system == "ddp":
             opt = make_optimizer(model.parameters())
             return Wrapped(system, model, opt, opt)
@@ -365,7 +358,6 @@ def _model_state(w: Wrapped) -> dict[str, int]:
             "params": ms["params"] + ms["master_params"],
             "grads": ms["grads"],
             "optim": ms["optimizer_state"],
-            "comm": sum(v["bytes"] for v in ms["communication"].values()),
         }
     if w.system.startswith("deepspeed"):
         parts = _deepspeed_buffers(w)
@@ -384,48 +376,32 @@ def _model_state(w: Wrapped) -> dict[str, int]:
     }
 
 
-def _rss_kib(field_name: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def _reset_peak_rss() -> float:
-    """Reset the VmHWM high-water mark to the current RSS; return that RSS in MiB."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return 0.0  # the peak then includes the imports (reported as is)
-    return _rss_kib("VmRSS") / 1024
-
-
 def _worker(  # noqa: PLR0917 (torch.multiprocessing.spawn passes arguments positionally)
     rank: int, world: int, system: str, cfg: BenchConfig, init: str, out: str, device: str
 ) -> None:
     dev = init_worker(rank, world, init, device)
     preload(system)
-    base = _reset_peak_rss()
+    try:
+        base = bench.reset_peak_rss()
+    except OSError:
+        base = 0.0  # the peak then includes the imports (reported as is, Δpeak as "-")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     model = llama(cfg).to(dev)
-    psi = sum(p.numel() for p in model.parameters())
-    root = sum(p.numel() for n, p in model.named_parameters() if ".layers." not in n)
-    comm = {"bytes": 0}
 
     def adamw(params: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=1e-3)
 
-    w = wrap(system, model, adamw, world=world, micro_batch=cfg.batch, comm=comm)
+    w = wrap(system, model, adamw, world=world, micro_batch=cfg.batch)
     gen = torch.Generator().manual_seed(rank)
+    sync = bench.synchronizer(dev)
     times, loss = [], torch.zeros(())
     stats: dict[str, int] = {}
     last = cfg.warmup + cfg.steps - 1
     for step in range(last + 1):
         ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=gen).to(dev)
-        dist.barrier()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        dist.barrier()  # not timed: the ranks start each step together
+        sync()
         start = time.perf_counter()
         loss = w.forward_backward(ids)
         if step == last:
@@ -434,20 +410,12 @@ def _worker(  # noqa: PLR0917 (torch.multiprocessing.spawn passes arguments posi
         if step == last:
             stats = {**_model_state(w), "grads": grads}
         w.zero_grad()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        sync()
         elapsed = time.perf_counter() - start
         if step >= cfg.warmup:
             times.append(elapsed)
-    comm_bytes: int | None = None
-    if system.startswith("shard-zero"):
-        comm_bytes = stats["comm"]
-    elif system in {"ddp", "zero-redundancy"}:
-        comm_bytes = comm["bytes"] // (last + 1)
-        comm_bytes += 4 * psi if system == "zero-redundancy" else 0  # owners broadcast params
-    elif system == "fsdp2":
-        comm_bytes = 4 * (3 * psi - root)  # 2 gathers + 1 reduce-scatter per layer, root kept
-    hwm = _rss_kib("VmHWM") / 1024
+    hwm = bench.peak_rss_mib()  # before the counted step: the dispatch mode costs memory
+    comm_calls, comm_bytes = count_step_communication(w, cfg, gen, dev)
     if rank == 0:
         result = Result(
             system=system,
@@ -462,12 +430,32 @@ def _worker(  # noqa: PLR0917 (torch.multiprocessing.spawn passes arguments posi
             if dev.type == "cuda"
             else None,
             comm_bytes_per_step=comm_bytes,
+            comm_calls=comm_calls,
             loss=float(loss),
             step_times=times,
         )
         Path(out).write_text(json.dumps(asdict(result)))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def count_step_communication(
+    w: Wrapped, cfg: BenchConfig, gen: torch.Generator, dev: torch.device
+) -> tuple[dict[str, int], int]:
+    """Calls per kind and bytes per rank of every collective of one more (untimed) step."""
+    from shard_zero.simulate._tracker import CollectiveCounter
+
+    ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=gen).to(dev)
+    dist.barrier()
+    counter = CollectiveCounter()
+    with counter:
+        w.forward_backward(ids)
+        w.step()
+        w.zero_grad()
+    log = counter.log
+    weight = {"all_reduce": 2}  # a ring all-reduce = reduce-scatter + all-gather
+    total = sum(weight.get(kind, 1) * n for kind, n in log.bytes.items())
+    return dict(log.calls), total
 
 
 def run_system(system: str, cfg: BenchConfig, device: str, tmp: str, tag: str) -> Result:
@@ -487,7 +475,10 @@ def run_system(system: str, cfg: BenchConfig, device: str, tmp: str, tag: str) -
 
 
 def _merge(rounds: list[Result]) -> Result:
-    """Median over rounds of every number (one round: that round)."""
+    """Median over rounds of the timings and peaks (one round: that round).
+
+    Model-state bytes and communication do not change from round to round.
+    """
     ok = [r for r in rounds if not r.skipped]
     if not ok:
         return rounds[0]
@@ -500,26 +491,13 @@ def _merge(rounds: list[Result]) -> Result:
     return merged
 
 
-def header(cfg: BenchConfig, device: str) -> str:
+def header(cfg: BenchConfig, device: str, name: str = "bench_zero") -> str:
     """Device, versions, git revision and sizes: the first line of every table."""
-    sha = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
-    ds = "not installed"
-    if not deepspeed_available():
-        import deepspeed
-
-        ds = deepspeed.__version__
+    dists = ["shard-zero", "transformers", "deepspeed"]
+    env = bench.header(name, device, dists, where=Path(__file__).parents[1])
     psi = sum(p.numel() for p in llama(cfg).parameters())
-    where = platform.processor() or platform.machine()
-    if device == "cuda":
-        where = torch.cuda.get_device_name(0)
     backend = "nccl" if device == "cuda" else "gloo"
-    return (
-        f"# {where}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, torch "
-        f"{torch.__version__}, deepspeed {ds}, git {sha}; world 2 {backend}, Ψ = {psi:,} "
-        f"params, {cfg}"
-    )
+    return f"{env}; world 2 {backend}, Ψ = {psi:,} params, {cfg}"
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -552,9 +530,9 @@ def print_tables(results: list[Result], cfg: BenchConfig) -> None:
     print()
     print(
         "| system | step x FSDP2 | Δpeak / rank (MiB) | Δpeak x FSDP2 | peak device (MiB) | "
-        "steps timed | min-max step (s) | final loss |"
+        "steps timed | min-max step (s) | final loss | collectives per step (calls) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if r.skipped:
             continue
@@ -562,7 +540,8 @@ def print_tables(results: list[Result], cfg: BenchConfig) -> None:
             f"| {r.system} | {r.step_s / fsdp.step_s:.2f} | {_fmt(r.peak_delta_mib, '.0f')} | "
             f"{_fmt(r.peak_delta_mib / fsdp.peak_delta_mib, '.2f')} | "
             f"{_fmt(r.peak_device_mib, '.0f')} | {len(r.step_times)} | "
-            f"{min(r.step_times):.3f}-{max(r.step_times):.3f} | {r.loss:.4f} |"
+            f"{min(r.step_times):.3f}-{max(r.step_times):.3f} | {r.loss:.4f} | "
+            f"{', '.join(f'{k} {v}' for k, v in sorted(r.comm_calls.items())) or '-'} |"
         )
 
 
@@ -570,7 +549,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=1, help="repeat the system list")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="repeat the system list (interleaved; medians)"
+    )
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()

@@ -115,8 +115,9 @@ def _memory_and_comm(rank: int, world: int) -> None:
             opt.zero_grad()
         n = world
         params = after_backward["params"] + after_backward["master_params"]
+        # stage 1 reduces at the end of backward (full gradients only live until then)
         expected = {
-            1: (4 * psi, 4 * psi, 8 * psi / n),
+            1: (4 * psi, 4 * psi / n, 8 * psi / n),
             2: (4 * psi, 4 * psi / n, 8 * psi / n),
             3: (4 * psi / n, 4 * psi / n, 8 * psi / n),
         }[stage]

@@ -172,14 +172,12 @@ def _world_one_on(device: torch.device, tmp: Path) -> None:
             _train(fresh, fresh_opt, device, 1)
             resumed, uninterrupted = full_state_dict(fresh), full_state_dict(model)
         assert not tracker.found, f"tensors created without a device: {sorted(set(tracker.found))}"
-        saved = torch.load(tmp / f"ckpt-{stage}" / "rank00000.pt", weights_only=True)
-        for piece in saved["params"].values():
-            assert piece["master"].device.type == "cpu"
-            assert all(v.device.type == "cpu" for v in piece["state"].values())
+        assert (tmp / f"ckpt-{stage}" / "rank00000.safetensors").is_file()  # CPU tensors
         for key, final in ref.items():
-            assert got[key].device == device
+            assert got[key].device.type == "cpu"  # full_state_dict gathers to the CPU
             d_ref = (final - init[key]).double()
-            err = float((got[key].double() - init[key].double() - d_ref).norm() / d_ref.norm())
+            d_got = got[key].to(device).double() - init[key].double()
+            err = float((d_got - d_ref).norm() / d_ref.norm())
             assert err < 1e-5, f"stage {stage} on {device}: {key}: update error {err:.3g}"
             assert torch.equal(resumed[key], uninterrupted[key]), f"stage {stage}: {key} resume"
     # mixed precision runs on the device too (values are checked by the bf16 parity test)
@@ -271,7 +269,8 @@ def _extra_backward(rank: int, world: int, stage: int) -> None:
 def test_an_extra_backward_on_one_rank_fails_after_the_timeout(tmp_path: Path, stage: int) -> None:
     # stage 2: rank 0's extra reduce-scatter meets rank 1's per-step check; stage 3: rank 0's
     # next gather does. gloo pairs neither (no data exchanged): both time out after 3 s, and the
-    # first rank to fail reports the cause
-    with pytest.raises(Exception, match=r"(?s)3000ms.*ranks ran different code") as info:
+    # first rank to fail reports the cause (gloo words its timeout "3000ms" or "Application
+    # timeout caused pair closure" depending on which collective times out first)
+    with pytest.raises(Exception, match=r"(?s)(3000ms|timeout).*ranks ran different code") as info:
         spawn(_extra_backward, stage, world_size=2, tmp_path=tmp_path)
     assert "ZeroConfig.timeout` 0:00:03" in str(info.value)

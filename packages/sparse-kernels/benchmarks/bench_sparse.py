@@ -13,9 +13,9 @@ Commands (from the repository root):
 
 CPU mode: weight `size x size` fp32, input `tokens x size`; block sparsity = fraction of tiles
 dropped (tiles chosen by magnitude, random for a random init). Times are medians over
-`repeats` after one warm-up. FLOPs count 2·tokens·size² per dense GEMM (3 GEMMs for
-forward+backward) and density x that for the sparse layer; "useful GFLOP/s" divides the
-sparse layer's (non-zero) FLOPs by its time.
+`repeats` interleaved rounds (dense and sparse timed in turn) after one warm-up. FLOPs count
+2·tokens·size² per dense GEMM (3 GEMMs for forward+backward) and density x that for the
+sparse layer; "useful GFLOP/s" divides the sparse layer's (non-zero) FLOPs by its time.
 
 GPU mode: bf16 weights (out x in) 4096x4096 (attention projection) and 14336x4096 (MLP
 4096->14336), no bias; prefill (tokens 2048-8192: forward and forward+backward) and decode
@@ -28,23 +28,25 @@ density x dense FLOPs / sparse time; efficiency = useful / dense TFLOP/s = densi
 (1.0 = the sparse kernel is as fast per non-zero FLOP as cuBLAS is per FLOP). Before timing,
 the output (forward points) or dX and the stored dW tiles (forward+backward points) are
 checked against cuBLAS on the masked dense weight: `check` = max |error| / max |reference|.
+On an A100 or H100 each point also gets a predicted roofline time for the dense anchor and the
+sparse kernels (bytes and FLOPs from the kernels' launch configuration, datasheet peaks:
+`roofline.py` states the counts and assumptions) and measured / predicted.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
-import statistics
-import subprocess
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from roofline import GpuPoint, GpuResult, predictions
 from torch import nn
+
+from leanlm_testing import bench
 
 
 @dataclass(frozen=True)
@@ -69,16 +71,6 @@ class Result:
     sparse_fwdbwd_s: float
 
 
-def median_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def fwd_bwd(layer: nn.Module, x: torch.Tensor) -> Callable[[], object]:
     def run() -> object:
         layer.zero_grad(set_to_none=True)
@@ -98,35 +90,9 @@ def fwd(layer: nn.Module, x: torch.Tensor) -> Callable[[], object]:
     return run
 
 
-def git_sha() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def versions() -> str:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
-    return f"git {git_sha()}, torch {torch.__version__}, triton {triton_version}"
+    triton = bench.version("triton")
+    return f"git {bench.git_revision(__file__)}, torch {torch.__version__}, triton {triton}"
 
 
 def run_cpu(args: argparse.Namespace) -> None:
@@ -134,22 +100,16 @@ def run_cpu(args: argparse.Namespace) -> None:
     from sparse_kernels import BlockSparseLinear
 
     print(f"# bench_sparse: {versions()}")
+    print(f"# device: {bench.device_name('cpu')}, torch threads {torch.get_num_threads()}; no GPU")
     print(
-        f"# device: CPU {cpu_name()}, {os.cpu_count()} cores, "
-        f"torch threads {torch.get_num_threads()}; no GPU"
+        f"# weight {args.size}x{args.size} fp32, tokens {args.tokens}; per point the dense layer "
+        f"and the sparse one are timed in turn over {args.repeats} rounds (medians)"
     )
-    print(f"# weight {args.size}x{args.size} fp32, tokens {args.tokens}, repeats {args.repeats}")
 
     torch.manual_seed(0)
     dense = nn.Linear(args.size, args.size)
     x = torch.randn(args.tokens, args.size, requires_grad=True)
-    dense_fwd = median_time(fwd(dense, x), args.repeats)
-    dense_fb = median_time(fwd_bwd(dense, x), args.repeats)
     flops = 2 * args.tokens * args.size * args.size
-    print(
-        f"# dense nn.Linear: fwd {dense_fwd * 1e3:.1f} ms ({flops / dense_fwd / 1e9:.1f} GFLOP/s), "
-        f"fwd+bwd {dense_fb * 1e3:.1f} ms ({3 * flops / dense_fb / 1e9:.1f} GFLOP/s)"
-    )
     print()
     print(
         "| block | sparsity | fwd ms (dense / sparse) | fwd speedup | fwd+bwd ms (dense / sparse)"
@@ -162,73 +122,38 @@ def run_cpu(args: argparse.Namespace) -> None:
             layer = BlockSparseLinear.from_dense(
                 dense, block_size=block, sparsity=sparsity, backend="torch"
             )
-            s_fwd = median_time(fwd(layer, x), args.repeats)
-            s_fb = median_time(fwd_bwd(layer, x), args.repeats)
-            r = Result(cfg, layer.density, dense_fwd, s_fwd, dense_fb, s_fb)
-            useful = 3 * flops * r.density / s_fb / 1e9
+            t = bench.interleaved_medians(
+                {
+                    "dense fwd": fwd(dense, x),
+                    "sparse fwd": fwd(layer, x),
+                    "dense fwdbwd": fwd_bwd(dense, x),
+                    "sparse fwdbwd": fwd_bwd(layer, x),
+                },
+                rounds=args.repeats,
+            )
+            r = Result(
+                cfg,
+                layer.density,
+                t["dense fwd"],
+                t["sparse fwd"],
+                t["dense fwdbwd"],
+                t["sparse fwdbwd"],
+            )
+            useful = 3 * flops * r.density / r.sparse_fwdbwd_s / 1e9
             print(
-                f"| {block} | {sparsity:.2f} | {dense_fwd * 1e3:.0f} / {s_fwd * 1e3:.0f} | "
-                f"{dense_fwd / s_fwd:.2f}x | {dense_fb * 1e3:.0f} / {s_fb * 1e3:.0f} | "
-                f"{dense_fb / s_fb:.2f}x | {useful:.1f} |",
+                f"| {block} | {sparsity:.2f} | {r.dense_fwd_s * 1e3:.0f} / "
+                f"{r.sparse_fwd_s * 1e3:.0f} | {r.dense_fwd_s / r.sparse_fwd_s:.2f}x | "
+                f"{r.dense_fwdbwd_s * 1e3:.0f} / {r.sparse_fwdbwd_s * 1e3:.0f} | "
+                f"{r.dense_fwdbwd_s / r.sparse_fwdbwd_s:.2f}x | {useful:.1f} |",
                 flush=True,
             )
 
 
 # ------------------------------------------------------------------------------- GPU mode
-@dataclass(frozen=True)
-class GpuPoint:
-    """One GPU benchmark point: Y = X·Wᵀ with X (tokens, in_f) and W (out_f, in_f)."""
-
-    phase: str  # "prefill" | "decode"
-    tokens: int
-    in_f: int
-    out_f: int
-    op: str  # "fwd" | "fwd+bwd"
-    kind: str  # "block" | "2:4"
-    block: int  # 0 for 2:4
-    sparsity: float
-
-    @property
-    def dense_flops(self) -> float:
-        """2·M·N·K per GEMM; forward+backward runs 3 GEMMs (Y, dX, dW)."""
-        return 2.0 * self.tokens * self.in_f * self.out_f * (3 if self.op == "fwd+bwd" else 1)
-
-
-@dataclass(frozen=True)
-class GpuResult:
-    """Median times (ms) of a point and its dense anchor, and the parity check."""
-
-    point: GpuPoint
-    density: float
-    dense_ms: float
-    sparse_ms: float
-    check: float
-
-    @property
-    def speedup(self) -> float:
-        """Dense time / sparse time."""
-        return self.dense_ms / self.sparse_ms
-
-    @property
-    def dense_tflops(self) -> float:
-        """Dense FLOPs per second of cuBLAS (the anchor)."""
-        return self.point.dense_flops / self.dense_ms / 1e9
-
-    @property
-    def useful_tflops(self) -> float:
-        """Non-zero FLOPs (density x dense FLOPs) per second of the sparse kernel."""
-        return self.density * self.point.dense_flops / self.sparse_ms / 1e9
-
-    @property
-    def efficiency(self) -> float:
-        """Useful TFLOP/s of the sparse kernel / dense TFLOP/s of cuBLAS = density x speedup."""
-        return self.useful_tflops / self.dense_tflops
-
-
 def make_timer(
     device: torch.device, args: argparse.Namespace
 ) -> Callable[[Callable[[], Any]], float]:
-    """Milliseconds per call: `do_bench` median on CUDA, `median_time` elsewhere (dry run).
+    """Milliseconds per call: `do_bench` median on CUDA, `bench.median_seconds` elsewhere (dry run).
 
     With `--cuda-graphs`, `do_bench_cudagraph` replays the calls from a CUDA graph, which removes
     the Python and launch overhead that dominates decode-sized calls (no L2 flush there).
@@ -242,7 +167,7 @@ def make_timer(
             return float(do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median"))
 
         return cuda_ms
-    return lambda fn: 1e3 * median_time(fn, args.repeats)
+    return lambda fn: 1e3 * bench.median_seconds(fn, args.repeats)
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -328,23 +253,27 @@ def run_gpu(args: argparse.Namespace) -> None:
             f"CUDA {torch.version.cuda}"
         )
     else:
-        where = f"CPU {cpu_name()} under TRITON_INTERPRET=1 (dry run: times are meaningless)"
+        where = (
+            f"{bench.device_name(device)} under TRITON_INTERPRET=1 (dry run: times are meaningless)"
+        )
     print(f"# bench_sparse --device {args.device}: {versions()}")
     print(f"# device: {where}")
     print(
         f"# bf16, no bias; weights (in->out) {args.shapes}; prefill tokens {args.prefill_tokens}, "
         f"decode tokens {args.decode_tokens}; blocks {args.blocks}, sparsities {args.sparsities}"
     )
-    bench = "do_bench_cudagraph" if args.cuda_graphs else "do_bench"
-    timing = f"{bench} median, rep {args.rep_ms} ms" if device.type == "cuda" else "perf_counter"
+    bench_fn = "do_bench_cudagraph" if args.cuda_graphs else "do_bench"
+    timing = f"{bench_fn} median, rep {args.rep_ms} ms" if device.type == "cuda" else "perf_counter"
     anchor = "F.linear (cuBLAS)" if device.type == "cuda" else "F.linear (CPU)"
     print(f"# timing: {timing}; anchor {anchor} on the dense weight\n")
     timer = make_timer(device, args)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         "| phase | in->out | tokens | op | kernel | density | dense ms | sparse ms | speedup "
-        "| dense TFLOP/s | useful TFLOP/s | efficiency | check |"
+        "| dense TFLOP/s | useful TFLOP/s | efficiency | check | predicted dense / sparse ms "
+        "(bound) | measured / predicted dense, sparse |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     gen = torch.Generator(device=device).manual_seed(0)
     weights: dict[tuple[int, int], torch.Tensor] = {}
     failed = 0
@@ -366,14 +295,22 @@ def run_gpu(args: argparse.Namespace) -> None:
             label = f"triton block {pt.block}"
         prefix = f"| {pt.phase} | {pt.in_f}->{pt.out_f} | {pt.tokens} | {pt.op} | {label} |"
         if isinstance(res, str):
-            print(f"{prefix} 0.500 | - | - | - | - | - | - | unavailable: {res} |", flush=True)
+            print(f"{prefix} 0.500 | - | - | - | - | - | - | unavailable: {res} | - | - |")
             continue
         flag = "" if res.check <= args.tolerance else " FAIL"
         failed += bool(flag)
+        tiles = -(-pt.out_f // max(pt.block, 1)) * -(-pt.in_f // max(pt.block, 1))
+        pred = predictions(pt, round(res.density * tiles), name)
+        roof = "- | -"
+        if pred is not None:
+            roof = (
+                f"{pred[0]:.4f} / {pred[1]:.4f} ({pred[2]}) | "
+                f"{res.dense_ms / pred[0]:.2f}, {res.sparse_ms / pred[1]:.2f}"
+            )
         print(
             f"{prefix} {res.density:.3f} | {res.dense_ms:.4f} | {res.sparse_ms:.4f} | "
             f"{res.speedup:.2f}x | {res.dense_tflops:.1f} | {res.useful_tflops:.1f} | "
-            f"{res.efficiency:.2f} | {res.check:.1e}{flag} |",
+            f"{res.efficiency:.2f} | {res.check:.1e}{flag} | {roof} |",
             flush=True,
         )
     print(f"\n# parity checks above tolerance {args.tolerance}: {failed}")

@@ -12,6 +12,7 @@ from torch import nn
 from leanlm_testing import assert_verbose_allclose
 from sparse_kernels import BlockSparseLinear
 from sparse_kernels import _bsr_kernels as K
+from sparse_kernels import _bsr_torch as T
 from sparse_kernels.block_sparse import block_sparse_linear
 from sparse_kernels.layout import BlockLayout, blocks_to_dense, dense_to_blocks
 
@@ -49,7 +50,7 @@ def _device():
 
 
 def _skip_without_triton():
-    if not K.triton_available(torch.device(_device())):
+    if not K.available(torch.device(_device())):
         pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
 
 
@@ -79,13 +80,13 @@ def test_triton_kernels_match_dense_reference(name, dtype):
     atol, rtol = TOL[dtype]
     y = K.dsd_triton(x, values, layout, bias)
     assert y.dtype == dtype
-    ref = K.dsd_dense_reference(x, values, layout, bias)
+    ref = T.dsd_dense_reference(x, values, layout, bias)
     assert_verbose_allclose(y, ref, atol=atol, rtol=rtol, name="Y")
     dx = K.dsdt_triton(dy, values, layout)
-    ref = K.dsdt_dense_reference(dy, values, layout)
+    ref = T.dsdt_dense_reference(dy, values, layout)
     assert_verbose_allclose(dx, ref, atol=atol, rtol=rtol, name="dX")
     dv = K.sdd_triton(dy, x, layout, values)
-    ref = K.sdd_dense_reference(dy, x, layout)
+    ref = T.sdd_dense_reference(dy, x, layout)
     assert_verbose_allclose(dv, ref, atol=atol, rtol=rtol, name="dW tiles")
 
 
@@ -97,18 +98,18 @@ def test_torch_path_matches_dense_reference(name, dtype, route):
     atol, rtol = TOL[dtype]
     cross = 1.0 if route == "sparse" else 0.0  # force the BSR/tile route or the dense GEMM
     assert_verbose_allclose(
-        K.dsd_torch(x, values, layout, bias, dense_crossover=cross),
-        K.dsd_dense_reference(x, values, layout, bias),
+        T.dsd_torch(x, values, layout, bias, dense_crossover=cross),
+        T.dsd_dense_reference(x, values, layout, bias),
         atol=atol, rtol=rtol, name="Y",
     )  # fmt: skip
     assert_verbose_allclose(
-        K.dsdt_torch(dy, values, layout, dense_crossover=cross),
-        K.dsdt_dense_reference(dy, values, layout),
+        T.dsdt_torch(dy, values, layout, dense_crossover=cross),
+        T.dsdt_dense_reference(dy, values, layout),
         atol=atol, rtol=rtol, name="dX",
     )  # fmt: skip
     assert_verbose_allclose(
-        K.sdd_torch(dy, x, layout, dense_crossover=cross),
-        K.sdd_dense_reference(dy, x, layout),
+        T.sdd_torch(dy, x, layout, dense_crossover=cross),
+        T.sdd_dense_reference(dy, x, layout),
         atol=atol, rtol=rtol, name="dW tiles",
     )  # fmt: skip
 
@@ -184,6 +185,41 @@ def test_training_keeps_the_block_structure_and_state_dict_round_trips():
     assert torch.equal(clone(x), layer(x))
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("block", [64, 128])
+def test_triton_kernels_at_gpu_tiles_fp32(block):
+    """The GPU launch configs (BLOCK_M 64, BK chunks of a tile, 32/64-token dW steps, token
+    splits) under the interpreter: odd widths (padded to 16), a token tail, few programs."""
+    _skip_without_triton()
+    dev = _device()
+    gen = torch.Generator().manual_seed(1)
+    M, N, Kf = 100, 2 * block + 5, 2 * block + 3
+    mask = torch.tensor([[1, 0, 1], [1, 1, 0], [0, 1, 1]], dtype=torch.bool)
+    layout = BlockLayout.from_block_mask(mask, out_features=N, in_features=Kf, block_size=block)
+    layout = layout.to(torch.device(dev))
+    values = dense_to_blocks(torch.randn(N, Kf, generator=gen), layout.to(torch.device("cpu")))
+    values = values.to(dev)
+    x = torch.randn(M, Kf, generator=gen).to(dev)
+    dy = torch.randn(M, N, generator=gen).to(dev)
+    bias = torch.randn(N, generator=gen).to(dev)
+    atol, rtol = 1e-4, 1e-5  # fp32, sums of up to 2·block products of unit-variance terms
+    cfg = {k: K.kernel_config(k, block, torch.float32) for k in ("dsd", "dsdt", "sdd")}
+    assert cfg["dsd"]["BLOCK_M"] == 64
+    assert cfg["dsd"]["BK"] < block  # the tile is reduced in chunks
+    y = K.dsd_triton(x, values, layout, bias, config=cfg["dsd"])
+    assert_verbose_allclose(
+        y, T.dsd_dense_reference(x, values, layout, bias), atol=atol, rtol=rtol, name="Y"
+    )
+    dx = K.dsdt_triton(dy, values, layout, config=cfg["dsdt"])
+    assert_verbose_allclose(
+        dx, T.dsdt_dense_reference(dy, values, layout), atol=atol, rtol=rtol, name="dX"
+    )
+    ref = T.sdd_dense_reference(dy, x, layout)
+    for splits in (1, 2):  # 2: two token ranges, fp32 partials summed by the launcher
+        dv = K.sdd_triton(dy, x, layout, values, config=cfg["sdd"], splits=splits)
+        assert_verbose_allclose(dv, ref, atol=atol, rtol=rtol, name=f"dW tiles, {splits} split")
+
+
 def test_backend_validation():
     linear = nn.Linear(32, 32)
     with pytest.raises(ValueError, match="backend"):
@@ -209,7 +245,7 @@ def test_backend_validation():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("tokens", [1, 2048])
 def test_triton_kernels_real_sizes_gpu(tokens, block, dtype):
@@ -221,21 +257,22 @@ def test_triton_kernels_real_sizes_gpu(tokens, block, dtype):
     values = (torch.randn(layout.nnzb, block, block, generator=gen) / 64).to("cuda", dtype)
     x = torch.randn(tokens, Kf, generator=gen).to("cuda", dtype)
     dy = torch.randn(tokens, N, generator=gen).to("cuda", dtype)
-    # fp32 accumulation over up to 4096 products of bf16/fp16 inputs
+    # fp32 accumulation over up to 4096 products of bf16/fp16 inputs; fp32 inputs go to the
+    # tensor cores as TF32 (10-bit mantissa, like fp16), so they get the fp16 tolerance
     atol, rtol = (2e-2, 2e-2) if dtype == torch.bfloat16 else (5e-3, 5e-3)
     assert_verbose_allclose(
         K.dsd_triton(x, values, layout, None),
-        K.dsd_dense_reference(x, values, layout, None),
+        T.dsd_dense_reference(x, values, layout, None),
         atol=atol, rtol=rtol, name="Y",
     )  # fmt: skip
     assert_verbose_allclose(
         K.dsdt_triton(dy, values, layout),
-        K.dsdt_dense_reference(dy, values, layout),
+        T.dsdt_dense_reference(dy, values, layout),
         atol=atol, rtol=rtol, name="dX",
     )  # fmt: skip
     assert_verbose_allclose(
         K.sdd_triton(dy, x, layout, values),
-        K.sdd_dense_reference(dy, x, layout),
+        T.sdd_dense_reference(dy, x, layout),
         atol=atol * 8, rtol=rtol, name="dW tiles",
     )  # fmt: skip
 

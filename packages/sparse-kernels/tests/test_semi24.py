@@ -54,6 +54,10 @@ def test_cutlass_layout_matches_torch(shape, dtype):
     v2, m2 = compress_24(w2, layout="cutlass")
     assert torch.equal(sparse_semi_structured_to_dense_cutlass(v2, m2), w2)
     assert torch.equal(decompress_24(v2, m2, shape[1], layout="cutlass"), w2)
+    # ... and we decode torch's encoding of them (which differs from ours: other padding)
+    t_v2, t_m2 = sparse_semi_structured_from_dense_cutlass(w2)
+    assert torch.equal(decompress_24(t_v2, t_m2, shape[1], layout="cutlass"), w2)
+    assert not torch.equal(m2, t_m2)
 
 
 def test_compressed_size_is_56_percent_for_half():

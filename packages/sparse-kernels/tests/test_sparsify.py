@@ -82,6 +82,37 @@ def test_wanda_picks_by_weight_times_input_norm():
     assert m2["blocks.0"].tolist() == [[False, False, True, True]]
 
 
+def test_wanda_unstructured_ranks_within_each_output_row_by_default():
+    """Wanda (Sun et al.) compares weights within each output row: at 50% every row keeps its 2
+    best of 4. Ranked over the layer, the large row would keep everything and the small row
+    nothing; that stays available as `granularity="layer"`."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(4, 2, bias=False)])
+
+        def forward(self, x):
+            return self.blocks[0](x)
+
+    weight = torch.tensor([[10.0, 20.0, 30.0, 40.0], [4.0, 1.0, 3.0, 2.0]])
+    batches = [{"x": torch.ones(8, 4)}]  # equal input norms: the score order is |W|'s
+    masks = {}
+    for granularity in (None, "row", "layer"):
+        net = Net()
+        with torch.no_grad():
+            net.blocks[0].weight.copy_(weight)
+        cfg = SparsityConfig(method="wanda", sparsity=0.5, granularity=granularity)
+        masks[granularity] = sparsify_(net, cfg, calibration=batches)["blocks.0"].tolist()
+    per_row = [[False, False, True, True], [True, False, True, False]]
+    assert masks[None] == masks["row"] == per_row
+    assert masks["layer"] == [[True, True, True, True], [False, False, False, False]]
+    assert SparsityConfig(method="wanda").granularity == "row"
+    assert SparsityConfig(method="magnitude").granularity == "layer"
+    assert SparsityConfig(method="sparsegpt").granularity == "layer"
+    assert SparsityConfig(method="wanda", granularity="layer").granularity == "layer"
+
+
 def _correlated_layer(seed: int = 0, rows: int = 48, cols: int = 64, tokens: int = 512):
     gen = torch.Generator().manual_seed(seed)
     mix = torch.randn(cols, cols, generator=gen) / cols**0.5

@@ -4,29 +4,68 @@ A training checkpoint is `accelerator.save_state` (model, optimizer, RNG state o
 plus the scheduler and a `trainer_state.json` (step, tokens, elapsed time, config hash). It is
 written into a hidden temporary folder and renamed to `step-XXXXXXXX` only when complete, so a
 run killed at any moment leaves either a whole checkpoint or none; resuming picks the newest
-whole one. The batch of a step is a pure function of the step (`data.global_batch_indices`),
+whole one. Every checkpoint lists the SHA-256 of each of its files (`checksums.json`, written
+last before the rename); `latest` verifies them, moves a damaged checkpoint aside
+(`.damaged-step-XXXXXXXX`, named in the log) and falls back to the newest intact one. The batch
+of a step is a pure function of the step (`data.global_batch_indices`),
 so the step number is the whole data position.
 
-A model sharded by shard-zero is not known to accelerate: its checkpoint adds a `zero/` folder
-written by `shard_zero.save_checkpoint` (one file per rank, reshardable), next to the RNG states.
+A model sharded by shard-zero or FSDP2 is not known to accelerate: its checkpoint adds the
+engine's own folder (`zero/`: `shard_zero.save_checkpoint`; `fsdp2/`: a
+`torch.distributed.checkpoint` folder, one file per rank, reshardable; with CAME or Adafactor
+the optimizer state is in one more file per rank, for the same number of processes only), next
+to the RNG states.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 TRAINER_STATE = "trainer_state.json"
-ZERO_DIR = "zero"
+CHECKSUMS = "checksums.json"
+
+
+class _NoSharedTensorNotice(logging.Filter):
+    """Drops accelerate's "Removed shared tensor" warning.
+
+    It comes at every save of a model with tied embeddings: accelerate stores the tied weight
+    once, and loading ties it again (resumed runs are bit-identical), so nothing is wrong.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Removed shared tensor" not in record.getMessage()
+
+
+logging.getLogger("accelerate.utils.other").addFilter(_NoSharedTensorNotice())
+SHARDED_DIRS = ("zero", "fsdp2")
+"""The folders a sharding engine adds to a checkpoint (`ShardedState.folder`)."""
+
+
+class ShardedState(Protocol):
+    """The model and optimizer state of an engine that shards them (`leanlm.engines`)."""
+
+    folder: str
+    """Its folder inside a checkpoint."""
+
+    def save(self, path: Path) -> None:
+        """Write this process's shards under `path` (a collective)."""
+        ...
+
+    def load(self, path: Path) -> None:
+        """Read them back into the live model and optimizer (a collective)."""
+        ...
 
 
 class Checkpointer:
@@ -51,9 +90,31 @@ class Checkpointer:
         return sorted(found, key=lambda p: p.name)
 
     def latest(self, *, config_hash: str | None = None) -> Path | None:
-        """The newest whole checkpoint (written under `config_hash`, if given), or `None`."""
-        done = [p for p in self.complete() if config_hash is None or _hash_of(p) == config_hash]
-        return done[-1] if done else None
+        """The newest intact checkpoint (written under `config_hash`, if given), or `None`.
+
+        Damaged checkpoints met on the way (a file missing, truncated or changed since it was
+        written) are named and moved aside by the main process. Every process must call this.
+        """
+        found = None
+        for path in reversed(self.complete()):
+            problem = verify(path)
+            if problem is not None:
+                self._set_aside(path, problem)
+            elif config_hash is None or _hash_of(path) == config_hash:
+                found = path
+                break
+        self.accelerator.wait_for_everyone()
+        return found
+
+    def _set_aside(self, path: Path, problem: str) -> None:
+        aside = path.with_name(f".damaged-{path.name}")
+        self.accelerator.print(
+            f"[leanlm] checkpoint {path} is damaged ({problem}); moved it to {aside.name} and "
+            "falling back to the one before"
+        )
+        if self.accelerator.is_main_process:
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(path, aside)
 
     def discard_mismatched(self, config_hash: str) -> int:
         """Delete checkpoints written under another configuration; returns how many there were.
@@ -73,12 +134,12 @@ class Checkpointer:
         scheduler: Any,
         state: dict[str, Any],
         *,
-        zero: tuple[torch.nn.Module, Any] | None = None,
+        sharded: ShardedState | None = None,
     ) -> Path:
         """Write the checkpoint of `step` atomically; every process must call this.
 
-        `zero` is the `(model, optimizer)` pair of a shard-zero run. Half-written folders of a
-        killed run (`.tmp-step-*`) are deleted first.
+        `sharded` is the model and optimizer state of a sharding engine. Half-written folders
+        of a killed run (`.tmp-step-*`) are deleted first.
         """
         acc = self.accelerator
         final = self.directory / f"step-{step:08d}"
@@ -89,14 +150,13 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
         acc.save_state(str(tmp))  # prepared model and optimizer, per-process RNG states
-        if zero is not None:
-            from shard_zero import save_checkpoint
-
-            save_checkpoint(tmp / ZERO_DIR, *zero)
+        if sharded is not None:
+            sharded.save(tmp / sharded.folder)
         acc.wait_for_everyone()
         if acc.is_main_process:
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             _write_json(tmp / TRAINER_STATE, {"step": step, **state})
+            _write_json(tmp / CHECKSUMS, _checksums(tmp))
             _fsync_dir(tmp)
             os.replace(tmp, final)
             _fsync_dir(self.directory)
@@ -106,32 +166,61 @@ class Checkpointer:
         return final
 
     def load(
-        self, path: Path, scheduler: Any, *, zero: tuple[torch.nn.Module, Any] | None = None
+        self, path: Path, scheduler: Any, *, sharded: ShardedState | None = None
     ) -> dict[str, Any]:
         """Restore prepared objects, RNG and `scheduler` from `path`; returns the trainer state.
 
         Raises:
-            ValueError: the checkpoint was (not) written by a shard-zero run and this one is
-                (not) sharded.
+            ValueError: the checkpoint was written by another engine than this run's.
         """
-        if (zero is not None) != (path / ZERO_DIR).is_dir():
+        written = sorted(e for e in SHARDED_DIRS if (path / e).is_dir())
+        mine = [sharded.folder] if sharded is not None else []
+        if written != mine:
             raise ValueError(
-                f"{path} was written {'with' if (path / ZERO_DIR).is_dir() else 'without'} "
-                f"shard-zero, but this run is {'' if zero is not None else 'not '}sharded"
+                f"{path} was written {f'with {written[0]}' if written else 'without'} sharding, "
+                f"but this run is {f'sharded with {mine[0]}' if mine else 'not sharded'}"
             )
         self.accelerator.load_state(str(path))
-        if zero is not None:
-            from shard_zero import load_checkpoint
-
-            load_checkpoint(path / ZERO_DIR, *zero)
+        if sharded is not None:
+            sharded.load(path / sharded.folder)
         scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
         state: dict[str, Any] = json.loads((path / TRAINER_STATE).read_text())
         return state
 
 
 def _hash_of(path: Path) -> str | None:
-    value = json.loads((path / TRAINER_STATE).read_text()).get("config_hash")
+    try:
+        value = json.loads((path / TRAINER_STATE).read_text()).get("config_hash")
+    except (OSError, ValueError):
+        return None
     return value if isinstance(value, str) else None
+
+
+def _checksums(folder: Path) -> dict[str, str]:
+    """SHA-256 of every file under `folder` (but `CHECKSUMS`), by relative path."""
+    sums = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and path.name != CHECKSUMS:
+            with open(path, "rb") as f:
+                sums[path.relative_to(folder).as_posix()] = hashlib.file_digest(
+                    f, "sha256"
+                ).hexdigest()
+    return sums
+
+
+def verify(path: Path) -> str | None:
+    """What is wrong with the checkpoint `path` (a missing or changed file), or `None`."""
+    try:
+        expected = json.loads((path / CHECKSUMS).read_text())
+    except (OSError, ValueError):
+        return f"{CHECKSUMS} missing or unreadable"
+    actual = _checksums(path)
+    for name, digest in expected.items():
+        if name not in actual:
+            return f"{name} is missing"
+        if actual[name] != digest:
+            return f"{name} does not match its checksum"
+    return None
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -156,11 +245,19 @@ def save_atomically(target: Path, write: Callable[[Path], None]) -> None:
     `.old-<name>`, so a crash between the two renames leaves no `target` (the stage then has no
     result and reruns) but never a half-written one.
     """
+    from transformers.utils import logging as hf_logging
+
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".tmp-{target.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    write(tmp)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar for one local file
+    try:
+        write(tmp)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     _fsync_dir(tmp)
     if target.exists():
         old = target.parent / f".old-{target.name}"

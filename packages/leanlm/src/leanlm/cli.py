@@ -3,44 +3,64 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
-import subprocess
+import shlex
 import sys
+import traceback
 from collections.abc import Sequence
+from importlib.metadata import version
 from pathlib import Path
 
-from leanlm.config import ConfigError, load_toml
+from leanlm.config import STAGE_NAMES, ConfigError, RunConfig, load_toml
+from leanlm.interrupt import LAUNCHER_ENV, Interrupted
 from leanlm.presets import PRESETS
+from leanlm.rundir import DISK_ERRNOS, RunLock, RunLockedError, disk_full, preflight
+from leanlm.stages import STAGES
 
 
 def _parser() -> argparse.ArgumentParser:
+    stages = ", ".join(
+        f"{name}: {STAGES[name].summary}" if STAGES[name].summary else name for name in STAGE_NAMES
+    )
     parser = argparse.ArgumentParser(
         prog="leanlm",
         description="Train and compress small LLMs with less memory: run a pipeline of stages "
-        "(pretrain, prune, distill, sparsify) and get a report.",
+        f"({stages}) and get a report.",
         epilog="Several processes: `torchrun --nproc_per_node 2 -m leanlm run CONFIG.toml` or "
         "`accelerate launch --multi_gpu --num_processes 2 -m leanlm run CONFIG.toml`.",
     )
+    parser.add_argument("--version", action="version", version=f"leanlm {version('leanlm')}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--resume", action="store_true", help="continue the run in --out")
+    common.add_argument(
+        "--restart-changed",
+        action="store_true",
+        help="with --resume: rerun the stages whose results or checkpoints a config change "
+        "invalidates (and every stage after them); without it such a resume stops and lists the "
+        "changed keys",
+    )
+    common.add_argument("--debug", action="store_true", help="print tracebacks of errors")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the main job on the built-in corpus (no download)")
+    demo = sub.add_parser(
+        "demo", parents=[common], help="run the main job on the built-in corpus (no download)"
+    )
     demo.add_argument(
         "--preset",
         choices=sorted(PRESETS),
         default="default",
-        help="size of the run (smoke: CI-sized, < 2 min; default: the README demo)",
+        help="size of the run (smoke: CI-sized; default: the README demo)",
     )
     demo.add_argument("--out", type=Path, help="run directory (default: runs/demo-<preset>)")
-    demo.add_argument("--resume", action="store_true", help="continue the run in --out")
     demo.add_argument(
         "--processes",
         default="auto",
         help="processes to start (torchrun); auto = the GPUs, else 2 on a machine with >= 2 "
         "CPU cores, else 1",
     )
-    run = sub.add_parser("run", help="run what a TOML config describes")
+    run = sub.add_parser("run", parents=[common], help="run what a TOML config describes")
     run.add_argument("config", type=Path, help="a TOML file (see packages/leanlm/configs/)")
     run.add_argument("--out", type=Path, help="run directory (default: runs/<config file stem>)")
-    run.add_argument("--resume", action="store_true", help="continue the run in --out")
     run.add_argument(
         "--processes",
         default="1",
@@ -70,34 +90,102 @@ def resolve_nproc(value: str) -> int:
     return int(value)
 
 
-def relaunch(nproc: int, argv: Sequence[str]) -> int:
-    """Run `leanlm ARGV` in `nproc` processes under torchrun; returns its exit code.
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
-    The started processes see torchrun's `LOCAL_RANK` and so do not start more.
 
-    Each process gets `cpu_count // nproc` threads (unless OMP_NUM_THREADS is set).
+def _is_user_error(err: BaseException) -> bool:
+    """Errors every process hits alike (printed by rank 0 only, without a traceback)."""
+    if isinstance(err, OSError) and err.errno in DISK_ERRNOS:
+        return True
+    trainer = sys.modules.get("leanlm.trainer")
+    if trainer is not None and isinstance(err, trainer.TrainingDivergedError):
+        return True
+    return isinstance(err, ValueError | FileExistsError | RunLockedError)
+
+
+def _is_lost_peer(err: BaseException) -> bool:
+    """A collective failed because another process ended (that one reports why)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and isinstance(err, dist.DistError):
+        return True
+    return "gloo" in str(err).lower() or "connection closed by peer" in str(err).lower()
+
+
+def _message(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.errno in DISK_ERRNOS:
+        return f"cannot write {err.filename or ''}: {err.strerror}".replace(" :", ":")
+    return str(err)
+
+
+def report_failure(err: BaseException, *, debug: bool, out: Path | None = None) -> int:
+    """Print one clear line for `err` (this process's share of it); returns the exit code.
+
+    An error while the disk of `out` is full (torch and safetensors report a failed write in
+    their own words) is reported as the full disk.
     """
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(nproc),
-        "-m",
-        "leanlm",
-        *argv,
-    ]
-    print(f"[leanlm] starting {nproc} processes: {' '.join(cmd[2:])}", file=sys.stderr)
-    return subprocess.run(cmd, env=env, check=False).returncode
+    from leanlm import interrupt
+
+    if isinstance(err, Interrupted | KeyboardInterrupt) or interrupt.requested():
+        stop = err if isinstance(err, Interrupted) else interrupt.stopped()
+        if debug:
+            traceback.print_exception(err)
+        if stop.quiet:  # torchrun's agent stopping us after another process failed
+            return 1
+        if _rank() == 0:
+            print(f"leanlm: {stop}", file=sys.stderr, flush=True)
+        return 0 if LAUNCHER_ENV in os.environ else interrupt.exit_code()
+    user = _is_user_error(err)
+    if not user and out is not None and disk_full(out):
+        if debug:
+            traceback.print_exception(err)
+        err = OSError(errno.ENOSPC, "no space left on its disk", str(out))
+        user = True
+    lost = not user and _is_lost_peer(err)
+    if _rank() == 0 or not (user or lost):
+        if debug:
+            traceback.print_exception(err)
+        rank = f" (process {_rank()})" if LAUNCHED_ENV in os.environ and not user else ""
+        kind = "" if user else f"{type(err).__name__}: "
+        hint = "" if user or debug else " (--debug shows the traceback)"
+        print(f"leanlm: error{rank}: {kind}{_message(err)}{hint}", file=sys.stderr, flush=True)
+    return 2 if user else 1
+
+
+def _work(config: RunConfig, out: Path, args: argparse.Namespace) -> int:
+    """Run the pipeline in this process (one of several, or the only one)."""
+    from leanlm import interrupt
+
+    try:
+        with interrupt.handling_signals():
+            try:
+                from leanlm.pipeline import run_pipeline  # heavy imports: the config is valid
+
+                run_pipeline(
+                    config,
+                    out,
+                    resume=args.resume,
+                    restart_changed=args.restart_changed,
+                    command="leanlm " + shlex.join(args.argv),
+                )
+            except BaseException as err:  # reported in one line, see report_failure
+                if isinstance(err, SystemExit):
+                    raise
+                return report_failure(err, debug=args.debug, out=out)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            # before interpreter exit: gloo's threads must not outlive the interpreter
+            dist.destroy_process_group()
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `leanlm` script and `python -m leanlm`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    args.argv = argv  # for the report
     try:
         nproc = resolve_nproc(args.processes)
         if args.command == "demo":
@@ -109,20 +197,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"leanlm: error: {err}", file=sys.stderr)
         return 2
-    if nproc > 1 and LAUNCHED_ENV not in os.environ:
-        return relaunch(nproc, argv)
-    from leanlm.pipeline import run_pipeline  # heavy imports only once the config is valid
-    from leanlm.trainer import TrainingDivergedError
-
+    worker = LAUNCHED_ENV in os.environ
+    cores = os.cpu_count() or 1
+    if nproc > cores and not worker:
+        print(
+            f"leanlm: warning: --processes {nproc} is more than the {cores} CPU cores; "
+            "the processes will slow each other down",
+            file=sys.stderr,
+        )
+    lock = None
     try:
-        run_pipeline(config, out, resume=args.resume)
-    except (FileExistsError, ValueError, TrainingDivergedError) as err:
-        print(f"leanlm: error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        import torch.distributed as dist
+        if LAUNCHER_ENV not in os.environ:  # else our launcher checked and holds the lock
+            preflight(config, out, resume=args.resume, restart_changed=args.restart_changed)
+            if _rank() == 0:
+                lock = RunLock(out).acquire()
+    except (ValueError, FileExistsError, RunLockedError, OSError) as err:
+        return report_failure(err, debug=args.debug)
+    try:
+        if nproc > 1 and not worker:
+            from leanlm.launch import relaunch
 
-        if dist.is_available() and dist.is_initialized():
-            # before interpreter exit: gloo's threads must not outlive the interpreter
-            dist.destroy_process_group()
-    return 0
+            return relaunch(nproc, argv)  # the workers print errors and where they stopped
+        return _work(config, out, args)
+    except KeyboardInterrupt:  # Ctrl-C before the workers' handlers are installed
+        if _rank() == 0:
+            print("leanlm: interrupted before the run started", file=sys.stderr)
+        return 130
+    finally:
+        if lock is not None:
+            lock.release()

@@ -8,9 +8,10 @@ model from seeing only code. Local text files and hub datasets go through the sa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import sysconfig
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ import datasets
 import numpy as np
 import torch
 
-from leanlm.config import ConfigError, DataConfig
+from leanlm.configio import ConfigError
+from leanlm.sections import DataConfig
 
 PROSE_FILE = Path("pydoc_data") / "topics.py"
 """The standard library's largest block of English prose (the `help()` topics)."""
@@ -130,14 +132,30 @@ def _hash_files(files: list[Path]) -> str:
     return digest.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """No "Downloading data" / "Generating split" bars: local files are not downloaded."""
+    was_disabled = datasets.utils.are_progress_bars_disabled()
+    verbosity = datasets.utils.logging.get_verbosity()
+    datasets.utils.disable_progress_bars()
+    datasets.utils.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        datasets.utils.logging.set_verbosity(verbosity)
+        if not was_disabled:
+            datasets.utils.enable_progress_bars()
+
+
 def _load_files(train: list[Path], val: list[Path], cache_dir: Path) -> datasets.DatasetDict:
     # One row per file ("document"): keeps line breaks, and EOS then separates files.
-    return datasets.load_dataset(
-        "text",
-        data_files={"train": [str(p) for p in train], "validation": [str(p) for p in val]},
-        sample_by="document",
-        cache_dir=str(cache_dir),
-    )
+    with _quiet_datasets():
+        return datasets.load_dataset(
+            "text",
+            data_files={"train": [str(p) for p in train], "validation": [str(p) for p in val]},
+            sample_by="document",
+            cache_dir=str(cache_dir),
+        )
 
 
 def load_corpus(config: DataConfig, *, cache_dir: Path) -> Corpus:
@@ -184,7 +202,16 @@ def load_corpus(config: DataConfig, *, cache_dir: Path) -> Corpus:
 
 
 def _load_hub(config: DataConfig, cache_dir: Path) -> Corpus:
-    loaded = datasets.load_dataset(config.hub_name, config.hub_config, cache_dir=str(cache_dir))
+    try:
+        loaded = datasets.load_dataset(config.hub_name, config.hub_config, cache_dir=str(cache_dir))
+    except (ConnectionError, OSError, ValueError) as err:  # not found, offline and not cached
+        offline = " (offline: HF_HUB_OFFLINE or no network, and not in the cache)"
+        why = (str(err).splitlines() or [type(err).__name__])[0]
+        raise ConfigError(
+            "data.hub_name",
+            f"{config.hub_name!r} could not be loaded"
+            f"{offline if datasets.config.HF_HUB_OFFLINE else ''}: {why}",
+        ) from err
     splits = {"train": config.hub_train_split, "validation": config.hub_validation_split}
     out = {}
     for ours, theirs in splits.items():
@@ -287,6 +314,26 @@ def spread_windows(stream: torch.Tensor, seq_len: int, count: int) -> torch.Tens
         return every
     index = torch.linspace(0, every.shape[0] - 1, count).round().long()
     return every[index]
+
+
+def selection_windows(stream: torch.Tensor, seq_len: int, count: int) -> torch.Tensor:
+    """The `count - 1` windows halfway between consecutive `spread_windows(...)` windows.
+
+    Disjoint from every window `spread_windows(stream, seq_len, count)` returns, so a choice
+    made on them (a learning rate, a candidate shape) is not made on the windows it is
+    reported on.
+
+    Raises:
+        ValueError: if `count` < 2 or `stream` holds fewer than `2 * count` windows.
+    """
+    every = blocks(stream, seq_len)
+    if count < 2 or every.shape[0] < 2 * count:
+        raise ValueError(
+            f"`count` ({count}) must be >= 2 and the stream ({every.shape[0]} windows of "
+            f"{seq_len}) must hold at least 2 x count windows for disjoint selection windows"
+        )
+    test = torch.linspace(0, every.shape[0] - 1, count).round().long()
+    return every[(test[:-1] + test[1:]) // 2]
 
 
 def global_batch_indices(

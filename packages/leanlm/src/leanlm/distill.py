@@ -5,141 +5,132 @@ with the KL from `prune_distill.forward_kl` (chunked fp32, optionally on the tea
 logits), plus `hidden_loss_weight` times prune-distill's `HiddenStateLoss` between matched layer
 outputs when that weight is > 0. With `teacher_correction_steps` > 0 a copy of the teacher is
 first fine-tuned on the distillation batches (`prune_distill.correct_teacher`). The training
-loop, schedule, checkpoints and evaluation are `leanlm.trainer`'s.
+loop, schedule, checkpoints and evaluation are `leanlm.trainer`'s; the loss function, the
+student wrapped with its hidden-state loss and the teacher correction are in
+`leanlm.distill_train` (imported when the stage runs: loading a config does not load torch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any, ClassVar
+import dataclasses
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-import torch.nn.functional as F
+import prune_distill
+from leanlm.configio import ConfigError, library_errors, non_negative
+from leanlm.sections import INIT_STAGE, TrainConfig
+from leanlm.stages import Stage, StageContext, StageResult, register_stage
 
-from leanlm.config import DistillConfig
-from leanlm.data import global_batch_indices
-from leanlm.evaluate import evaluate_perplexity
-from leanlm.model import count_parameters, load_model
-from leanlm.optim import decay_param_groups, optimizer_over
-from leanlm.prune import pruned_layer_map_for
-from leanlm.stages import StageContext, StageResult, register_stage
-from leanlm.trainer import LossFn, save_pretrained, train
-from prune_distill import HiddenStateLoss, correct_teacher, forward_kl
+if TYPE_CHECKING:
+    import torch
+
+    from leanlm.config import RunConfig
 
 
-class StudentWithHiddenLoss(torch.nn.Module):
-    """The student and the `HiddenStateLoss` whose projection (if any) trains with it.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillConfig(TrainConfig):
+    """Stage `distill`: train the previous stage's model to match a teacher's logits.
 
-    The trainer prepares, checkpoints and optimises this module as a whole, so the projection
-    is in the optimizer and in the resumable checkpoints; the saved model is `student` alone.
-    Called without `teacher_states` it is the bare student (evaluation calls it so).
+    The loss settings are `prune_distill.DistillConfig`'s (`options`), which checks them; the
+    training settings are the other training stages'.
     """
 
-    def __init__(self, student: torch.nn.Module, hidden: HiddenStateLoss) -> None:
-        super().__init__()
-        self.student = student
-        self.hidden = hidden
+    teacher_stage: str = "pretrain"
+    """The earlier stage whose model is the teacher (`"init"`: `RunConfig.init_model`)."""
+    temperature: float = 1.0
+    """Softmax temperature of the KL (the loss is scaled by T^2)."""
+    lm_loss_weight: float = 0.0
+    """Weight of the next-token cross-entropy in the loss (the KL gets 1 - this)."""
+    top_k: int = 0
+    """Distill on the teacher's top-k logits only (0 = the full vocabulary)."""
+    hidden_loss_weight: float = 0.0
+    """Weight of prune-distill's intermediate hidden-state loss, added to the KL/CE mix (0 = off):
+    1 - cosine between student and teacher layer outputs after each model's final norm. When
+    the `prune` stage made the student from this teacher, each student layer is matched to the
+    layer it was cut from; otherwise the student's layers are spread evenly over the teacher's
+    (last onto last). When the hidden sizes
+    differ, a learned linear map to the teacher's width (initialised from the run's `seed`)
+    trains with the student; it is kept in the training checkpoints but not in the saved model.
+    Minitron found it helps only when depth is cut a lot."""
+    teacher_correction_steps: int = 0
+    """Before distilling, fine-tune a copy of the teacher for this many optimizer steps on the
+    distillation data (Minitron's "teacher correction": next-token loss, the stage's optimizer,
+    batch size and `grad_clip`, constant LR, the same batches as the first distillation steps;
+    every process computes the same corrected teacher). 0 = off."""
+    teacher_correction_lr: float = 0.0
+    """Learning rate of the teacher correction (0 = `lr` / 5, the ratio Minitron's second paper
+    is reported to use for its teacher's fine-tune)."""
 
-    def forward(
-        self, input_ids: torch.Tensor, teacher_states: tuple[torch.Tensor, ...] | None = None
-    ) -> Any:
-        """The student's output, or `(logits, hidden-state loss)` given the teacher's states."""
-        if teacher_states is None:
-            return self.student(input_ids=input_ids)
-        out = self.student(input_ids=input_ids, output_hidden_states=True)
-        return out.logits, self.hidden(out.hidden_states, teacher_states)
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.lm_loss_weight <= 1.0:  # a mix: the KL gets the rest
+            raise ConfigError("lm_loss_weight", f"must be in [0, 1], got {self.lm_loss_weight}")
+        with library_errors(self):
+            self.options  # noqa: B018  (prune-distill checks the loss settings)
+        non_negative(self, "teacher_correction_steps", zero="no correction")
+        non_negative(self, "teacher_correction_lr", zero="`lr` / 5")
 
-
-def _save_student(
-    model: torch.nn.Module, folder: Path, state_dict: dict[str, torch.Tensor] | None
-) -> None:
-    """Save `StudentWithHiddenLoss.student` only (the projection is not part of the model)."""
-    assert isinstance(model, StudentWithHiddenLoss)
-    if state_dict is not None:
-        prefix = "student."
-        state_dict = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-    save_pretrained(model.student, folder, state_dict)
-
-
-def distillation_loss(teacher: torch.nn.Module, cfg: DistillConfig) -> LossFn:
-    """The loss function `train` calls: KL to `teacher`'s logits, mixed with CE.
-
-    With `hidden_loss_weight` > 0 it adds the hidden-state loss, and `train` must be given a
-    `StudentWithHiddenLoss`.
-    """
-    hidden = cfg.hidden_loss_weight > 0
-
-    def loss_fn(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        if hidden:
-            with torch.no_grad():
-                out = teacher(input_ids=input_ids, output_hidden_states=True)
-                target = out.logits.float()
-            logits, hidden_loss = model(input_ids=input_ids, teacher_states=out.hidden_states)
-        else:
-            logits = model(input_ids=input_ids).logits
-            with torch.no_grad():
-                target = teacher(input_ids=input_ids).logits.float()
-        soft = torch.topk(target, cfg.top_k) if cfg.top_k else target
-        loss = forward_kl(logits, tuple(soft) if cfg.top_k else soft, temperature=cfg.temperature)
-        if cfg.lm_loss_weight:
-            ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten())
-            loss = (1 - cfg.lm_loss_weight) * loss + cfg.lm_loss_weight * ce
-        if hidden:
-            loss = loss + cfg.hidden_loss_weight * hidden_loss
-        return loss
-
-    return loss_fn
-
-
-def _correction_batches(ctx: StageContext, cfg: DistillConfig) -> Iterator[dict[str, Any]]:
-    """The first `teacher_correction_steps` global batches of the stage, in micro-batches.
-
-    Every process walks the whole global batch, so all of them correct the teacher identically
-    without communicating.
-    """
-    blocks = ctx.resources.train_blocks
-    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * ctx.accelerator.num_processes
-    for step in range(cfg.teacher_correction_steps):
-        indices = global_batch_indices(
-            step, global_batch=global_batch, num_blocks=blocks.shape[0], seed=ctx.config.seed
+    @property
+    def options(self) -> prune_distill.DistillConfig:
+        """The loss settings as `prune_distill.DistillConfig` (the KL weighted 1 - CE weight)."""
+        return prune_distill.DistillConfig(
+            temperature=self.temperature,
+            kl_weight=1.0 - self.lm_loss_weight,
+            lm_loss_weight=self.lm_loss_weight,
+            top_k=self.top_k or None,
+            hidden_loss_weight=self.hidden_loss_weight,
         )
-        chunk = blocks[indices]
-        for start in range(0, global_batch, cfg.micro_batch_size):
-            micro = chunk[start : start + cfg.micro_batch_size]
-            yield {"input_ids": micro.to(ctx.accelerator.device)}
 
 
-def corrected_teacher(
-    ctx: StageContext, teacher: torch.nn.Module, cfg: DistillConfig
-) -> torch.nn.Module:
-    """`prune_distill.correct_teacher` on the stage's data with the stage's optimizer."""
-    lr = cfg.teacher_correction_lr or cfg.lr / 5
-
-    def make_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        groups = decay_param_groups(params, cfg.weight_decay)
-        return optimizer_over(cfg.optimizer, groups, lr=lr, betas=cfg.betas)
-
-    world = ctx.accelerator.num_processes
-    return correct_teacher(
-        teacher,
-        _correction_batches(ctx, cfg),
-        steps=cfg.teacher_correction_steps,
-        optimizer=make_optimizer,
-        grad_accumulation_steps=cfg.grad_accum_steps * world,
-        max_grad_norm=cfg.grad_clip or None,
-    )
+def loss_label(cfg: DistillConfig) -> str:
+    """What the stage's training loss is (the report's axis label for its curve)."""
+    parts = [f"KL to teacher (T={cfg.temperature:g})"]
+    if cfg.lm_loss_weight:
+        parts = [f"{1 - cfg.lm_loss_weight:g} x {parts[0]}", f"{cfg.lm_loss_weight:g} x CE"]
+    if cfg.hidden_loss_weight:
+        parts.append(f"{cfg.hidden_loss_weight:g} x hidden-state loss")
+    return " + ".join(parts)
 
 
 @register_stage
-class Distill:
+class Distill(Stage):
     """Distill `config.distill.teacher_stage`'s model into the previous stage's model."""
 
     name: ClassVar[str] = "distill"
+    config: ClassVar[type] = DistillConfig
+    summary: ClassVar[str] = "knowledge distillation"
+
+    @classmethod
+    def check_run(cls, run: RunConfig) -> None:
+        """The teacher is a stage that runs before `distill` (or `init` with `init_model`)."""
+        if cls.name not in run.stages:
+            return
+        teacher = run.distill.teacher_stage
+        before = list(run.stages[: run.stages.index(cls.name)])
+        if run.init_model:
+            before.append(INIT_STAGE)
+        if teacher not in before:
+            init = " (or 'init' for `init_model`)" if run.init_model else ""
+            raise ConfigError(
+                "distill.teacher_stage",
+                f"{teacher!r} must be a stage that runs before 'distill'{init}; "
+                f"stages: {list(run.stages)}",
+            )
 
     def run(self, ctx: StageContext) -> StageResult:
         """Load student and teacher (correct the teacher), train the student, save it."""
-        cfg = ctx.config.distill
+        from leanlm.distill_train import (
+            StudentWithHiddenLoss,
+            corrected_teacher,
+            distillation_loss,
+            save_student,
+        )
+        from leanlm.evaluate import evaluate_perplexity
+        from leanlm.lineage import pruned_layer_map_for
+        from leanlm.model import count_parameters, load_model
+        from leanlm.trainer import train
+        from prune_distill import HiddenStateLoss
+
+        cfg: DistillConfig = ctx.section
         acc = ctx.accelerator
         if ctx.input_dir is None or cfg.teacher_stage not in ctx.outputs:
             raise ValueError(
@@ -169,16 +160,16 @@ class Distill:
         loss_fn = distillation_loss(teacher, cfg)
         if cfg.hidden_loss_weight:
             # a depth-pruned student's layers match the layers they were cut from; else even
-            layer_map = pruned_layer_map_for(ctx, ctx.input_dir, ctx.outputs[cfg.teacher_stage])
-            hidden = HiddenStateLoss.between(student, teacher, layer_map or None)
+            teacher_dir = ctx.outputs[cfg.teacher_stage]
+            layer_map = pruned_layer_map_for(ctx.run_dir, ctx.input_dir, teacher_dir)
+            # the projection (width-pruned student) is seeded by the run's seed, so a run does
+            # not depend on what the process ran before (and every process starts the same)
+            hidden = HiddenStateLoss.between(
+                student, teacher, layer_map or None, seed=ctx.config.seed
+            )
             wrapped = StudentWithHiddenLoss(student, hidden)
-            metrics = train(ctx, wrapped, cfg, loss_fn, save=_save_student)
+            metrics = train(ctx, wrapped, cfg, loss_fn, save=save_student)
             metrics["params"] = count_parameters(student)  # the model, not the projection
         else:
             metrics = train(ctx, student, cfg, loss_fn)
-        return StageResult(
-            stage=self.name,
-            config_hash=ctx.config_hash,
-            model_dir=ctx.model_dir.relative_to(ctx.run_dir).as_posix(),
-            metrics=metrics | extra,
-        )
+        return ctx.result(metrics | extra, loss_label=loss_label(cfg))

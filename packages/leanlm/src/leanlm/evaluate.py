@@ -53,12 +53,15 @@ def evaluate_perplexity(
     *,
     batch_size: int = 16,
     autocast: Callable[[], AbstractContextManager[object]] = nullcontext,
+    lockstep: bool = False,
 ) -> EvalResult:
     """Perplexity of `model` on `windows` `(N, T)`; the windows are split across processes.
 
     With torch.distributed initialised, rank r scores windows r, r + W, ... and the sums are
     all-reduced, so every rank returns the same result as a single process would. `autocast`
     makes a fresh context manager for each forward pass (e.g. `accelerator.autocast`).
+    With `lockstep` every rank runs as many forward passes as the rank with the most windows
+    (one with none left runs an unscored window): FSDP2 gathers each layer from all ranks.
     """
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     device = next(model.parameters()).device
@@ -67,8 +70,15 @@ def evaluate_perplexity(
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # (nll, scored tokens)
     start = time.perf_counter()
-    for i in range(0, mine.shape[0], batch_size):
+    passes = math.ceil(mine.shape[0] / batch_size)
+    if lockstep:  # as many as the rank with the most windows (ranks differ by at most one)
+        passes = math.ceil(math.ceil(windows.shape[0] / world) / batch_size)
+    for i in range(0, passes * batch_size, batch_size):
         batch = mine[i : i + batch_size].to(device)
+        if batch.shape[0] == 0:  # lockstep: a forward the others need; nothing to score
+            with autocast():
+                model(input_ids=windows[:1].to(device))
+            continue
         with autocast():
             logits = model(input_ids=batch).logits
         totals[0] += window_nll(logits, batch).double()
@@ -86,3 +96,9 @@ def evaluate_perplexity(
         windows=int(windows.shape[0]),
         tokens_per_s=windows.numel() / max(elapsed, 1e-9),
     )
+
+
+def causal_lm_loss(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, mean over the batch's predicted tokens."""
+    loss: torch.Tensor = model(input_ids=input_ids, labels=input_ids).loss
+    return loss

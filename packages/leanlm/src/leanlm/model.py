@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from leanlm.config import ModelConfig
+from leanlm.sections import ModelConfig
 
 
 def llama_config(

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-OptimizerName = Literal["came", "adamw", "adafactor"]
-"""`came`: `optim_came.CAME` (Adam-like quality, factored second moments: about half AdamW's
-state); `adamw`: `torch.optim.AdamW`; `adafactor`: `optim_adafactor.Adafactor` (factored second
-moments, no first moment: O(rows + cols) state per matrix)."""
+from leanlm.sections import OptimizerName
 
-OPTIMIZERS: tuple[str, ...] = ("came", "adamw", "adafactor")
+OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
+"""The names `OptimizerName` allows, in its order."""
 
 
 def decay_param_groups(params: Iterable[torch.Tensor], weight_decay: float) -> list[dict[str, Any]]:
@@ -27,19 +26,6 @@ def decay_param_groups(params: Iterable[torch.Tensor], weight_decay: float) -> l
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
-
-
-def build_optimizer(
-    name: OptimizerName,
-    model: torch.nn.Module,
-    *,
-    lr: float,
-    weight_decay: float,
-    betas: tuple[float, float],
-) -> torch.optim.Optimizer:
-    """The optimizer `name` over `model`'s trainable parameters."""
-    groups = decay_param_groups(model.parameters(), weight_decay)
-    return optimizer_over(name, groups, lr=lr, betas=betas)
 
 
 def optimizer_over(

@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import shutil
 import time
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 
-from leanlm import distill as _distill  # noqa: F401  (each import registers a stage)
-from leanlm import pretrain as _pretrain  # noqa: F401
-from leanlm import prune as _prune  # noqa: F401
-from leanlm import sparsify as _sparsify  # noqa: F401
-from leanlm.config import INIT_STAGE, RunConfig, dumps_toml
+from leanlm import interrupt
+from leanlm.config import INIT_STAGE, RunConfig, dumps_toml  # registers the stages
+from leanlm.metrics import peak_memory_mib, reset_peak_memory
 from leanlm.model import weights_stats
 from leanlm.report import write_report
-from leanlm.stages import STAGES, RunResources, StageContext, StageResult
-
-CONFIG_FILE = "config.toml"
+from leanlm.resources import RunResources
+from leanlm.rundir import CONFIG_FILE, check_reuse, holds_work, stage_hash
+from leanlm.stages import STAGES, StageContext, StageResult
 
 
 def make_accelerator(config: RunConfig) -> Accelerator:
@@ -32,38 +30,39 @@ def make_accelerator(config: RunConfig) -> Accelerator:
     return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=config.mixed_precision)
 
 
-def stage_hash(config: RunConfig, stage: str, previous_hash: str) -> str:
-    """Hash of what a stage's output depends on.
-
-    That is data, tokenizer, model, seed, precision, the stage's own section, and the previous
-    stage's hash (so changing an early stage invalidates every later one).
-    """
-    own = config.fingerprint(
-        "seed", "mixed_precision", "init_model", "data", "tokenizer", "model", stage
-    )
-    return hashlib.sha256(f"{own}:{previous_hash}".encode()).hexdigest()[:16]
-
-
 def run_pipeline(
-    config: RunConfig, out_dir: str | Path, *, resume: bool = False
+    config: RunConfig,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    restart_changed: bool = False,
+    command: str | None = None,
 ) -> list[StageResult]:
     """Run `config.stages` in order into `out_dir`; returns each stage's result.
 
     Every stage writes `out_dir/<stage>/` (its model folder, metrics, checkpoints, result). With
     `resume`, a stage whose stored result has the same hash is skipped and an unfinished one
-    continues from its latest checkpoint. Without `resume`, `out_dir` must not hold a run.
+    continues from its latest checkpoint. Without `resume`, `out_dir` must not hold a run (a
+    result or a checkpoint; what a run that failed before its first checkpoint left is
+    replaced). With `resume`, a config change that would discard a stored result or checkpoint
+    (see `leanlm.rundir.check_reuse`) stops the run unless `restart_changed`: then the stages
+    whose inputs changed, and all after them, start over. `command` is how the run was started
+    (shown in the report).
 
     Raises:
         FileExistsError: if `out_dir` holds a run and `resume` is false.
+        leanlm.rundir.ConfigChangedError: `resume` with a changed config (the keys are listed)
+            and not `restart_changed`.
+        leanlm.interrupt.Interrupted: the run was stopped by SIGTERM / SIGINT.
     """
     out_dir = Path(out_dir)
-    if (out_dir / CONFIG_FILE).exists() and not resume:
-        raise FileExistsError(
-            f"{out_dir} already holds a run; pass --resume to continue it or choose another --out"
-        )
+    check_reuse(out_dir, config, resume=resume, restart_changed=restart_changed)
+    fresh = not holds_work(out_dir)
     accelerator = make_accelerator(config)
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
+        for name in config.stages if fresh else ():  # logs of a start that failed early
+            shutil.rmtree(out_dir / name, ignore_errors=True)
         (out_dir / CONFIG_FILE).write_text(dumps_toml(config))
     accelerator.wait_for_everyone()
     resources = RunResources(config, accelerator)
@@ -77,6 +76,9 @@ def run_pipeline(
         previous_dir = outputs[INIT_STAGE] = Path(config.init_model)
     start = time.perf_counter()
     for name in config.stages:
+        interrupt.progress(name, 0)
+        if interrupt.requested():
+            raise interrupt.stopped(name, 0)
         stage_dir = out_dir / name
         digest = stage_hash(config, name, previous_hash)
         stored = StageResult.load(stage_dir) if resume else None
@@ -95,9 +97,14 @@ def run_pipeline(
                 resume=resume,
                 config_hash=digest,
             )
+            reset_peak_memory(accelerator.device)  # each stage's peak is its own
             result = STAGES[name]().run(ctx)
-            stored_weights = weights_stats(out_dir / result.model_dir)
-            result = dataclasses.replace(result, metrics={**stored_weights, **result.metrics})
+            measured = {
+                **weights_stats(out_dir / result.model_dir),
+                **result.metrics,
+                "peak_rss_mib": peak_memory_mib(accelerator.device),
+            }
+            result = dataclasses.replace(result, metrics=measured)
             if accelerator.is_main_process:
                 result.save(stage_dir)
             accelerator.wait_for_everyone()
@@ -105,7 +112,9 @@ def run_pipeline(
         previous_dir, previous_hash = out_dir / result.model_dir, digest
         outputs[name] = previous_dir
     if accelerator.is_main_process:
-        report = write_report(out_dir, config, results, corpus=resources.corpus.description)
+        report = write_report(
+            out_dir, config, results, corpus=resources.corpus.description, command=command
+        )
         accelerator.print(f"[leanlm] done in {time.perf_counter() - start:.0f} s; report: {report}")
     accelerator.wait_for_everyone()
     return results

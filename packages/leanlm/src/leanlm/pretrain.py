@@ -5,31 +5,47 @@ The training loop is `leanlm.trainer`'s.
 
 from __future__ import annotations
 
-from typing import ClassVar
+import dataclasses
+from typing import TYPE_CHECKING, ClassVar
 
-from leanlm.model import build_model, load_model
-from leanlm.stages import StageContext, StageResult, register_stage
-from leanlm.trainer import causal_lm_loss, train
+from leanlm.configio import ConfigError
+from leanlm.sections import TrainConfig
+from leanlm.stages import Stage, StageContext, StageResult, register_stage
+
+if TYPE_CHECKING:
+    from leanlm.config import RunConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PretrainConfig(TrainConfig):
+    """Stage `pretrain`: train `model` from scratch on the corpus."""
 
 
 @register_stage
-class Pretrain:
+class Pretrain(Stage):
     """Train `config.model` from scratch on the run's corpus (warmup + cosine schedule)."""
 
     name: ClassVar[str] = "pretrain"
+    config: ClassVar[type] = PretrainConfig
+    needs_input: ClassVar[bool] = False
+    summary: ClassVar[str] = "train the model"
+
+    @classmethod
+    def check_run(cls, run: RunConfig) -> None:
+        """`pretrain` can only be the first stage."""
+        if cls.name in run.stages[1:]:
+            raise ConfigError("stages", f"'pretrain' can only come first: {list(run.stages)}")
 
     def run(self, ctx: StageContext) -> StageResult:
         """Build the model from `config.model` (or load `init_model`), train it, save it."""
+        from leanlm.evaluate import causal_lm_loss
+        from leanlm.model import build_model, load_model
+        from leanlm.trainer import train
+
         if ctx.input_dir is not None:  # `init_model`: continued pretraining
             model = load_model(ctx.input_dir)
         else:
             model = build_model(
                 ctx.config.model, tokenizer=ctx.resources.tokenizer, seed=ctx.config.seed
             )
-        metrics = train(ctx, model, ctx.config.pretrain, causal_lm_loss)
-        return StageResult(
-            stage=self.name,
-            config_hash=ctx.config_hash,
-            model_dir=ctx.model_dir.relative_to(ctx.run_dir).as_posix(),
-            metrics=metrics,
-        )
+        return ctx.result(train(ctx, model, ctx.section, causal_lm_loss))

@@ -1,21 +1,30 @@
-"""`report.md` for a run: config, a table of every stage, and the loss curves (PNG)."""
+"""`report.md` for a run: how it was made, a table of every stage, notes, models, samples, plots.
+
+Nothing here knows a stage by name: a stage's row comes from its `StageResult.metrics`, its notes
+from `StageResult.notes`, its loss curve's axis from `StageResult.loss_label`.
+"""
 
 from __future__ import annotations
 
+import datetime
 import platform
+import shlex
+import subprocess
+import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from leanlm import plots
 from leanlm.config import RunConfig, dumps_toml
-from leanlm.metrics import read_metrics
 from leanlm.stages import StageResult
 
 COLUMNS = (
     ("stage", "stage"),
-    ("params", "params"),
-    ("nonzero_params", "non-zero params"),
+    ("params_m", "params (M)"),
+    ("nonzero_params_m", "non-zero params (M)"),
     ("disk_mb", "weights on disk (MB)"),
     ("tokens", "tokens"),
     ("wall_time_s", "wall time (s)"),
@@ -24,16 +33,27 @@ COLUMNS = (
     ("val_loss", "val loss"),
     ("val_perplexity", "val perplexity"),
 )
-"""Report table columns: (metrics key, title)."""
+"""Report table columns: (row key, title)."""
+
+SAMPLE_PROMPT = "def main():\n    "
+"""The prompt every stage's model continues greedily in the report."""
+SAMPLE_TOKENS = 24
+"""Tokens generated per sample."""
+
+VERSIONED = ("leanlm", "torch", "transformers", "accelerate")
+"""Packages whose versions the report lists."""
 
 
 def _row(result: StageResult) -> dict[str, Any]:
     """A stage's metrics plus the derived columns."""
     m = {"stage": result.stage, **result.metrics}
     # The smallest lossless file the stage wrote: the compact sparse format where there is one.
-    size = m.get("compressed_bytes", m.get("weights_bytes"))
+    size = m.get("disk_bytes", m.get("weights_bytes"))
     if size is not None:
         m["disk_mb"] = size / 1e6
+    for key in ("params", "nonzero_params"):
+        if key in m:
+            m[f"{key}_m"] = f"{m[key] / 1e6:.3f}"
     return m
 
 
@@ -55,95 +75,12 @@ def stage_table(results: list[StageResult]) -> str:
     return "\n".join([header, rule, *rows])
 
 
-def plot_losses(run_dir: Path, results: list[StageResult], path: Path) -> None:
-    """Training loss (and validation loss points) of every stage that trains, end to end.
-
-    Stages are laid out one after another on the x axis (each starts where the previous one's
-    steps ended), one colour per stage.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4), dpi=120)
-    offset = 0
-    for result in results:
-        rows = read_metrics(run_dir / result.stage / "metrics.jsonl")
-        train = [(offset + r["step"], r["loss"]) for r in rows if "loss" in r]
-        val = [(offset + r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-        if train:
-            # distill's training loss is the KL to the teacher, not next-token cross-entropy
-            kind = " (KL to teacher)" if result.stage == "distill" else ""
-            label = f"{result.stage} train{kind}"
-            line = ax.plot(*zip(*train, strict=True), label=label, lw=1)[0]
-            if val:
-                ax.plot(
-                    *zip(*val, strict=True),
-                    "o--",
-                    color=line.get_color(),
-                    label=f"{result.stage} val",
-                )
-            offset = max(step for step, _ in train)
-    ax.set_xlabel("optimizer step (stages one after another)")
-    ax.set_ylabel("loss (nats / token); val = cross-entropy")
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def plot_size_vs_perplexity(results: list[StageResult], path: Path) -> None:
-    """Validation perplexity against non-zero parameters, one labelled point per stage."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    points = [
-        (r.stage, r.metrics.get("nonzero_params", r.metrics.get("params")), r.metrics)
-        for r in results
-    ]
-    for stage, size, metrics in points:
-        ppl = metrics.get("val_perplexity")
-        if size is None or ppl is None:
-            continue
-        ax.scatter([size], [ppl], s=40, zorder=3)
-        ax.annotate(stage, (size, ppl), textcoords="offset points", xytext=(6, 4))
-        one_shot = metrics.get("one_shot_val_perplexity")
-        if one_shot is not None:  # the sparse model before its fine-tune
-            ax.scatter([size], [one_shot], s=40, marker="x", color="grey", zorder=3)
-            ax.annotate(
-                f"{stage} (one-shot)",
-                (size, one_shot),
-                textcoords="offset points",
-                xytext=(6, 4),
-                color="grey",
-            )
-    ax.set_xlabel("non-zero parameters")
-    ax.set_ylabel("validation perplexity")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def _notes(results: list[StageResult]) -> str:
+def notes(results: list[StageResult]) -> str:
+    """The stages' own notes, then how each training stage ran (processes, optimizer, skips)."""
     lines = []
     for r in results:
         m = r.metrics
-        if "one_shot_val_perplexity" in m:
-            lines.append(
-                f"- `{r.stage}`: {m.get('masked_sparsity', 0):.1%} of the decoder Linear weights "
-                f"are zero; validation perplexity {m['one_shot_val_perplexity']:.2f} right after "
-                f"one-shot pruning, {m['val_perplexity']:.2f} after the sparse fine-tune. Its "
-                f"size on disk is the compact format (`{r.stage}/compressed.safetensors`, "
-                f"{m.get('compressed_bytes', 0) / 1e6:.2f} MB; the reloadable dense-format "
-                f"folder is {m.get('weights_bytes', 0) / 1e6:.2f} MB)."
-            )
+        lines += [f"- `{r.stage}`: {note}" for note in r.notes]
         if m.get("parallel", "none") != "none":
             extra = (
                 f", {m['model_state_mib']:.1f} MiB of model state per process"
@@ -156,37 +93,117 @@ def _notes(results: list[StageResult]) -> str:
             )
         elif "optimizer" in m:
             lines.append(f"- `{r.stage}`: optimizer {m['optimizer']}.")
+        if r.loss_label != plots.CROSS_ENTROPY:
+            lines.append(f"- `{r.stage}`: its training loss is {r.loss_label}.")
         if m.get("bad_steps"):
             lines.append(f"- `{r.stage}`: {m['bad_steps']} step(s) skipped (NaN/inf loss).")
     return "\n".join(lines)
 
 
+def greedy_sample(
+    model_dir: Path, *, prompt: str = SAMPLE_PROMPT, tokens: int = SAMPLE_TOKENS
+) -> str:
+    """The text a model folder's model adds to `prompt` with greedy decoding (`tokens` tokens)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar per sample
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+    return str(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=False))
+
+
+def models_section(run_dir: Path, results: list[StageResult]) -> str:
+    """Each stage's model folder, how to load it, and a greedy sample from it."""
+    parts = [
+        f"Greedy continuation of {SAMPLE_PROMPT!r} ({SAMPLE_TOKENS} tokens) by each stage's model."
+    ]
+    for r in results:
+        folder = (run_dir / r.model_dir).as_posix()
+        raw = greedy_sample(run_dir / r.model_dir)
+        sample = raw.rstrip() or f"(only whitespace: {raw!r})"
+        parts.append(
+            f"### {r.stage}\n\n"
+            f"```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+            f'model = AutoModelForCausalLM.from_pretrained("{folder}")\n'
+            f'tokenizer = AutoTokenizer.from_pretrained("{folder}")\n```\n\n'
+            f"```text\n{SAMPLE_PROMPT}{sample}\n```"
+        )
+    return "\n\n".join(parts)
+
+
+def git_commit() -> str:
+    """The checkout's commit (`git describe --always --dirty`), or `unknown` outside git."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=12"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+    return out.stdout.strip()
+
+
+def versions() -> str:
+    """`name version` of the packages in `VERSIONED`, and Python's."""
+    found = []
+    for name in VERSIONED:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{name} (not installed)")
+    return ", ".join([*found, f"Python {platform.python_version()}"])
+
+
 def write_report(
-    run_dir: Path, config: RunConfig, results: list[StageResult], *, corpus: str
+    run_dir: Path,
+    config: RunConfig,
+    results: list[StageResult],
+    *,
+    corpus: str,
+    command: str | None = None,
 ) -> Path:
-    """Write `run_dir/report.md`, `loss.png` and `size.png`; returns the report's path."""
-    plot_losses(run_dir, results, run_dir / "loss.png")
-    plot_size_vs_perplexity(results, run_dir / "size.png")
+    """Write `run_dir/report.md`, `loss.png` and `size.png`; returns the report's path.
+
+    `command` is how the run was started (default: this process's `sys.argv`).
+    """
+    plots.save(plots.loss_figure(run_dir, results), run_dir / "loss.png")
+    plots.save(plots.size_figure(results), run_dir / "size.png")
     processes = max((int(r.metrics.get("processes", 1)) for r in results), default=1)
-    machine = (
-        f"{platform.machine()}, {torch.get_num_threads()} threads, {processes} process(es), "
-        f"torch {torch.__version__}, Python {platform.python_version()}"
-    )
+    machine = f"{platform.machine()}, {torch.get_num_threads()} threads, {processes} process(es)"
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     text = f"""# leanlm report: {config.name}
 
+- Command: `{command or shlex.join(sys.argv)}`
+- Commit: `{git_commit()}`; written {now}.
+- Versions: {versions()}.
+- Machine: {machine}.
 - Data: {corpus}; validation perplexity over {config.data.eval_windows or "all"} windows of \
 {config.data.seq_len} tokens spread evenly over the held-out files (each window scored on its \
-own; first token unscored).
-- Machine: {machine}.
+own; first token unscored). Every stage is scored on the same windows.
 
 ## Stages
 
 {stage_table(results)}
 
-Peak memory is each stage's peak resident set (CPU) or allocated CUDA memory of one process;
-wall time includes evaluation and saving.
+Peak memory is each stage's own peak resident set (CPU; reset before each stage) or allocated
+CUDA memory of one process; wall time includes evaluation and saving.
 
-{_notes(results)}
+{notes(results)}
 
 ## Loss
 
@@ -195,6 +212,10 @@ wall time includes evaluation and saving.
 ## Perplexity against size
 
 ![perplexity vs non-zero parameters](size.png)
+
+## Models
+
+{models_section(run_dir, results)}
 
 ## Configuration
 

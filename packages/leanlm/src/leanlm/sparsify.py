@@ -11,61 +11,117 @@ format (`save_compressed`) is written next to it and its size reported.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
+from leanlm.configio import ConfigError, library_errors, non_negative, positive
+from leanlm.sections import TrainConfig
+from leanlm.stages import Stage, StageContext, StageResult, register_stage
+from sparse_kernels import SparsityConfig  # plain Python: loading a config loads no torch
 
-from leanlm.calibration import load_input_with_calibration
-from leanlm.config import SparsifyConfig
-from leanlm.evaluate import evaluate_perplexity
-from leanlm.metrics import peak_memory_mib, reset_peak_memory
-from leanlm.model import count_parameters, load_model
-from leanlm.stages import StageContext, StageResult, register_stage
-from leanlm.trainer import causal_lm_loss, train
-from sparse_kernels import (
-    SparsityConfig,
-    save_compressed,
-    save_pretrained_sparse,
-    sparsify_,
-    sparsity_report,
-)
+if TYPE_CHECKING:
+    import torch
 
 COMPRESSED_FILE = "compressed.safetensors"
 
 
-def sparsity_config(cfg: SparsifyConfig) -> SparsityConfig:
-    """The `sparse_kernels.SparsityConfig` of a stage config."""
-    return SparsityConfig(
-        pattern=cfg.pattern, method=cfg.method, sparsity=cfg.sparsity, block_size=cfg.block_size
-    )
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SparsifyConfig(TrainConfig):
+    """Stage `sparsify`: one-shot pruning of the decoder Linears, then a sparse fine-tune.
+
+    Pruning is sparse-kernels' `sparsify_` with the `SparsityConfig` of `pattern`, `method`,
+    `sparsity` and `block_size` (`sparsity_config`, which checks them); the fine-tune (next-token
+    loss) keeps the masks fixed; `steps` = 0 skips it.
+
+    The fine-tune may be sharded with ZeRO-1/2 (the masks hold, and the updates equal the
+    replicated run's; ZeRO-3 is not supported here yet). The output folder holds the
+    dense-format model with zeros baked in (loads with `AutoModelForCausalLM`) plus its masks;
+    `compressed.safetensors` next to it is the compact format (2:4 values + metadata, or
+    bitmask + kept values).
+    """
+
+    pattern: str = "2:4"
+    """`"N:M"` (keep N of every M input weights), `"unstructured"` or `"block"`."""
+    method: Literal["magnitude", "wanda", "sparsegpt"] = "wanda"
+    """How weights are scored: |W|, Wanda |W|·‖X‖, or SparseGPT (OBS with weight updates)."""
+    sparsity: float = 0.5
+    """Fraction of zeros for `unstructured` / `block` (N:M patterns fix it at 1 - N/M)."""
+    block_size: int = 16
+    """Tile edge for `pattern = "block"`."""
+    calibration_samples: int = 64
+    """Training sequences used for Wanda / SparseGPT statistics."""
+    calibration_batch_size: int = 16
+    """Sequences per calibration forward pass."""
+    steps: int = 50
+    lr: float = 1e-3
+    warmup_steps: int = 5
+
+    def __post_init__(self) -> None:
+        non_negative(self, "steps", zero="no fine-tune")
+        if self.steps:  # the training settings matter only when there is a fine-tune
+            super().__post_init__()
+        positive(self, "calibration_samples", "calibration_batch_size")
+        if self.zero_stage == 3:
+            raise ConfigError(
+                "zero_stage",
+                "(3) is not supported for sparse fine-tuning yet (ZeRO-3 frees the masked "
+                "weights between uses and the sparse export reads them); use 0, 1 or 2",
+            )
+        if self.engine == "fsdp2":
+            raise ConfigError(
+                "engine",
+                '("fsdp2") is not supported for sparse fine-tuning yet (FSDP2 shards the masked '
+                'weights and the sparse export reads them whole); use "ddp" or "zero"',
+            )
+        with library_errors(self, keys={"n": "pattern", "m": "pattern"}):
+            self.sparsity_config  # noqa: B018  (sparse-kernels checks the pruning settings)
+
+    @property
+    def sparsity_config(self) -> SparsityConfig:
+        """The `sparse_kernels.SparsityConfig` this section describes."""
+        return SparsityConfig(
+            pattern=self.pattern,
+            method=self.method,
+            sparsity=self.sparsity,
+            block_size=self.block_size,
+        )
 
 
 def _save_sparse(
     model: torch.nn.Module, folder: Path, state_dict: dict[str, torch.Tensor] | None
 ) -> None:
+    from sparse_kernels import save_pretrained_sparse
+
     save_pretrained_sparse(model, folder)
 
 
 @register_stage
-class Sparsify:
+class Sparsify(Stage):
     """Prune the previous stage's model one-shot, fine-tune it sparse, save it."""
 
     name: ClassVar[str] = "sparsify"
+    config: ClassVar[type] = SparsifyConfig
+    summary: ClassVar[str] = "2:4 / unstructured sparsity"
 
     def run(self, ctx: StageContext) -> StageResult:
         """Mask, score the one-shot model, fine-tune with masks held, save both formats."""
-        cfg: SparsifyConfig = ctx.config.sparsify
+        from leanlm.calibration import load_input_with_calibration
+        from leanlm.evaluate import causal_lm_loss, evaluate_perplexity
+        from leanlm.model import load_model
+        from leanlm.trainer import train
+        from sparse_kernels import load_masks_, save_compressed, sparsify_, sparsity_report
+
+        cfg: SparsifyConfig = ctx.section
         acc = ctx.accelerator
         start = time.perf_counter()
-        reset_peak_memory(acc.device)
         model, batches = load_input_with_calibration(
             ctx, samples=cfg.calibration_samples, batch_size=cfg.calibration_batch_size
         )
         # Deterministic given the calibration batches: a resumed run rebuilds the same masks
         # before its checkpoint restores the fine-tuned weights.
-        sparsify_(model, sparsity_config(cfg), calibration=batches)
+        sparsify_(model, cfg.sparsity_config, calibration=batches)
         report = sparsity_report(model)
         target = sum(model.get_submodule(n).weight.numel() for n in report)
         zeros = sum(frac * model.get_submodule(n).weight.numel() for n, frac in report.items())
@@ -84,8 +140,6 @@ class Sparsify:
             metrics = _save_one_shot(ctx, model, one_shot)
         final = load_model(ctx.model_dir)
         if acc.is_main_process:
-            from sparse_kernels import load_masks_
-
             load_masks_(final, ctx.model_dir)  # the compact format needs the masks attached
             tmp = ctx.stage_dir / f".tmp-{COMPRESSED_FILE}"
             save_compressed(final, tmp)
@@ -97,19 +151,27 @@ class Sparsify:
                 "one_shot_val_perplexity": one_shot.perplexity,
                 "masked_sparsity": zeros / target,
                 "compressed_bytes": (ctx.stage_dir / COMPRESSED_FILE).stat().st_size,
-                "peak_rss_mib": max(metrics.get("peak_rss_mib", 0.0), peak_memory_mib(acc.device)),
+                "disk_bytes": (ctx.stage_dir / COMPRESSED_FILE).stat().st_size,
+                "calibration_tokens": sum(b["input_ids"].numel() for b in batches),
             }
         )
-        return StageResult(
-            stage=self.name,
-            config_hash=ctx.config_hash,
-            model_dir=ctx.model_dir.relative_to(ctx.run_dir).as_posix(),
-            metrics=metrics,
+        note = (
+            f"{zeros / target:.1%} of the decoder Linear weights are zero ({cfg.pattern}, "
+            f"{cfg.method}); validation perplexity {one_shot.perplexity:.2f} right after one-shot "
+            f"pruning, {metrics['val_perplexity']:.2f} after the sparse fine-tune. Its size on "
+            f"disk is the compact format (`{self.name}/{COMPRESSED_FILE}`, "
+            f"{metrics['compressed_bytes'] / 1e6:.2f} MB; the reloadable dense-format folder "
+            "is larger)."
+        )
+        return ctx.result(
+            metrics, notes=[note], perplexity_points={"one-shot": one_shot.perplexity}
         )
 
 
 def _save_one_shot(ctx: StageContext, model: torch.nn.Module, evaluation: Any) -> dict[str, Any]:
     from leanlm.checkpoint import save_atomically
+    from leanlm.model import count_parameters
+    from sparse_kernels import save_pretrained_sparse
 
     acc = ctx.accelerator
     if acc.is_main_process:

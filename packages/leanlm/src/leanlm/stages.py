@@ -1,107 +1,32 @@
-"""The stage interface: what every pipeline stage receives, returns and writes.
+"""The stage interface: what every pipeline stage is, receives, returns and writes.
 
-A stage is a class registered with `@register_stage` that has a `name` (also its config section
-in `RunConfig` and its folder in the run directory) and a `run(ctx) -> StageResult` method. It
-reads the previous stage's Hugging Face model folder (`ctx.input_dir`, `None` for the first
-stage), writes its own under `ctx.stage_dir / "model"` (`save_pretrained` + tokenizer), and
-returns the numbers the report shows. The pipeline stores each result with a hash of everything
-the stage depends on, so a finished stage is skipped on `--resume` unless its inputs changed.
-Adding a stage (prune, distill, ...) takes a new module with a registered class, its config
-section (a `RunConfig` field and an entry in `config.STAGE_NAMES`) and one import in
-`pipeline.py` that registers it; the pipeline loop itself does not change.
+A stage is a `Stage` subclass registered with `@register_stage`. Its `name` is its config
+section in `RunConfig`, its TOML table and its folder in the run directory; its `config` is the
+class of that section (defined in the stage's module); `check_run` holds the rules that involve
+other sections (which stages must come before it, sizes it must not exceed, ...); `run(ctx)`
+does the work. A stage reads the previous stage's Hugging Face model folder (`ctx.input_dir`,
+`None` for the first stage), gets its own section as `ctx.section`, writes its model under
+`ctx.model_dir` (`save_pretrained` + tokenizer) and returns a `StageResult` with everything the
+report shows. Stages never import each other: what one leaves for another (the prune lineage)
+goes through a neutral module (`leanlm.lineage`). The pipeline stores each result with a hash of
+everything the stage depends on, so a finished stage is skipped on `--resume` unless its inputs
+changed. `docs/development.md` walks through adding a stage.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-import torch
-from accelerate import Accelerator
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
-from leanlm.config import RunConfig
-from leanlm.data import (
-    Corpus,
-    TokenStreams,
-    blocks,
-    load_corpus,
-    spread_windows,
-    tokenize_corpus,
-)
-from leanlm.tokenizer import load_or_train_tokenizer
-
-
-def default_cache_dir() -> Path:
-    """`$LEANLM_CACHE_DIR`, else `~/.cache/leanlm`."""
-    env = os.environ.get("LEANLM_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "leanlm"
-
-
-class RunResources:
-    """Data shared by the stages of one run, built lazily once per process.
-
-    The main process builds each cache entry first (datasets cache, tokenizer, token ids); the
-    others wait, then read it, so several processes never write the same cache at once.
-    """
-
-    def __init__(self, config: RunConfig, accelerator: Accelerator) -> None:
-        self.config = config
-        self.accelerator = accelerator
-        self.cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
-
-    @cached_property
-    def corpus(self) -> Corpus:
-        """The run's text (train / validation `datasets` splits)."""
-        with self.accelerator.main_process_first():
-            return load_corpus(self.config.data, cache_dir=self.cache_dir / "datasets")
-
-    @cached_property
-    def _tokenizer_and_key(self) -> tuple[Any, str]:
-        if self.config.init_model:  # the model's own tokenizer, keyed by its content
-            from transformers import AutoTokenizer
-
-            with self.accelerator.main_process_first():
-                tokenizer = AutoTokenizer.from_pretrained(self.config.init_model)
-            if not tokenizer.is_fast or tokenizer.eos_token_id is None:
-                raise ValueError(
-                    f"`init_model` ({self.config.init_model!r}) needs a fast tokenizer with an "
-                    "end-of-sequence token (documents are joined with it)"
-                )
-            content = tokenizer.backend_tokenizer.to_str()
-            return tokenizer, hashlib.sha256(content.encode()).hexdigest()[:16]
-        with self.accelerator.main_process_first():
-            return load_or_train_tokenizer(
-                self.corpus, self.config.tokenizer, cache_dir=self.cache_dir
-            )
-
-    @property
-    def tokenizer(self) -> Any:
-        """The run's fast tokenizer (trained on the train split, cached)."""
-        return self._tokenizer_and_key[0]
-
-    @cached_property
-    def streams(self) -> TokenStreams:
-        """Both splits as 1-D token streams."""
-        tokenizer, key = self._tokenizer_and_key
-        with self.accelerator.main_process_first():
-            return tokenize_corpus(self.corpus, tokenizer, tokenizer_key=key)
-
-    @cached_property
-    def train_blocks(self) -> torch.Tensor:
-        """Training sequences `(N, seq_len)`."""
-        return blocks(self.streams.train, self.config.data.seq_len)
-
-    @cached_property
-    def validation_windows(self) -> torch.Tensor:
-        """The validation windows `(N, seq_len)` every stage is scored on."""
-        data = self.config.data
-        return spread_windows(self.streams.validation, data.seq_len, data.eval_windows)
+    from leanlm.config import RunConfig
+    from leanlm.resources import RunResources
 
 
 @dataclass
@@ -124,9 +49,38 @@ class StageContext:
     """Hash of everything this stage depends on (its checkpoints must carry the same)."""
 
     @property
+    def name(self) -> str:
+        """The stage's name (its section and folder)."""
+        return self.stage_dir.name
+
+    @property
+    def section(self) -> Any:
+        """This stage's own config section (an instance of its `Stage.config`)."""
+        return getattr(self.config, self.name)
+
+    @property
     def model_dir(self) -> Path:
         """Where the stage writes its Hugging Face model (and tokenizer)."""
         return self.stage_dir / "model"
+
+    def result(
+        self,
+        metrics: dict[str, Any],
+        *,
+        notes: list[str] | None = None,
+        loss_label: str | None = None,
+        perplexity_points: dict[str, float] | None = None,
+    ) -> StageResult:
+        """This stage's `StageResult` (its name, hash and model folder filled in)."""
+        return StageResult(
+            stage=self.name,
+            config_hash=self.config_hash,
+            model_dir=self.model_dir.relative_to(self.run_dir).as_posix(),
+            metrics=metrics,
+            loss_label=loss_label or StageResult.loss_label,
+            notes=notes or [],
+            perplexity_points=perplexity_points or {},
+        )
 
 
 @dataclass(frozen=True)
@@ -139,7 +93,16 @@ class StageResult:
     """The stage's model folder, relative to the run directory (the run can be moved)."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """Report columns: `params`, `tokens`, `wall_time_s`, `tokens_per_s`, `val_loss`,
-    `val_perplexity`, `peak_rss_mib` (a stage fills what applies)."""
+    `val_perplexity`, `disk_bytes` (the smallest file of the model it wrote, when that is not
+    the model folder's weights) ... (a stage fills what applies; the pipeline adds
+    `weights_bytes`, `stored_params`, `nonzero_params` and `peak_rss_mib`)."""
+    loss_label: str = "cross-entropy"
+    """What the stage's training loss in `metrics.jsonl` is (the loss plot's axis)."""
+    notes: list[str] = field(default_factory=list)
+    """Sentences the report lists under the table for this stage."""
+    perplexity_points: dict[str, float] = field(default_factory=dict)
+    """Other validation perplexities of this stage's model at the same size, by label (e.g.
+    `one-shot`: before a fine-tune); `size.png` draws each as a grey cross."""
 
     def save(self, stage_dir: Path) -> None:
         """Write `result.json` atomically (temp file + rename)."""
@@ -157,23 +120,45 @@ class StageResult:
         return cls(**json.loads(path.read_text()))
 
 
-class Stage(Protocol):
-    """A pipeline stage (see the module docstring)."""
+class Stage:
+    """A pipeline stage (see the module docstring); subclasses set `name` and `config`."""
 
     name: ClassVar[str]
+    """The stage's name: its `RunConfig` field, TOML table and run-directory folder."""
+    config: ClassVar[type]
+    """The class of its config section (a frozen keyword-only dataclass)."""
+    needs_input: ClassVar[bool] = True
+    """Whether it reads a previous stage's model (else it can start a run without `init_model`)."""
+    summary: ClassVar[str] = ""
+    """A few words for `leanlm --help`."""
+
+    @classmethod
+    def check_run(cls, run: RunConfig) -> None:
+        """Rules between this stage's section and the rest of the run.
+
+        Called by `RunConfig` for every registered stage, listed or not, after each section
+        checked itself.
+
+        Raises:
+            leanlm.configio.ConfigError: naming the dotted key at fault.
+        """
 
     def run(self, ctx: StageContext) -> StageResult:
         """Run the stage and return its result (the pipeline saves it)."""
-        ...
+        raise NotImplementedError
 
 
 STAGES: dict[str, type[Stage]] = {}
-"""Registered stages by name."""
+"""Registered stages by name, in pipeline order (the order their modules register them)."""
+
+S = TypeVar("S", bound=type[Stage])
 
 
-def register_stage(cls: type[Stage]) -> type[Stage]:
+def register_stage(cls: S) -> S:
     """Class decorator that makes a stage available to `RunConfig.stages`."""
     if cls.name in STAGES:
         raise ValueError(f"a stage named {cls.name!r} is already registered: {STAGES[cls.name]}")
+    if not dataclasses.is_dataclass(getattr(cls, "config", None)):
+        raise TypeError(f"stage {cls.name!r} must set `config` to its section's dataclass")
     STAGES[cls.name] = cls
     return cls

@@ -17,22 +17,34 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
+from leanlm import interrupt
 from leanlm.checkpoint import Checkpointer, save_atomically
-from leanlm.config import TrainConfig
+from leanlm.configio import ConfigError
 from leanlm.data import global_batch_indices
-from leanlm.evaluate import EvalResult, evaluate_perplexity
-from leanlm.metrics import MetricsLog, peak_memory_mib, reset_peak_memory
+from leanlm.engines import Parallel
+from leanlm.evaluate import EvalResult, causal_lm_loss, evaluate_perplexity
+from leanlm.metrics import MetricsLog
 from leanlm.model import count_parameters
-from leanlm.optim import decay_param_groups, optimizer_over
+from leanlm.progress import Progress
+from leanlm.sections import TrainConfig
 from leanlm.stages import StageContext
+
+__all__ = [
+    "LossFn",
+    "SaveFn",
+    "TrainingDivergedError",
+    "causal_lm_loss",
+    "save_pretrained",
+    "train",
+]
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 """`loss_fn(model, input_ids)`: the mean loss of a micro-batch `(B, T)` (a scalar tensor)."""
@@ -46,12 +58,6 @@ class TrainingDivergedError(RuntimeError):
     """The loss stayed NaN/inf for more steps than `max_bad_steps`; a checkpoint was written."""
 
 
-def causal_lm_loss(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy, mean over the batch's predicted tokens."""
-    loss: torch.Tensor = model(input_ids=input_ids, labels=input_ids).loss
-    return loss
-
-
 def save_pretrained(
     model: torch.nn.Module, folder: Path, state_dict: dict[str, torch.Tensor] | None
 ) -> None:
@@ -59,68 +65,301 @@ def save_pretrained(
     model.save_pretrained(folder, state_dict=state_dict)  # type: ignore[operator]
 
 
-class _Parallel:
-    """What differs between accelerate's DDP and shard-zero in the loop."""
+@dataclass
+class _Counters:
+    """What a training checkpoint carries besides model, optimizer and scheduler."""
 
-    def __init__(self, ctx: StageContext, model: torch.nn.Module, cfg: TrainConfig) -> None:
-        acc = ctx.accelerator
-        self.acc = acc
-        self.zero_stage = cfg.zero_stage if acc.num_processes > 1 else 0
-        if cfg.zero_stage and not self.zero_stage:
-            acc.print(f"[{ctx.stage_dir.name}] zero_stage={cfg.zero_stage} ignored: 1 process")
+    step: int = 0
+    """Optimizer steps done."""
+    tokens: int = 0
+    train_time: float = 0.0
+    """Seconds spent in training steps (no evaluation, no checkpoints)."""
+    wall_before: float = 0.0
+    """Wall time of the stage before this process resumed it."""
+    bad_steps: int = 0
 
-        def make_optimizer(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
-            groups = decay_param_groups(params, cfg.weight_decay)
-            return optimizer_over(cfg.optimizer, groups, lr=cfg.lr, betas=cfg.betas)
 
-        if self.zero_stage:
-            from shard_zero import ZeroConfig, prepare
+class _Loop:
+    """One training stage's loop; `train` drives it (resume, steps, log/eval, finish)."""
 
-            if acc.device.type != "cpu":
-                raise ValueError(
-                    f"config key `{ctx.stage_dir.name}.zero_stage` ({cfg.zero_stage}): "
-                    "shard-zero runs on CPU/gloo only for now; use zero_stage = 0 (DDP) on GPUs"
-                )
-            self.model, self.optimizer = prepare(
-                model, make_optimizer, ZeroConfig(stage=self.zero_stage)
+    def __init__(
+        self,
+        ctx: StageContext,
+        model: torch.nn.Module,
+        cfg: TrainConfig,
+        loss_fn: LossFn,
+        save: SaveFn,
+    ) -> None:
+        self.ctx, self.cfg, self.loss_fn, self.save = ctx, cfg, loss_fn, save
+        self.name = ctx.stage_dir.name
+        self.acc = acc = ctx.accelerator
+        self.train_blocks = ctx.resources.train_blocks
+        self.world, self.rank = acc.num_processes, acc.process_index
+        self.per_rank = cfg.micro_batch_size * cfg.grad_accum_steps
+        self.global_batch = self.per_rank * self.world
+        if self.global_batch > self.train_blocks.shape[0]:
+            raise ConfigError(
+                f"{self.name}.micro_batch_size",
+                f"x `grad_accum_steps` x processes = {cfg.micro_batch_size} x "
+                f"{cfg.grad_accum_steps} x {self.world} = {self.global_batch} sequences per "
+                f"step, more than the training set holds ({self.train_blocks.shape[0]}); lower "
+                "them or use more data",
             )
+        self.tokens_per_step = self.global_batch * ctx.config.data.seq_len
+        self.n_params = count_parameters(model)
+        self.par = Parallel(ctx, model, cfg)
+        self.model, self.optimizer = self.par.model, self.par.optimizer
+        # The scheduler is stepped by us once per optimizer step and not passed to `prepare`:
+        # accelerate would step it once per process, changing the schedule with the world size.
+        self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+            self.optimizer, cfg.warmup_steps, cfg.steps, min_lr_rate=cfg.min_lr_ratio
+        )
+        self.model.train()
+        folder = ctx.stage_dir / "checkpoints"
+        self.checkpoints = Checkpointer(folder, acc, keep=cfg.keep_checkpoints)
+        self.counters = _Counters()
+        self.evaluation: EvalResult | None = None
+        self.wall_start = time.perf_counter()
+
+    # -- resume -----------------------------------------------------------------------------
+
+    def resume(self) -> None:
+        """With `ctx.resume`: drop checkpoints of another config, load the newest of this one."""
+        ctx, acc = self.ctx, self.acc
+        if not ctx.resume:
+            return
+        latest = self.checkpoints.latest(config_hash=ctx.config_hash)
+        stale = self.checkpoints.discard_mismatched(ctx.config_hash)
+        if stale:
+            acc.print(f"[{self.name}] config changed: dropped {stale} checkpoint(s), starting over")
+        if latest is None:
+            return
+        state = self.checkpoints.load(latest, self.scheduler, sharded=self.par.sharded)
+        self.counters = _Counters(
+            step=state["step"],
+            tokens=state["tokens"],
+            train_time=state["train_time_s"],
+            wall_before=state["wall_time_s"],
+            bad_steps=state.get("bad_steps", 0),
+        )
+        acc.print(f"[{self.name}] resuming from {latest.name} (step {self.counters.step})")
+
+    def checkpoint(self, done: int) -> Path:
+        """Write a resumable checkpoint after `done` steps."""
+        c = self.counters
+        return self.checkpoints.save(
+            done,
+            self.scheduler,
+            {
+                "tokens": c.tokens,
+                "train_time_s": c.train_time,
+                "config_hash": self.ctx.config_hash,
+                "wall_time_s": c.wall_before + time.perf_counter() - self.wall_start,
+                "bad_steps": c.bad_steps,
+            },
+            sharded=self.par.sharded,
+        )
+
+    # -- one optimizer step -----------------------------------------------------------------
+
+    def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """Train on step `step`'s global batch; returns (loss, gradient norm, stop requested).
+
+        A step whose loss or gradient norm is not finite on any process is skipped (counted in
+        `bad_steps`); the schedule moves on either way.
+        """
+        cfg, acc, par = self.cfg, self.acc, self.par
+        t0 = time.perf_counter()
+        indices = global_batch_indices(
+            step,
+            global_batch=self.global_batch,
+            num_blocks=self.train_blocks.shape[0],
+            seed=self.ctx.config.seed,
+        )
+        lo = self.rank * self.per_rank
+        mine = self.train_blocks[indices[lo : lo + self.per_rank]].to(acc.device)
+        loss_sum = torch.zeros((), device=acc.device)
+        for micro in range(cfg.grad_accum_steps):
+            batch = mine[micro * cfg.micro_batch_size : (micro + 1) * cfg.micro_batch_size]
+            last = micro == cfg.grad_accum_steps - 1
+            # Gradients are reduced across processes only on the last micro-batch of the step.
+            with contextlib.nullcontext() if last else par.no_sync():
+                with par.forward_context():
+                    loss = self.loss_fn(self.model, batch) / cfg.grad_accum_steps
+                acc.backward(loss)
+            loss_sum += loss.detach()
+        grad_norm = par.clip(cfg.grad_clip) if cfg.grad_clip else None
+        # One host sync per step (not per micro-batch): is the step usable on every process,
+        # and was a stop requested on any (then all stop after this step)?
+        finite = torch.isfinite(loss_sum) & (
+            torch.isfinite(grad_norm) if grad_norm is not None else torch.tensor(True)
+        )
+        stop_here = torch.tensor(float(interrupt.requested()), device=acc.device)
+        flags = torch.stack([finite.to(acc.device, torch.float32), stop_here])
+        agreed = acc.reduce(flags, reduction="sum").tolist()
+        usable, stop = agreed[0] == self.world, agreed[1] > 0
+        c = self.counters
+        if usable:
+            self.optimizer.step()
         else:
-            self.model, self.optimizer = acc.prepare(model, make_optimizer(model.parameters()))
+            c.bad_steps += 1
+            acc.print(f"[{self.name}] step {step + 1}: non-finite loss or gradient, step skipped")
+        self.scheduler.step()  # the schedule follows the step number, skipped or not
+        self.optimizer.zero_grad(set_to_none=True)
+        c.train_time += time.perf_counter() - t0
+        c.tokens += self.tokens_per_step
+        c.step = step + 1
+        return loss_sum, grad_norm, stop
 
-    def no_sync(self) -> Any:
-        if self.zero_stage:
-            return self.model.no_sync()  # type: ignore[operator]
-        return self.acc.no_sync(self.model)
+    def check_diverged(self, close: Callable[[], None]) -> None:
+        """Past `max_bad_steps` skipped steps: checkpoint and raise `TrainingDivergedError`."""
+        c, name, cfg = self.counters, self.name, self.cfg
+        if c.bad_steps <= cfg.max_bad_steps:
+            return
+        path = self.checkpoint(c.step)
+        close()
+        raise TrainingDivergedError(
+            f"[{name}] the loss or gradient was NaN/inf on {c.bad_steps} steps, more than "
+            f"`{name}.max_bad_steps` ({cfg.max_bad_steps}); stopped at step {c.step} with a "
+            f"checkpoint in {path}. Lower `{name}.lr`, raise `{name}.warmup_steps` or "
+            f"enable `{name}.grad_clip`, then rerun with --resume --restart-changed "
+            "(which restarts the changed stages)."
+        )
 
-    def clip(self, max_norm: float) -> torch.Tensor:
-        if self.zero_stage:
-            norm: torch.Tensor = self.optimizer.clip_grad_norm_(max_norm)
-            return norm
-        return self.acc.clip_grad_norm_(self.model.parameters(), max_norm)  # type: ignore[no-any-return]
+    # -- log / evaluate ---------------------------------------------------------------------
 
-    def forward_context(self) -> Any:
-        # accelerate wraps a prepared model's forward in autocast; a sharded one is not prepared.
-        return self.acc.autocast() if self.zero_stage else contextlib.nullcontext()
+    def evaluate(self) -> EvalResult:
+        """Validation loss and perplexity of the current weights."""
+        return evaluate_perplexity(
+            self.acc.unwrap_model(self.model),
+            self.ctx.resources.validation_windows,
+            batch_size=self.cfg.eval_batch_size,
+            autocast=self.acc.autocast,
+            lockstep=self.par.lockstep,
+        )
 
-    @property
-    def zero(self) -> tuple[torch.nn.Module, Any] | None:
-        return (self.model, self.optimizer) if self.zero_stage else None
+    def log_and_eval(
+        self, log: MetricsLog, bar: Progress, loss_sum: torch.Tensor, grad_norm: Any
+    ) -> float | None:
+        """Log every `log_every` steps, evaluate every `eval_every` steps and at the last one.
 
-    def final_state(self) -> dict[str, torch.Tensor] | None:
-        """The full fp32 state dict when sharded (a collective), else None."""
-        if not self.zero_stage:
-            return None
-        from shard_zero import full_state_dict
+        Returns the loss written to the log (None when this step is not logged).
+        """
+        cfg, c, done = self.cfg, self.counters, self.counters.step
+        loss_value = None
+        if done % cfg.log_every == 0 or done == cfg.steps:
+            loss_value = self.acc.reduce(loss_sum, reduction="mean").item()
+            row: dict[str, Any] = {
+                "step": done,
+                "loss": loss_value,
+                "lr": self.scheduler.get_last_lr()[0],
+                "tokens": c.tokens,
+                "tokens_per_s": c.tokens / c.train_time,
+                "time_s": c.train_time,
+            }
+            if grad_norm is not None:
+                row["grad_norm"] = float(grad_norm)
+            if c.bad_steps:
+                row["bad_steps"] = c.bad_steps
+            log.log(row)
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            self.evaluation = evaluation = self.evaluate()
+            log.log(
+                {"step": done, "val_loss": evaluation.loss, "val_perplexity": evaluation.perplexity}
+            )
+            bar.write(
+                f"[{self.name}] step {done}: validation loss {evaluation.loss:.4f}, "
+                f"perplexity {evaluation.perplexity:.2f}"
+            )
+        return loss_value
 
-        return full_state_dict(self.model)
+    # -- the loop and the end ---------------------------------------------------------------
 
-    def model_state_mib(self) -> float | None:
-        """Model-state bytes (params, masters, grads, optimizer state) of this rank, if sharded."""
-        if not self.zero_stage:
-            return None
-        from shard_zero import memory_stats
+    def run(self) -> None:
+        """Train from the resumed step to `cfg.steps`.
 
-        return float(memory_stats(self.model, self.optimizer)["total"]) / 2**20
+        Logs, evaluates and checkpoints on schedule, and stops at a step boundary on a signal.
+        """
+        cfg, acc, name = self.cfg, self.acc, self.name
+        start = self.counters.step
+        log = MetricsLog(
+            self.ctx.stage_dir / "metrics.jsonl", enabled=acc.is_main_process, resume_step=start
+        )
+        parallel = self.par.label
+        procs = f"{self.world} process(es)" + (f" {parallel}" if parallel else "")
+        acc.print(
+            f"[{name}] {self.n_params:,} params, {self.train_blocks.shape[0]:,} train sequences "
+            f"of {self.ctx.config.data.seq_len} tokens, global batch {self.global_batch} "
+            f"({self.tokens_per_step:,} tokens) on {procs}, {cfg.steps} steps, {cfg.optimizer}"
+        )
+        bar = Progress(name, total=cfg.steps, initial=start, enabled=acc.is_local_main_process)
+
+        def close() -> None:
+            bar.close()
+            log.close()
+
+        self.wall_start = time.perf_counter()
+        with interrupt.at_step_boundaries(), contextlib.closing(bar):  # closed on errors too
+            for step in range(start, cfg.steps):
+                loss_sum, grad_norm, stop = self.step(step)
+                self.check_diverged(close)
+                done = self.counters.step
+                loss_value = self.log_and_eval(log, bar, loss_sum, grad_norm)
+                due = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
+                if due and done < cfg.steps:
+                    self.checkpoint(done)
+                c = self.counters
+                bar.update(
+                    done,
+                    loss=loss_value,
+                    tokens_per_s=c.tokens / c.train_time if loss_value is not None else None,
+                )
+                interrupt.progress(name, done)
+                if stop:  # a signal: keep this step's work if checkpoints are on, then end the run
+                    if cfg.checkpoint_every and not (due and done < cfg.steps):
+                        self.checkpoint(done)
+                    close()
+                    raise interrupt.stopped(name, done)
+        close()
+
+    def finish(self) -> dict[str, Any]:
+        """Score the final weights if not yet done, save the model folder, return the metrics."""
+        acc, c, ctx = self.acc, self.counters, self.ctx
+        evaluation = self.evaluation
+        if evaluation is None:  # resumed after the last step: score the final weights
+            evaluation = self.evaluate()
+        model_state = self.par.model_state_mib()
+        full_state = self.par.final_state()
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            final, save = acc.unwrap_model(self.model), self.save
+            tokenizer = ctx.resources.tokenizer
+
+            def write(folder: Path) -> None:
+                save(final, folder, full_state)
+                tokenizer.save_pretrained(folder)
+
+            save_atomically(ctx.model_dir, write)
+        acc.wait_for_everyone()
+        acc.free_memory()  # drop references so a later stage's save_state sees only its objects
+        metrics: dict[str, Any] = {
+            "params": self.n_params,
+            "tokens": c.tokens,
+            "wall_time_s": c.wall_before + time.perf_counter() - self.wall_start,
+            "train_time_s": c.train_time,
+            "tokens_per_s": c.tokens / c.train_time if c.train_time else 0.0,
+            "val_loss": evaluation.loss,
+            "val_perplexity": evaluation.perplexity,
+            "eval_tokens": evaluation.tokens,
+            "eval_tokens_per_s": evaluation.tokens_per_s,
+            "processes": self.world,
+            "optimizer": self.cfg.optimizer,
+            "parallel": self.par.label or "none",
+            "bad_steps": c.bad_steps,
+        }
+        if model_state is not None:
+            metrics["model_state_mib"] = model_state
+        return metrics
 
 
 def train(
@@ -141,186 +380,7 @@ def train(
     Raises:
         TrainingDivergedError: more than `cfg.max_bad_steps` steps had a non-finite loss.
     """
-    name = ctx.stage_dir.name
-    acc = ctx.accelerator
-    res = ctx.resources
-    tokenizer = res.tokenizer
-    train_blocks, val_windows = res.train_blocks, res.validation_windows
-    reset_peak_memory(acc.device)
-
-    n_params = count_parameters(model)
-    par = _Parallel(ctx, model, cfg)
-    model, optimizer = par.model, par.optimizer
-    # The scheduler is stepped by us once per optimizer step and not passed to `prepare`:
-    # accelerate would step it once per process, changing the schedule with the world size.
-    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, cfg.warmup_steps, cfg.steps, min_lr_rate=cfg.min_lr_ratio
-    )
-    model.train()
-
-    world, rank = acc.num_processes, acc.process_index
-    per_rank = cfg.micro_batch_size * cfg.grad_accum_steps
-    global_batch = per_rank * world
-    seq_len = ctx.config.data.seq_len
-    tokens_per_step = global_batch * seq_len
-
-    checkpoints = Checkpointer(ctx.stage_dir / "checkpoints", acc, keep=cfg.keep_checkpoints)
-    start_step, tokens, train_time, wall_before, bad_steps = 0, 0, 0.0, 0.0, 0
-    latest = checkpoints.latest(config_hash=ctx.config_hash) if ctx.resume else None
-    stale = checkpoints.discard_mismatched(ctx.config_hash) if ctx.resume else 0
-    if stale:
-        acc.print(f"[{name}] config changed: dropped {stale} checkpoint(s), starting over")
-    if latest is not None:
-        state = checkpoints.load(latest, scheduler, zero=par.zero)
-        start_step, tokens = state["step"], state["tokens"]
-        train_time, wall_before = state["train_time_s"], state["wall_time_s"]
-        bad_steps = state.get("bad_steps", 0)
-        acc.print(f"[{name}] resuming from {latest.name} (step {start_step})")
-
-    log = MetricsLog(
-        ctx.stage_dir / "metrics.jsonl", enabled=acc.is_main_process, resume_step=start_step
-    )
-    parallel = f"ZeRO-{par.zero_stage}" if par.zero_stage else "DDP" if world > 1 else ""
-    acc.print(
-        f"[{name}] {n_params:,} params, {train_blocks.shape[0]:,} train sequences of "
-        f"{seq_len} tokens, global batch {global_batch} ({tokens_per_step:,} tokens) on "
-        f"{world} process(es) {parallel}, {cfg.steps} steps, {cfg.optimizer}"
-    )
-    bar = tqdm(
-        total=cfg.steps,
-        initial=start_step,
-        desc=name,
-        mininterval=2.0,
-        disable=not acc.is_local_main_process,
-    )
-
-    def evaluate() -> EvalResult:
-        return evaluate_perplexity(
-            acc.unwrap_model(model),
-            val_windows,
-            batch_size=cfg.eval_batch_size,
-            autocast=acc.autocast,
-        )
-
-    def checkpoint(done: int) -> Path:
-        return checkpoints.save(
-            done,
-            scheduler,
-            {
-                "tokens": tokens,
-                "train_time_s": train_time,
-                "config_hash": ctx.config_hash,
-                "wall_time_s": wall_before + time.perf_counter() - wall_start,
-                "bad_steps": bad_steps,
-            },
-            zero=par.zero,
-        )
-
-    evaluation: EvalResult | None = None
-    wall_start = time.perf_counter()
-    for step in range(start_step, cfg.steps):
-        t0 = time.perf_counter()
-        indices = global_batch_indices(
-            step, global_batch=global_batch, num_blocks=train_blocks.shape[0], seed=ctx.config.seed
-        )
-        mine = train_blocks[indices[rank * per_rank : (rank + 1) * per_rank]].to(acc.device)
-        loss_sum = torch.zeros((), device=acc.device)
-        for micro in range(cfg.grad_accum_steps):
-            batch = mine[micro * cfg.micro_batch_size : (micro + 1) * cfg.micro_batch_size]
-            last = micro == cfg.grad_accum_steps - 1
-            # Gradients are reduced across processes only on the last micro-batch of the step.
-            with contextlib.nullcontext() if last else par.no_sync():
-                with par.forward_context():
-                    loss = loss_fn(model, batch) / cfg.grad_accum_steps
-                acc.backward(loss)
-            loss_sum += loss.detach()
-        grad_norm = par.clip(cfg.grad_clip) if cfg.grad_clip else None
-        # One host sync per step (not per micro-batch): is the step usable on every process?
-        finite = torch.isfinite(loss_sum) & (
-            torch.isfinite(grad_norm) if grad_norm is not None else torch.tensor(True)
-        )
-        usable = bool(acc.reduce(finite.to(acc.device, torch.float32), reduction="sum") == world)
-        if usable:
-            optimizer.step()
-        else:
-            bad_steps += 1
-            acc.print(f"[{name}] step {step + 1}: non-finite loss or gradient, step skipped")
-        scheduler.step()  # the schedule follows the step number, skipped or not
-        optimizer.zero_grad(set_to_none=True)
-        train_time += time.perf_counter() - t0
-        tokens += tokens_per_step
-        done = step + 1
-        if bad_steps > cfg.max_bad_steps:
-            path = checkpoint(done)
-            bar.close()
-            log.close()
-            raise TrainingDivergedError(
-                f"[{name}] the loss or gradient was NaN/inf on {bad_steps} steps, more than "
-                f"`{name}.max_bad_steps` ({cfg.max_bad_steps}); stopped at step {done} with a "
-                f"checkpoint in {path}. Lower `{name}.lr`, raise `{name}.warmup_steps` or "
-                f"enable `{name}.grad_clip`, then rerun with --resume (a changed config "
-                "restarts the stage)."
-            )
-
-        if done % cfg.log_every == 0 or done == cfg.steps:
-            loss_value = acc.reduce(loss_sum, reduction="mean").item()
-            row: dict[str, Any] = {
-                "step": done,
-                "loss": loss_value,
-                "lr": scheduler.get_last_lr()[0],
-                "tokens": tokens,
-                "tokens_per_s": tokens / train_time,
-                "time_s": train_time,
-            }
-            if grad_norm is not None:
-                row["grad_norm"] = float(grad_norm)
-            if bad_steps:
-                row["bad_steps"] = bad_steps
-            log.log(row)
-            bar.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
-        if done % cfg.eval_every == 0 or done == cfg.steps:
-            evaluation = evaluate()
-            log.log(
-                {"step": done, "val_loss": evaluation.loss, "val_perplexity": evaluation.perplexity}
-            )
-        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
-            checkpoint(done)
-        bar.update(1)
-    bar.close()
-    log.close()
-
-    if evaluation is None:  # resumed after the last step: score the final weights
-        evaluation = evaluate()
-    model_state = par.model_state_mib()
-    full_state = par.final_state()
-    acc.wait_for_everyone()
-    if acc.is_main_process:
-        final = acc.unwrap_model(model)
-
-        def write(folder: Path) -> None:
-            save(final, folder, full_state)
-            tokenizer.save_pretrained(folder)
-
-        save_atomically(ctx.model_dir, write)
-    acc.wait_for_everyone()
-    peak = peak_memory_mib(acc.device)
-    acc.free_memory()  # drop references so a later stage's save_state sees only its objects
-    metrics: dict[str, Any] = {
-        "params": n_params,
-        "tokens": tokens,
-        "wall_time_s": wall_before + time.perf_counter() - wall_start,
-        "train_time_s": train_time,
-        "tokens_per_s": tokens / train_time if train_time else 0.0,
-        "val_loss": evaluation.loss,
-        "val_perplexity": evaluation.perplexity,
-        "eval_tokens": evaluation.tokens,
-        "eval_tokens_per_s": evaluation.tokens_per_s,
-        "peak_rss_mib": peak,
-        "processes": world,
-        "optimizer": cfg.optimizer,
-        "parallel": parallel or "none",
-        "bad_steps": bad_steps,
-    }
-    if model_state is not None:
-        metrics["model_state_mib"] = model_state
-    return metrics
+    loop = _Loop(ctx, model, cfg, loss_fn, save)
+    loop.resume()
+    loop.run()
+    return loop.finish()

@@ -39,6 +39,22 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Tiles: BLOCK_N rows x BLOCK_M columns. Small under the interpreter (~0.5 ms per program).
 BLOCK_N = 16
 BLOCK_M = 64 if _INTERPRET else 256
+NUM_WARPS = 8  # launch option of every kernel here (stated, so tools/gpu_compile.py compiles it)
+
+
+def launch_config(n_cols: int) -> tuple[int, int]:
+    """(BLOCK_M, num_warps) of every kernel here for rows of `n_cols` (16 x BLOCK_M tiles).
+
+    Aligned rows: 16 x 256 on 8 warps (16 elements per thread, 16-byte vector loads). An odd
+    `n_cols` makes the masks unaligned, so every load is a scalar load with its own 64-bit
+    address: 16 x 256 then needs 239-248 registers in the apply kernel with stochastic
+    rounding (ptxas, sm_80/sm_90: one step from spilling) and 16 x 128 on 8 warps spills 16
+    bytes in the fp32 statistics kernel on sm_80; 16 x 64 on 4 warps (8 per thread) needs at
+    most ~100 and never spills (tools/gpu_compile.py).
+    """
+    if n_cols % 16 == 0:
+        return BLOCK_M, NUM_WARPS
+    return BLOCK_M // 4, 4
 
 
 def available(device: torch.device) -> bool:
@@ -151,7 +167,10 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_M: tl.constexpr,
     ):
-        """`m = β1 m + g·rs_i·cf_j`; `p = p·decay - (m or g·rs_i·cf_j)`; store in p's dtype.
+        """`m = β1 m + g·rs_i·cf_j`; `p = p - wd_lr·p - (m or g·rs_i·cf_j)`; store in p's dtype.
+
+        The decay is `p - wd_lr·p` (HF's `p.add_(p, alpha=-wd·lr)`), not `p·(1 - wd_lr)`: the
+        fp32 rounding of `1 - wd_lr` would bias it by up to 0.3% near wd·lr = 1e-5.
 
         With SR, the fp32 result gets uniform 16-bit noise added to its bit pattern and is
         truncated to bf16 (unbiased stochastic rounding); the noise comes from
@@ -163,9 +182,9 @@ if HAS_TRITON:
         row_mask = rows < n_rows
         base = pid_b.to(tl.int64) * n_rows * n_cols
         rs = tl.load(rs_ptr + pid_b.to(tl.int64) * n_rows + rows, mask=row_mask, other=0.0)
-        decay = 1.0
+        wd_lr = 0.0
         if HAS_DECAY:
-            decay = tl.load(decay_ptr)
+            wd_lr = tl.load(decay_ptr)
         for start in range(0, n_cols, BLOCK_M):
             cols = start + tl.arange(0, BLOCK_M)
             col_mask = cols < n_cols
@@ -181,11 +200,45 @@ if HAS_TRITON:
                 upd = m
             p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             if HAS_DECAY:
-                p = p * decay
+                p = p - wd_lr * p
             p = p - upd
             if SR:
                 p = stochastic_round_bf16(p, seed, offs)
             tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+
+    def gpu_launch_configs() -> list[dict[str, Any]]:
+        """Every launch the launchers below make on a GPU (for tools/gpu_compile.py).
+
+        Parameters/gradients in bf16, fp16 and fp32 (state fp32), every flag combination, and
+        column counts that are and are not multiples of 16 (Triton specializes on that: an odd
+        `n_cols` makes the masks unaligned and the loads scalar).
+        """
+        f32 = torch.float32
+        launches: list[dict[str, Any]] = []
+        for dtype in (torch.bfloat16, torch.float16, f32):
+            for n_cols in (4096, 4095):
+                bm, warps = launch_config(n_cols)
+                opts = {"num_warps": warps}
+                dims = {"n_rows": 4096, "n_cols": n_cols, "BLOCK_N": BLOCK_N, "BLOCK_M": bm}
+                args: dict[str, Any]
+                for has_p in (False, True):
+                    args = {"g_ptr": dtype, "p_ptr": dtype, "rowsum_ptr": f32,
+                            "colpart_ptr": f32, "ppart_ptr": f32, "n_row_blocks": 256,
+                            "HAS_P": has_p, **dims}  # fmt: skip
+                    launches.append({"kernel": _stats_kernel, "args": args, "options": opts})
+                args = {"g_ptr": dtype, "rf_ptr": f32, "cf_ptr": f32, "upart_ptr": f32,
+                        "n_row_blocks": 256, **dims}  # fmt: skip
+                launches.append({"kernel": _sumsq_kernel, "args": args, "options": opts})
+                for has_m in (False, True):
+                    for has_decay in (False, True):
+                        for sr in (False, True) if dtype == torch.bfloat16 else (False,):
+                            args = {"g_ptr": dtype, "p_ptr": dtype, "m_ptr": f32, "rs_ptr": f32,
+                                    "cf_ptr": f32, "decay_ptr": f32, "beta1": 0.9, "seed": 12345,
+                                    "HAS_M": has_m, "HAS_DECAY": has_decay, "SR": sr,
+                                    **dims}  # fmt: skip
+                            launches.append({"kernel": _apply_kernel, "args": args,
+                                             "options": opts})  # fmt: skip
+        return launches
 
 
 # ---------------------------------------------------------------------------------- references
@@ -218,14 +271,17 @@ def apply_reference(
     decay: Tensor | None,
     beta1: float,
 ) -> None:
-    """Reference of `_apply_kernel` (round-to-nearest store), in place on `p` and `m`."""
+    """Reference of `_apply_kernel` (round-to-nearest store), in place on `p` and `m`.
+
+    `decay` holds `weight_decay · lr_t` (shape (1,)) or is None.
+    """
     upd = g.float() * rs.unsqueeze(-1) * cf.unsqueeze(-2)
     if m is not None:
         m.mul_(beta1).add_(upd)
         upd = m
     p32 = p.float()
     if decay is not None:
-        p32 = p32 * decay
+        p32 = p32 - decay * p32
     p.copy_(p32 - upd)
 
 
@@ -246,6 +302,7 @@ def launch_stats(g3: Tensor, p3: Tensor | None) -> tuple[Tensor, Tensor, Tensor 
     """
     b, n, m = g3.shape
     blocks = -(-n // BLOCK_N)
+    bm, warps = launch_config(m)
     f32: dict[str, Any] = {"dtype": torch.float32, "device": g3.device}
     rowsum = torch.empty((b, n), **f32)
     colpart = torch.empty((b, blocks, m), **f32)
@@ -254,7 +311,7 @@ def launch_stats(g3: Tensor, p3: Tensor | None) -> tuple[Tensor, Tensor, Tensor 
         _stats_kernel[(b, blocks)](
             g3, p3 if p3 is not None else g3, rowsum, colpart,
             ppart if ppart is not None else rowsum, n, m, blocks,
-            HAS_P=p3 is not None, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
+            HAS_P=p3 is not None, BLOCK_N=BLOCK_N, BLOCK_M=bm, num_warps=warps,
         )  # fmt: skip
     else:
         rowsum.zero_()
@@ -268,11 +325,12 @@ def launch_sumsq(g3: Tensor, rf: Tensor, cf: Tensor) -> Tensor:
     """`_sumsq_kernel`: Σ (g · rf ⊗ cf)² for contiguous (B, n, m) `g3`, (B, n) `rf`, (B, m) `cf`."""
     b, n, m = g3.shape
     blocks = -(-n // BLOCK_N)
+    bm, warps = launch_config(m)
     upart = torch.zeros((b * blocks,), dtype=torch.float32, device=g3.device)
     if b * n * m > 0:
         _sumsq_kernel[(b, blocks)](
             g3, rf.reshape(b, n).contiguous(), cf.reshape(b, m).contiguous(), upart,
-            n, m, blocks, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
+            n, m, blocks, BLOCK_N=BLOCK_N, BLOCK_M=bm, num_warps=warps,
         )  # fmt: skip
     return upart.sum()
 
@@ -332,19 +390,19 @@ def apply(
         scale = -scale
     beta1 = o.beta1
     rs = (w.rf * (scale * (1.0 - beta1) if beta1 is not None else scale)).reshape(b, n)
-    decay = None
+    decay = None  # weight_decay · lr_t, on the device
     if o.weight_decay != 0:
-        decay = torch.ones(1, dtype=torch.float32, device=g3.device).sub_(
-            w.lr_t * o.weight_decay if isinstance(w.lr_t, float) else w.lr_t.mul(o.weight_decay)
-        )
+        wd_lr = w.lr_t * o.weight_decay  # a 0-dim device tensor with parameter scaling
+        decay = torch.empty(1, dtype=torch.float32, device=g3.device).fill_(wd_lr)
     m_state = w.state.get("exp_avg") if beta1 is not None else None
     sr = o.stochastic_rounding and w.param.dtype == torch.bfloat16
     if b * n * m == 0:
         return
+    bm, warps = launch_config(m)
     _apply_kernel[(b, blocks)](
         g3, p3, m_state if m_state is not None else g3, rs.contiguous(),
         w.cf.reshape(b, m).contiguous(), decay if decay is not None else rs,
         0.0 if beta1 is None else beta1, seed, n, m,
         HAS_M=m_state is not None, HAS_DECAY=decay is not None, SR=sr,
-        BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_M=bm, num_warps=warps,
     )  # fmt: skip

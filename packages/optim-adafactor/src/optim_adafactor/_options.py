@@ -11,32 +11,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-Semantics = Literal["hf", "t2t", "torch"]
-Backend = Literal["auto", "torch", "triton"]
+from torch import Tensor
 
+from optim_adafactor.base import Scalar, check_bool, check_lr, check_number
+
+Semantics = Literal["hf", "t2t", "torch"]
 SEMANTICS: tuple[str, ...] = get_args(Semantics)
-BACKENDS: tuple[str, ...] = get_args(Backend)
 
 #: T2T multiplies the relative step by this when parameter scaling is off.
 T2T_UNSCALED_FACTOR = 0.05
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a bool, got {value!r} ({type(value).__name__})")
-
-
-def _check_number(name: str, value: object) -> float:
-    if not _is_number(value):
-        raise TypeError(f"`{name}` must be a real number, got {value!r} ({type(value).__name__})")
-    number = float(value)  # type: ignore[arg-type]
-    if not math.isfinite(number):
-        raise ValueError(f"`{name}` ({number}) must be finite")
-    return number
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +27,7 @@ class GroupOptions:
     """The validated, normalised options of one param group."""
 
     semantics: Semantics
-    lr: float | None
+    lr: Scalar | None
     eps1: float | None  # None only for semantics="torch": finfo(param dtype).eps
     eps2: float
     clip_threshold: float | None
@@ -66,7 +49,7 @@ class GroupOptions:
         """`β2_t = 1 - t^decay_rate` (HF/T2T/paper); torch lerps with weight `1 - β2_t`."""
         return 1.0 - math.pow(step, self.decay_rate)
 
-    def relative_step_size(self, step: int) -> float:
+    def relative_step_size(self, step: int) -> Scalar:
         """The step size before parameter scaling (HF `_get_lr` without the RMS factor).
 
         - hf: `lr`, or `min(1e-6·t if warmup_init else 1e-2, 1/√t)` with `relative_step`.
@@ -76,6 +59,8 @@ class GroupOptions:
         inv_sqrt = 1.0 / math.sqrt(step)
         if self.semantics == "torch":
             assert self.lr is not None
+            if isinstance(self.lr, Tensor):
+                return self.lr.clamp(max=inv_sqrt)
             return min(self.lr, inv_sqrt)
         if self.semantics == "t2t":
             rho = min(1e-2, inv_sqrt)
@@ -87,21 +72,26 @@ class GroupOptions:
         return self.lr
 
 
-def parse_group(group: Mapping[str, Any]) -> GroupOptions:
-    """Validate one param group's options; raise `ValueError`/`TypeError` naming the culprit."""
+def parse_group(group: Mapping[str, Any], *, first: bool = False) -> GroupOptions:
+    """Validate one param group's options; raise `ValueError`/`TypeError` naming the culprit.
+
+    `first` (construction, `add_param_group`) adds the checks HF makes only in its constructor:
+    an `lr` given with `relative_step=True` (`step()` ignores `lr` then, so that HF's
+    `AdafactorSchedule` may write into it) and a tensor `lr`'s value (a host read).
+    """
     semantics = group["semantics"]
     if semantics not in SEMANTICS:
         raise ValueError(f"`semantics` ({semantics!r}) must be one of {SEMANTICS}")
     for name in ("scale_parameter", "relative_step", "warmup_init", "maximize"):
-        _check_bool(name, group[name])
-    _check_bool("stochastic_rounding", group["stochastic_rounding"])
+        check_bool(name, group[name])
+    check_bool("stochastic_rounding", group["stochastic_rounding"])
 
     eps = group["eps"]
     if not isinstance(eps, tuple | list) or len(eps) != 2:
         raise TypeError(f"`eps` must be a pair (eps1, eps2), got {eps!r}")
     eps1_raw, eps2_raw = eps
-    eps1 = None if eps1_raw is None else _check_number("eps[0]", eps1_raw)
-    eps2 = _check_number("eps[1]", eps2_raw)
+    eps1 = None if eps1_raw is None else check_number("eps[0]", eps1_raw)
+    eps2 = check_number("eps[1]", eps2_raw)
     if eps1 is None and semantics != "torch":
         raise ValueError(
             f"`eps[0]` may be None only with semantics='torch' (got semantics={semantics!r}); "
@@ -114,7 +104,7 @@ def parse_group(group: Mapping[str, Any]) -> GroupOptions:
 
     clip = group["clip_threshold"]
     if clip is not None:
-        clip = _check_number("clip_threshold", clip)
+        clip = check_number("clip_threshold", clip)
         if clip <= 0:
             raise ValueError(f"`clip_threshold` ({clip}) must be > 0, or None to disable clipping")
         if semantics == "torch" and clip < 1:
@@ -122,29 +112,29 @@ def parse_group(group: Mapping[str, Any]) -> GroupOptions:
     elif semantics == "torch":
         raise ValueError("`clip_threshold` must be a number >= 1 with semantics='torch'")
 
-    decay_rate = _check_number("decay_rate", group["decay_rate"])
+    decay_rate = check_number("decay_rate", group["decay_rate"])
     if decay_rate > 0:
         raise ValueError(f"`decay_rate` ({decay_rate}) must be <= 0 (β2_t = 1 - t^decay_rate)")
 
     beta1 = group["beta1"]
     if beta1 is not None:
-        beta1 = _check_number("beta1", beta1)
+        beta1 = check_number("beta1", beta1)
         if not 0.0 <= beta1 < 1.0:
             raise ValueError(f"`beta1` ({beta1}) must be in [0, 1), or None for no momentum")
 
-    weight_decay = _check_number("weight_decay", group["weight_decay"])
+    weight_decay = check_number("weight_decay", group["weight_decay"])
     if weight_decay < 0:
         raise ValueError(f"`weight_decay` ({weight_decay}) must be >= 0")
 
     lr = group["lr"]
     if lr is not None:
-        lr = _check_number("lr", lr)
-        if lr < 0:
-            raise ValueError(f"`lr` ({lr}) must be >= 0")
+        lr = check_lr(lr, check_value=first)
 
     relative_step, warmup_init = group["relative_step"], group["warmup_init"]
     scale_parameter = group["scale_parameter"]
     if semantics == "hf":
+        if relative_step and not first:
+            lr = None  # ignored, as in HF (a proxy scheduler may have written into it)
         if lr is not None and relative_step:
             raise ValueError(
                 f"`lr` ({lr}) cannot be combined with `relative_step=True`: pass "
@@ -155,6 +145,8 @@ def parse_group(group: Mapping[str, Any]) -> GroupOptions:
         if warmup_init and not relative_step:
             raise ValueError("`warmup_init=True` requires `relative_step=True`")
     elif semantics == "t2t":
+        if not first:
+            lr = None  # ignored (the relative step is fixed)
         if lr is not None or not relative_step or warmup_init:
             raise ValueError(
                 "semantics='t2t' uses the paper's relative step rho_t = min(1e-2, 1/√t): it needs "

@@ -21,49 +21,24 @@ fresh page-faulted allocations cost as much as the arithmetic on CPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from optim_adafactor._options import GroupOptions
-from optim_adafactor.factored import ema_, factors
-from optim_adafactor.sharding import RowShard
-
-Scalar = Tensor | float
+from optim_adafactor.base import Scalar, StepWork, decay_
+from optim_adafactor.factored import add_scaled_, ema_, factors
 
 
-@dataclass(slots=True)
-class Work:
-    """One parameter's step in flight: inputs, resolved constants and phase results."""
+@dataclass(slots=True, kw_only=True)
+class Work(StepWork):
+    """One parameter's Adafactor step in flight (see `StepWork` for the shared fields)."""
 
-    param: Tensor
-    p32: Tensor  # the parameter itself (fp32) or an fp32 copy (bf16/fp16)
-    grad: Tensor  # fp32 gradient (a view when already fp32)
-    state: dict[str, Any]
-    opts: GroupOptions
-    step: int
-    factored: bool
-    shard: RowShard | None
     eps1: float
-    rows: int  # global size of dim -2 (the column-mean divisor) for factored tensors
-    numel: int  # global number of elements
-    index: int  # position in the step (seeds stochastic rounding)
-    fused: bool = False  # phases 1, 3, 4 run as Triton kernels (`_kernels`)
     psq: Tensor | None = None
-    colsum: Tensor | None = None
-    rowema_sum: Tensor | None = None
     lr_t: Scalar = 0.0
-    rf: Tensor | None = None
-    cf: Tensor | None = None
     norm: Tensor | None = None  # torch semantics: clamp(mean(R), ε1)
-    extra: dict[str, Tensor] = field(default_factory=dict)
-
-    @property
-    def reduce_factors(self) -> bool:
-        """Whether the column sums / row-EMA sum must be reduced over the shard group."""
-        return self.shard is not None and self.factored and self.grad.dim() == 2
+    usq: Tensor | None = None  # Σ u², reduced over the shard group (sharded steps)
 
 
 def local_stats(w: Work, buf: Tensor) -> None:
@@ -152,14 +127,6 @@ def update_sumsq(w: Work, buf: Tensor, *, gsq_in_buf: bool) -> Tensor:
     return torch.linalg.vector_norm(u).square()  # type: ignore[no-any-return]
 
 
-def _add_scaled(target: Tensor, x: Tensor, coef: Scalar) -> None:
-    """`target += coef * x` for a host float or a 0-dim device tensor, without a host sync."""
-    if isinstance(coef, Tensor):
-        target.addcmul_(x, coef)
-    else:
-        target.add_(x, alpha=coef)
-
-
 def apply(w: Work, usq: Tensor | None, buf: Tensor, *, u_in_buf: bool) -> None:
     """Phase 4: clip, momentum, weight decay, parameter update (into `w.p32`).
 
@@ -175,14 +142,17 @@ def apply(w: Work, usq: Tensor | None, buf: Tensor, *, u_in_buf: bool) -> None:
     if o.maximize:
         scale = -scale
     if o.semantics == "torch":
-        if o.weight_decay != 0:
+        if o.weight_decay != 0:  # torch.optim.Adafactor: p *= 1 - lr·wd (its own form)
             assert o.lr is not None
-            p.mul_(1.0 - o.lr * o.weight_decay)
+            if isinstance(o.lr, Tensor):
+                p.mul_(o.lr.mul(-o.weight_decay).add_(1.0))
+            else:
+                p.mul_(1.0 - o.lr * o.weight_decay)
         u = buf if u_in_buf else _materialise_update(w, buf)
-        _add_scaled(p, u, -scale)
+        add_scaled_(p, u, -scale)
         return
     if o.weight_decay != 0:
-        p.mul_(1.0 - o.weight_decay * w.lr_t)  # HF: p -= wd·lr_t·p (lr_t incl. param scale)
+        decay_(p, o.weight_decay, w.lr_t)  # HF: p -= wd·lr_t·p (lr_t incl. param scale)
     beta1 = o.beta1
     if w.factored:
         assert w.rf is not None
@@ -198,8 +168,8 @@ def apply(w: Work, usq: Tensor | None, buf: Tensor, *, u_in_buf: bool) -> None:
         return
     u = buf if u_in_buf else _materialise_update(w, buf)
     if beta1 is None:
-        _add_scaled(p, u, -scale)
+        add_scaled_(p, u, -scale)
     else:
         m = st["exp_avg"]
-        _add_scaled(m.mul_(beta1), u, scale * (1.0 - beta1))
+        add_scaled_(m.mul_(beta1), u, scale * (1.0 - beta1))
         p.sub_(m)

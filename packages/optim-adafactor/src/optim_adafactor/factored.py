@@ -32,6 +32,7 @@ from optim_adafactor._stochastic import copy_stochastic_
 
 __all__ = [
     "BLOCK_N",
+    "add_scaled_",
     "as_3d",
     "copy_stochastic_",
     "ema_",
@@ -62,6 +63,16 @@ def ema_(avg: Tensor, mean: Tensor, beta: float, eps: float) -> Tensor:
         eps: Added to `mean` before the EMA (Adafactor's ε1, CAME's ε1 or ε2).
     """
     return avg.mul_(beta).add_(mean.add_(eps), alpha=1.0 - beta)
+
+
+def add_scaled_(target: Tensor, x: Tensor, coef: Tensor | float) -> Tensor:
+    """`target += coef · x` in place for a host float or a 0-dim device tensor `coef`.
+
+    A tensor `coef` (a step size computed on the device) is used without a host sync.
+    """
+    if isinstance(coef, Tensor):
+        return target.addcmul_(x, coef)
+    return target.add_(x, alpha=coef)
 
 
 def factors(row: Tensor, col: Tensor, row_mean: Tensor) -> tuple[Tensor, Tensor]:

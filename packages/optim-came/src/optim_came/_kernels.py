@@ -4,15 +4,16 @@
 
 CAME (Luo et al., ACL 2023, arXiv:2307.02047) on a tensor viewed as (B, n, m) needs four
 streaming passes, because two global reductions sit between the gradient and the write: the
-update RMS (the clip) and the instability factors (research note §7: `3G + 3M + 2P` bytes per
-element, 22 B with bf16 g/p and fp32 m):
+update RMS (the clip) and the instability factors: `3G + 3M + 2P` bytes per element (research
+note §7), plus 1.25 B of fp32 row-block column partials (written and summed, see the README),
+23.25 B with bf16 g/p and fp32 m:
 
 1. row / column sums of `g²` (optim-adafactor's `sq_stats` kernel, reused);
 2. `Σ u²` with `u = g · rf ⊗ cf` (optim-adafactor's `scaled_sumsq` kernel, reused);
 3. `_momentum_kernel`: `d = m - g·rs_i·cf_j` (`rs = rf · clip`), `m ← m - (1-β1) d`, and the row
    sums and row-block partial column sums of `d²` (the instability is `β1² d²`, see
    `_torch_path.momentum`);
-4. `_apply_kernel`: `p ← p·(1 - lr·wd) - m · rRs_i · cR_j` (`rRs = lr · rsqrt(R/mean(R))`,
+4. `_apply_kernel`: `p ← p - lr·wd·p - m · rRs_i · cR_j` (`rRs = lr · rsqrt(R/mean(R))`,
    `cR = rsqrt(C)`), stored in p's
    dtype, optionally with stochastic rounding for bf16.
 
@@ -39,6 +40,19 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 BLOCK_N = factored.BLOCK_N  # rows per program: same row blocks as the statistics kernels
 BLOCK_M = 64 if _INTERPRET else 256
+NUM_WARPS = 8  # launch option of both kernels (stated, so tools/gpu_compile.py compiles it)
+
+
+def launch_config(n_cols: int) -> tuple[int, int]:
+    """(BLOCK_M, num_warps) for rows of `n_cols`.
+
+    16 x 256 on 8 warps, or 16 x 64 on 4 warps when `n_cols % 16 != 0` (unaligned masks make
+    every load scalar; fewer elements per thread keep the registers low, as optim-adafactor's
+    `_kernels.launch_config`).
+    """
+    if n_cols % 16 == 0:
+        return BLOCK_M, NUM_WARPS
+    return BLOCK_M // 4, 4
 
 
 def available(device: torch.device) -> bool:
@@ -100,7 +114,7 @@ if HAS_TRITON:
         m_ptr,
         rrs_ptr,
         cr_ptr,
-        decay,
+        decay_ptr,
         seed,
         n_rows,
         n_cols,
@@ -109,13 +123,21 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_M: tl.constexpr,
     ):
-        """`p ← p·decay - m·rRs_i·cR_j` in fp32, stored in p's dtype (SR: stochastic, bf16)."""
+        """`p ← p - wd_lr·p - m·rRs_i·cR_j` in fp32, stored in p's dtype (SR: stochastic, bf16).
+
+        `decay_ptr` holds `wd_lr = weight_decay · lr` (a device value: `lr` may be a tensor).
+        The decay is came-pytorch's `p.add_(p, alpha=-wd·lr)`, not `p·(1 - wd_lr)`, whose
+        fp32 rounding of `1 - wd_lr` biases it by up to 0.3% near wd·lr = 1e-5.
+        """
         pid_b = tl.program_id(0)
         pid_r = tl.program_id(1)
         rows = pid_r * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < n_rows
         base = pid_b.to(tl.int64) * n_rows * n_cols
         rrs = tl.load(rrs_ptr + pid_b.to(tl.int64) * n_rows + rows, mask=row_mask, other=0.0)
+        wd_lr = 0.0
+        if HAS_DECAY:
+            wd_lr = tl.load(decay_ptr)
         for start in range(0, n_cols, BLOCK_M):
             cols = start + tl.arange(0, BLOCK_M)
             col_mask = cols < n_cols
@@ -125,11 +147,37 @@ if HAS_TRITON:
             m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             if HAS_DECAY:
-                p = p * decay
+                p = p - wd_lr * p
             p = p - m * rrs[:, None] * cr[None, :]
             if SR:
                 p = factored.stochastic_round_bf16(p, seed, offs)
             tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+
+    def gpu_launch_configs() -> list[dict[str, Any]]:
+        """Every launch the launchers below make on a GPU (for tools/gpu_compile.py).
+
+        bf16/fp16/fp32 gradients and parameters (momentum fp32), every flag combination, and
+        column counts that are and are not multiples of 16.
+        """
+        f32 = torch.float32
+        launches: list[dict[str, Any]] = []
+        args: dict[str, Any]
+        for dtype in (torch.bfloat16, torch.float16, f32):
+            for n_cols in (4096, 4095):
+                bm, warps = launch_config(n_cols)
+                opts = {"num_warps": warps}
+                dims = {"n_rows": 4096, "n_cols": n_cols, "BLOCK_N": BLOCK_N, "BLOCK_M": bm}
+                args = {"g_ptr": dtype, "m_ptr": f32, "rs_ptr": f32, "cf_ptr": f32,
+                        "rowsum_ptr": f32, "colpart_ptr": f32, "beta1": 0.9,
+                        "n_row_blocks": 256, **dims}  # fmt: skip
+                launches.append({"kernel": _momentum_kernel, "args": args, "options": opts})
+                for has_decay in (False, True):
+                    for sr in (False, True) if dtype == torch.bfloat16 else (False,):
+                        args = {"p_ptr": dtype, "m_ptr": f32, "rrs_ptr": f32, "cr_ptr": f32,
+                                "decay_ptr": f32, "seed": 12345, "HAS_DECAY": has_decay,
+                                "SR": sr, **dims}  # fmt: skip
+                        launches.append({"kernel": _apply_kernel, "args": args, "options": opts})
+        return launches
 
 
 # ---------------------------------------------------------------------------------- references
@@ -143,9 +191,10 @@ def momentum_reference(
     return d2.sum(dim=-1), d2.sum(dim=-2)
 
 
-def apply_reference(p: Tensor, m: Tensor, rrs: Tensor, cr: Tensor, decay: float) -> None:
+def apply_reference(p: Tensor, m: Tensor, rrs: Tensor, cr: Tensor, wd_lr: float) -> None:
     """Reference of `_apply_kernel` (round-to-nearest store), in place on `p`."""
-    p.copy_(p.float() * decay - m.float() * rrs.unsqueeze(-1) * cr.unsqueeze(-2))
+    p32 = p.float()
+    p.copy_(p32 - wd_lr * p32 - m.float() * rrs.unsqueeze(-1) * cr.unsqueeze(-2))
 
 
 # ---------------------------------------------------------------------------------- launchers
@@ -193,10 +242,11 @@ def momentum(w: Work, usq: Tensor, buf: Tensor | None = None, *, u_in_buf: bool 
     rowsum = torch.zeros((b, n), **f32)
     colpart = torch.zeros((b, blocks, m), **f32)
     if b * n * m > 0:
+        bm, warps = launch_config(m)
         _momentum_kernel[(b, blocks)](
             g3, st["exp_avg"], (w.rf * w.clip).reshape(b, n).contiguous(),
             w.cf.reshape(b, m).contiguous(), rowsum, colpart, o.beta1, n, m, blocks,
-            BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N, BLOCK_M=bm, num_warps=warps,
         )  # fmt: skip
     beta1_sq = o.beta1 * o.beta1
     lead = w.param.shape[:-2]
@@ -215,9 +265,12 @@ def apply(w: Work, buf: Tensor | None = None, *, seed: int = 0) -> None:
     if b * n * m == 0:
         return
     sr = o.stochastic_rounding and w.param.dtype == torch.bfloat16
+    rrs = (w.res_rf * o.lr).reshape(b, n).contiguous()
+    # weight_decay · lr on the device (a tensor `lr` is never read on the host)
+    wd_lr = torch.empty(1, dtype=torch.float32, device=rrs.device).fill_(o.lr * o.weight_decay)
+    bm, warps = launch_config(m)
     _apply_kernel[(b, blocks)](
-        factored.as_3d(w.param), w.state["exp_avg"],
-        (w.res_rf * o.lr).reshape(b, n).contiguous(),
-        w.res_cf.reshape(b, m).contiguous(), 1.0 - o.lr * o.weight_decay, seed, n, m,
-        HAS_DECAY=o.weight_decay != 0, SR=sr, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
+        factored.as_3d(w.param), w.state["exp_avg"], rrs,
+        w.res_cf.reshape(b, m).contiguous(), wd_lr, seed, n, m,
+        HAS_DECAY=o.weight_decay != 0, SR=sr, BLOCK_N=BLOCK_N, BLOCK_M=bm, num_warps=warps,
     )  # fmt: skip

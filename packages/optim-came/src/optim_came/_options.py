@@ -6,31 +6,15 @@ synchronise with the device.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 
-Backend = Literal["auto", "torch", "triton"]
-BACKENDS: tuple[str, ...] = get_args(Backend)
+from optim_adafactor.base import Scalar, check_bool, check_lr, check_number
+
 STATE_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _check_number(name: str, value: object) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a real number, got {value!r} ({type(value).__name__})")
-    number = float(value)
-    if not math.isfinite(number):
-        raise ValueError(f"`{name}` ({number}) must be finite")
-    return number
-
-
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a bool, got {value!r} ({type(value).__name__})")
-    return value
 
 
 def _check_pair(name: str, value: object, length: int) -> tuple[Any, ...]:
@@ -43,7 +27,7 @@ def _check_pair(name: str, value: object, length: int) -> tuple[Any, ...]:
 class GroupOptions:
     """The validated options of one param group."""
 
-    lr: float
+    lr: Scalar
     eps1: float
     eps2: float
     clip_threshold: float
@@ -71,40 +55,41 @@ class GroupOptions:
         return 1.0
 
 
-def parse_group(group: Mapping[str, Any]) -> GroupOptions:
-    """Validate one param group; raise `ValueError`/`TypeError` naming the argument and value."""
+def parse_group(group: Mapping[str, Any], *, first: bool = False) -> GroupOptions:
+    """Validate one param group; raise `ValueError`/`TypeError` naming the argument and value.
+
+    `first` (construction, `add_param_group`) also checks a tensor `lr`'s value (a host read).
+    """
     lr = group["lr"]
     if lr is None:
         raise TypeError("`lr` is required (CAME has no default learning rate), got None")
-    lr = _check_number("lr", lr)
-    if lr < 0:
-        raise ValueError(f"`lr` ({lr}) must be >= 0")
+    lr = check_lr(lr, check_value=first)
 
     eps1, eps2 = _check_pair("eps", group["eps"], 2)
-    eps1 = _check_number("eps[0]", eps1)
-    eps2 = _check_number("eps[1]", eps2)
+    eps1 = check_number("eps[0]", eps1)
+    eps2 = check_number("eps[1]", eps2)
     if eps1 < 0:
         raise ValueError(f"`eps[0]` ({eps1}) must be >= 0")
     if eps2 < 0:
         raise ValueError(f"`eps[1]` ({eps2}) must be >= 0")
 
-    clip = _check_number("clip_threshold", group["clip_threshold"])
+    clip = check_number("clip_threshold", group["clip_threshold"])
     if clip <= 0:
         raise ValueError(f"`clip_threshold` ({clip}) must be > 0")
 
     betas = _check_pair("betas", group["betas"], 3)
     checked = []
     for i, beta in enumerate(betas):
-        b = _check_number(f"betas[{i}]", beta)
+        b = check_number(f"betas[{i}]", beta)
         if not 0.0 <= b < 1.0:
             raise ValueError(f"`betas[{i}]` ({b}) must be in [0, 1)")
         checked.append(b)
 
-    weight_decay = _check_number("weight_decay", group["weight_decay"])
+    weight_decay = check_number("weight_decay", group["weight_decay"])
     if weight_decay < 0:
         raise ValueError(f"`weight_decay` ({weight_decay}) must be >= 0")
 
-    instability_init = _check_number("instability_init", group["instability_init"])
+    instability_init = check_number("instability_init", group["instability_init"])
     if instability_init < 0:
         raise ValueError(f"`instability_init` ({instability_init}) must be >= 0")
 
@@ -124,8 +109,8 @@ def parse_group(group: Mapping[str, Any]) -> GroupOptions:
         beta2=checked[1],
         beta3=checked[2],
         weight_decay=weight_decay,
-        bias_correction=_check_bool("bias_correction", group["bias_correction"]),
+        bias_correction=check_bool("bias_correction", group["bias_correction"]),
         instability_init=instability_init,
         state_dtype=state_dtype,
-        stochastic_rounding=_check_bool("stochastic_rounding", group["stochastic_rounding"]),
+        stochastic_rounding=check_bool("stochastic_rounding", group["stochastic_rounding"]),
     )

@@ -28,53 +28,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from optim_adafactor.factored import ema_, factors
-from optim_adafactor.sharding import RowShard
-from optim_came._options import GroupOptions
+from optim_adafactor.base import StepWork, decay_
+from optim_adafactor.factored import add_scaled_, ema_, factors
 
 
-@dataclass(slots=True)
-class Work:
-    """One parameter's step in flight: inputs, resolved constants and phase results."""
+@dataclass(slots=True, kw_only=True)
+class Work(StepWork):
+    """One parameter's CAME step in flight (see `StepWork` for the shared fields)."""
 
-    param: Tensor
-    p32: Tensor  # the parameter (fp32) or an fp32 copy (bf16/fp16 on the PyTorch path)
-    grad: Tensor  # fp32 gradient on the PyTorch path; the raw gradient on the fused path
-    state: dict[str, Any]
-    opts: GroupOptions
-    step: int
-    shard: RowShard | None
-    rows: int  # global size of dim -2 (the column-mean divisor) of factored tensors
-    numel: int  # global number of elements
-    index: int  # position in the step (seeds stochastic rounding)
-    fused: bool = False
-    colsum: Tensor | None = None
-    rowema_sum: Tensor | None = None
-    rf: Tensor | None = None
-    cf: Tensor | None = None
     clip: Tensor | None = None  # 1 / max(1, RMS(u)/d), 0-dim device tensor
     res_colsum: Tensor | None = None
     res_rowema_sum: Tensor | None = None
     res_rf: Tensor | None = None
     res_cf: Tensor | None = None
-
-    @property
-    def factored(self) -> bool:
-        """Whether the second moment is factored (>= 2 dims)."""
-        return self.param.dim() >= 2
-
-    @property
-    def reduce_factors(self) -> bool:
-        """Whether column sums and row-EMA sums are reduced over the shard group (2-D only).
-
-        For >= 3-D tensors dim 0 is a batch dim, so the factored dims are local to a rank.
-        """
-        return self.shard is not None and self.param.dim() == 2
 
 
 def grad_stats(w: Work, buf: Tensor) -> None:
@@ -180,9 +150,9 @@ def apply(w: Work, buf: Tensor) -> None:
     """Phase 6: decoupled weight decay, then the confidence-scaled step (into `w.p32`)."""
     o, p, m = w.opts, w.p32, w.state["exp_avg"]
     if o.weight_decay != 0:
-        p.mul_(1.0 - o.lr * o.weight_decay)
+        decay_(p, o.weight_decay, o.lr)  # came-pytorch: p.add_(p, alpha=-wd·lr)
     if not w.factored:
-        p.add_(m, alpha=-o.lr)
+        add_scaled_(p, m, -o.lr)
         return
     assert w.res_rf is not None
     assert w.res_cf is not None

@@ -8,33 +8,67 @@ student = prune(model, scores, PruneTarget(hidden_size=..., intermediate_size=..
 distill(student, model, batches, DistillConfig())  # forward KL at T = 1, AdamW
 ```
 
-Optional: `DistillConfig(hidden_loss_weight=...)` adds an intermediate hidden-state loss
+Minitron's depth variant (`contiguous_block_search`) and architecture search (`search`) build on
+these. Optional: `DistillConfig(hidden_loss_weight=...)` adds an intermediate hidden-state loss
 (`HiddenStateLoss`), and `correct_teacher(model, batches, steps=...)` fine-tunes a copy of the
 teacher on the distillation data first.
+
+The names below are loaded on first use (PEP 562): `import prune_distill` and
+`prune_distill.config` (`DistillConfig`) do not import torch, so a program that only builds or
+checks a config (e.g. leanlm validating a config file) stays fast.
 """
 
-from prune_distill.cache import TeacherCache, cache_teacher_topk
-from prune_distill.distill import (
-    DistillConfig,
-    DistillResult,
-    correct_teacher,
-    distill,
-    evaluate_kl,
-)
-from prune_distill.hidden import HiddenStateLoss, even_layer_map, pruned_layer_map
-from prune_distill.importance import ImportanceScores, collect_importance
-from prune_distill.losses import forward_kl
-from prune_distill.prune import PruneTarget, prune
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prune_distill.cache import TeacherCache, cache_teacher_topk
+    from prune_distill.config import DistillConfig
+    from prune_distill.depth import BlockSearch, contiguous_block_search
+    from prune_distill.distill import DistillResult, correct_teacher, distill, evaluate_kl
+    from prune_distill.hidden import HiddenStateLoss, even_layer_map, pruned_layer_map
+    from prune_distill.importance import ImportanceScores, collect_importance
+    from prune_distill.losses import forward_kl
+    from prune_distill.prune import PruneTarget, prune
+    from prune_distill.search import (
+        Candidate,
+        SearchResult,
+        SearchSpace,
+        search,
+        validation_loss,
+    )
+
+_MODULES = {
+    "cache": ("TeacherCache", "cache_teacher_topk"),
+    "config": ("DistillConfig",),
+    "depth": ("BlockSearch", "contiguous_block_search"),
+    "distill": ("DistillResult", "correct_teacher", "distill", "evaluate_kl"),
+    "hidden": ("HiddenStateLoss", "even_layer_map", "pruned_layer_map"),
+    "importance": ("ImportanceScores", "collect_importance"),
+    "losses": ("forward_kl",),
+    "prune": ("PruneTarget", "prune"),
+    "search": ("Candidate", "SearchResult", "SearchSpace", "search", "validation_loss"),
+}
+_SOURCE = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
+    "BlockSearch",
+    "Candidate",
     "DistillConfig",
     "DistillResult",
     "HiddenStateLoss",
     "ImportanceScores",
     "PruneTarget",
+    "SearchResult",
+    "SearchSpace",
     "TeacherCache",
     "cache_teacher_topk",
     "collect_importance",
+    "contiguous_block_search",
     "correct_teacher",
     "distill",
     "evaluate_kl",
@@ -42,4 +76,38 @@ __all__ = [
     "forward_kl",
     "prune",
     "pruned_layer_map",
+    "search",
+    "validation_loss",
 ]
+
+
+class _Package(types.ModuleType):
+    """This package's module type: `distill`, `prune` and `search` stay the functions.
+
+    They name both a submodule and an exported function. Importing a submodule binds its name on
+    the package; the eager imports this package used to do rebound it to the function right
+    after, so the binding of such a submodule is ignored here instead (the submodules stay
+    importable by their full names: `from prune_distill.search import candidates`).
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SOURCE and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name: str) -> Any:
+    """Import the submodule that defines `name` on first access (then it is a plain global)."""
+    module = _SOURCE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

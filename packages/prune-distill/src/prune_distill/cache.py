@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from prune_distill._arch import model_device
+from prune_distill.arch import model_device
 from prune_distill.importance import model_inputs
 
 TOPK_VALUES = "teacher_topk_values"

@@ -17,14 +17,16 @@ averaged over the non-padding tokens and then over the matched pairs. Math runs 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-HiddenLossType = Literal["cosine", "mse"]
+from prune_distill.config import HiddenLossType
+
 Norm = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -46,7 +48,7 @@ def pruned_layer_map(teacher: nn.Module, scores: Any, target: Any) -> dict[int, 
     Use it as `DistillConfig.hidden_layer_map` for a depth-pruned student, so each student layer
     is matched to the very layer it started as (the layers `prune` keeps, in order).
     """
-    from prune_distill._arch import arch_of, dims_of
+    from prune_distill.arch import arch_of, dims_of
     from prune_distill.prune import _pick_layers
 
     kept = _pick_layers(dims_of(teacher, arch_of(teacher)), scores, target)
@@ -105,6 +107,9 @@ class HiddenStateLoss(nn.Module):
             last layer's (which transformers returns normed already); None compares the states
             as given. The teacher's runs without gradients. They are referenced, not owned (not
             in `parameters()`).
+        seed: seeds the projection's initialisation (`nn.Linear`'s, from a generator of its
+            own, so the global RNG is neither read nor advanced); None draws it from torch's
+            global RNG, whose state depends on everything the process ran before.
     """
 
     projection: nn.Linear | None
@@ -119,6 +124,7 @@ class HiddenStateLoss(nn.Module):
         teacher_hidden_size: int,
         kind: HiddenLossType = "cosine",
         final_norms: tuple[Norm, Norm] | None = None,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         if kind not in ("cosine", "mse"):
@@ -129,7 +135,18 @@ class HiddenStateLoss(nn.Module):
         self._norms = final_norms  # a plain tuple: the models own these modules
         self.projection = None
         if student_hidden_size != teacher_hidden_size:
-            self.projection = nn.Linear(student_hidden_size, teacher_hidden_size, bias=False)
+            sizes = (student_hidden_size, teacher_hidden_size)
+            if seed is None:
+                self.projection = nn.Linear(*sizes, bias=False)
+            else:
+                # nn.Linear.reset_parameters' initialisation, U(-1/sqrt(in), 1/sqrt(in)), drawn
+                # from the seeded generator instead of the global RNG
+                # (built on the meta device: no draw, then given uninitialised CPU storage)
+                meta = nn.Linear(*sizes, bias=False, device="meta")
+                self.projection = meta.to_empty(device="cpu")
+                gen = torch.Generator().manual_seed(seed)
+                with torch.no_grad():
+                    nn.init.kaiming_uniform_(self.projection.weight, a=math.sqrt(5), generator=gen)
 
     @classmethod
     def between(
@@ -139,13 +156,15 @@ class HiddenStateLoss(nn.Module):
         layer_map: Mapping[int, int] | None = None,
         *,
         kind: HiddenLossType = "cosine",
+        seed: int | None = None,
     ) -> HiddenStateLoss:
         """The loss for two transformers models (`layer_map` None: `even_layer_map`).
 
         The models must be of a supported architecture (their final norms are looked up). The
-        projection (if any) is created on the student's device and in its dtype.
+        projection (if any) is initialised from `seed` (see the class), then moved to the
+        student's device and dtype.
         """
-        from prune_distill._arch import arch_of
+        from prune_distill.arch import arch_of
 
         s_layers, s_width = _shape_of(student, "student")
         t_layers, t_width = _shape_of(teacher, "teacher")
@@ -158,6 +177,7 @@ class HiddenStateLoss(nn.Module):
             student_hidden_size=s_width,
             teacher_hidden_size=t_width,
             kind=kind,
+            seed=seed,
             final_norms=(
                 student.get_submodule(arch_of(student).final_norm),
                 teacher.get_submodule(arch_of(teacher).final_norm),

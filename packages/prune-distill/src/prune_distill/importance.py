@@ -1,18 +1,22 @@
 """Minitron activation-based importance, collected with forward hooks (no gradients).
 
 Scores follow Minitron (arXiv 2407.14679, Sec. 2.2) with its chosen aggregation, **mean over the
-sequence, then L2 over the batch** (Table 11):
+sequence, then L2 over the batch** (Table 11); the other reductions of its ablation are options
+(`prune_distill.aggregate`):
 
 * attention heads: the L2 norm of each head's attention output (the input of the output
-  projection, before it mixes heads), per token;
+  projection, before it mixes heads), per token, then aggregated (the paper's order); or, with
+  ``head_order="modelopt"``, each output channel's magnitude aggregated first and the head scored
+  by the L2 norm of its channels' scores (NVIDIA Model Optimizer's ``mcore_minitron`` order);
 * MLP neurons: the magnitude of the activation entering the down projection (post activation /
   gating, as NVIDIA's code does);
 * hidden channels: the magnitude of every norm layer's output, per norm, summed over all norms into
-  one model-wide ranking;
+  one model-wide ranking (the final norm optionally left out);
 * layers: Block Importance ``1 - cos(input, output)`` averaged over tokens (ShortGPT), and the
   increase of the LM loss when the layer is skipped.
 
-Padding positions (``attention_mask == 0``) are excluded from every mean; accumulation is fp32.
+Padding positions (``attention_mask == 0``) are excluded from every statistic; accumulation is fp64
+for the width scores, fp32 results.
 """
 
 from __future__ import annotations
@@ -20,13 +24,21 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prune_distill._arch import arch_of, dims_of, layers_of, model_device
+from prune_distill.aggregate import (
+    Aggregator,
+    BatchAggregation,
+    SeqAggregation,
+    check_aggregation,
+)
+from prune_distill.arch import arch_of, dims_of, layers_of, model_device
+
+HeadOrder = Literal["paper", "modelopt"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,13 +73,6 @@ class ImportanceScores:
         """Read scores written by `save`."""
         data = torch.load(path, weights_only=True)
         return cls(**data)
-
-
-def _masked_mean_seq(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over the sequence of (B, S, ...) `x`, counting only positions where `mask` is 1."""
-    m = mask.to(x.dtype).reshape(*mask.shape, *([1] * (x.dim() - 2)))
-    count = m.sum(dim=1).clamp_min(1.0)
-    return (x * m).sum(dim=1) / count
 
 
 def _rows(batch: Mapping[str, Any]) -> int:
@@ -154,6 +159,10 @@ def collect_importance(
     *,
     num_samples: int | None = 1024,
     layer_loss: bool = True,
+    seq_aggregation: SeqAggregation = "mean",
+    batch_aggregation: BatchAggregation = "l2",
+    head_order: HeadOrder = "paper",
+    final_norm: bool = True,
 ) -> ImportanceScores:
     """Score heads, MLP neurons, hidden channels and layers of `model` on calibration batches.
 
@@ -161,13 +170,22 @@ def collect_importance(
     left as they were.
 
     Args:
-        model: a supported causal LM (Llama, Mistral, Qwen2, GPT-2 classes of transformers).
+        model: a causal LM of a supported family (`prune_distill.arch.SUPPORTED`).
         batches: iterable of dicts the model accepts as keyword arguments: ``input_ids`` (B, S),
             optional ``attention_mask`` (B, S) (0 marks padding, excluded from every statistic),
             optional ``labels`` (B, S) used for the LM loss instead of ``input_ids``.
         num_samples: stop after this many sequences (Minitron uses 1024); None uses every batch.
         layer_loss: also measure the LM-loss increase when each layer is skipped (one extra
             forward pass per layer and batch).
+        seq_aggregation: reduction of the width statistics over each sample's tokens: "mean"
+            (Minitron's choice), "l2" or "var" (Minitron Table 11).
+        batch_aggregation: reduction of the per-sample values over the samples: "l2"
+            (Minitron's choice), "mean" or "var".
+        head_order: "paper" scores a head by its per-token output L2 norm, then aggregates;
+            "modelopt" aggregates every output channel first, then takes the L2 norm over the
+            head's channels (NVIDIA Model Optimizer).
+        final_norm: count the final norm's output in the hidden-channel scores (as Minitron
+            and Model Optimizer count every norm); False uses the per-layer norms only.
 
     Returns:
         The scores; pass them to `prune`.
@@ -178,33 +196,40 @@ def collect_importance(
     device = model_device(model)
     L = dims.layers
 
-    head_acc = torch.zeros(L, dims.heads, dtype=torch.float32, device=device)
-    neuron_acc = torch.zeros(L, dims.ffn, dtype=torch.float32, device=device)
+    check_aggregation(seq_aggregation, batch_aggregation)
+    if head_order not in ("paper", "modelopt"):
+        raise ValueError(f"`head_order` ({head_order!r}) must be 'paper' or 'modelopt'")
+    agg = (device, seq_aggregation, batch_aggregation)
+    modelopt = head_order == "modelopt"
+    head_acc = Aggregator(L, (dims.heads * dims.head_dim if modelopt else dims.heads,), *agg)
+    neuron_acc = Aggregator(L, (dims.ffn,), *agg)
     norm_names = [f"{spec.layers}.{i}.{n}" for i in range(L) for n in spec.layer_norms]
-    norm_names.append(spec.final_norm)
-    hidden_acc = torch.zeros(len(norm_names), dims.hidden, dtype=torch.float32, device=device)
+    if final_norm:
+        norm_names.append(spec.final_norm)
+    hidden_acc = Aggregator(len(norm_names), (dims.hidden,), *agg)
     cos_sum = torch.zeros(L, dtype=torch.float64, device=device)
     state: dict[str, Any] = {"mask": None, "layer_in": [None] * L}
 
     def head_hook(i: int) -> Any:
         def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
             x = args[0].float()
-            per_head = x.reshape(*x.shape[:2], dims.heads, -1).norm(dim=-1)  # (B, S, heads)
-            head_acc[i] += _masked_mean_seq(per_head, state["mask"]).square().sum(0)
+            if modelopt:  # per channel now, L2 over each head's channels at the end
+                head_acc.add(i, x.abs(), state["mask"])
+            else:
+                per_head = x.reshape(*x.shape[:2], dims.heads, -1).norm(dim=-1)  # (B, S, heads)
+                head_acc.add(i, per_head, state["mask"])
 
         return hook
 
     def neuron_hook(i: int) -> Any:
         def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
-            x = args[0].float().abs()
-            neuron_acc[i] += _masked_mean_seq(x, state["mask"]).square().sum(0)
+            neuron_acc.add(i, args[0].float().abs(), state["mask"])
 
         return hook
 
     def norm_hook(j: int) -> Any:
         def hook(_module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
-            x = _output_tensor(output).float().abs()
-            hidden_acc[j] += _masked_mean_seq(x, state["mask"]).square().sum(0)
+            hidden_acc.add(j, _output_tensor(output).float().abs(), state["mask"])
 
         return hook
 
@@ -271,10 +296,13 @@ def collect_importance(
     if layer_loss:
         denom = max(loss_tokens, 1)
         lm_increase = ((loss_drop - loss_base) / denom).float().cpu()
+    heads = head_acc.result()
+    if modelopt:
+        heads = heads.reshape(L, dims.heads, dims.head_dim).norm(dim=-1)
     return ImportanceScores(
-        hidden=hidden_acc.sqrt().sum(0).cpu(),
-        heads=head_acc.sqrt().cpu(),
-        neurons=neuron_acc.sqrt().cpu(),
+        hidden=hidden_acc.result().sum(0).cpu(),
+        heads=heads.cpu(),
+        neurons=neuron_acc.result().cpu(),
         block_importance=(1.0 - cos_sum / max(num_tokens, 1)).float().cpu(),
         lm_loss_increase=lm_increase,
         num_samples=num_rows,

@@ -12,7 +12,7 @@ of rows at a time, in fp32: ``dL/ds_n = w_n * T * (softmax(s_n / T) - q_n)`` whe
 (N, V) tensors, only one chunk of each plus the gradient (in the logits' dtype).
 
 Backends (`forward_kl(..., backend=)`): ``"torch"`` is the chunked path above (``chunk_size=None``:
-plain autograd, the reference); ``"triton"`` is the fused kernel in `_kl_triton` (log-softmax of
+plain autograd, the reference); ``"triton"`` is the fused kernel in `_kl_kernels` (log-softmax of
 both, KL and the student gradient in one kernel, no fp32 (N, V) temporaries; dense teacher only,
 CUDA, or CPU under ``TRITON_INTERPRET=1``); ``"auto"`` picks Triton for dense-teacher CUDA logits
 when Triton is installed and the chunked path otherwise (top-k teachers always run chunked). Both
@@ -22,16 +22,15 @@ backward can run once per forward (no ``retain_graph`` double backward).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from prune_distill.config import Backend
+
 TopK = tuple[torch.Tensor, torch.Tensor]
 """Teacher top-k logits: (values (N, k), indices (N, k))."""
-
-Backend = Literal["auto", "torch", "triton"]
-"""Which implementation `forward_kl` runs; see the module docstring."""
 
 
 def _target_logprobs(
@@ -97,9 +96,9 @@ class _FusedKL(torch.autograd.Function):
         weights: torch.Tensor,
         temperature: float,
     ) -> torch.Tensor:
-        from prune_distill import _kl_triton
+        from prune_distill import _kl_kernels
 
-        rows, grad = _kl_triton.fused_kl(
+        rows, grad = _kl_kernels.fused_kl(
             student, teacher, weights, temperature, need_grad=ctx.needs_input_grad[0]
         )
         ctx.grad = grad
@@ -135,21 +134,21 @@ def _resolve_backend(backend: str, teacher: torch.Tensor | TopK, device: torch.d
         raise ValueError(f"`backend` ({backend!r}) must be 'auto', 'torch' or 'triton'")
     if backend == "torch":
         return backend
-    from prune_distill import _kl_triton
+    from prune_distill import _kl_kernels
 
     dense = not isinstance(teacher, tuple)
     if backend == "auto":
-        return "triton" if dense and device.type == "cuda" and _kl_triton.HAS_TRITON else "torch"
+        return "triton" if dense and device.type == "cuda" and _kl_kernels.HAS_TRITON else "torch"
     if not dense:
         raise ValueError(
             "backend 'triton' takes dense teacher logits only; a top-k teacher runs on the "
             "chunked PyTorch path (backend='auto' or 'torch')"
         )
-    if not _kl_triton.available(device):
+    if not _kl_kernels.available(device):
         raise ValueError(
             "backend 'triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 set before "
             f"import on CPU); got {device} with triton "
-            f"{'installed' if _kl_triton.HAS_TRITON else 'not installed'}"
+            f"{'installed' if _kl_kernels.HAS_TRITON else 'not installed'}"
         )
     return backend
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from prune_distill._arch import ArchSpec, Axis, Dims, arch_of, dims_of
+from prune_distill.arch import ArchSpec, Axis, Dims, Resize, arch_of, dims_of
 from prune_distill.importance import ImportanceScores
 
 
@@ -25,14 +25,15 @@ class PruneTarget:
     """The shape to prune to. Fields left as None keep the model's current value."""
 
     hidden_size: int | None = None
-    """Residual width (GPT-2: ``n_embd``); must equal heads x head_dim for GPT-2."""
+    """Residual width (GPT-2: ``n_embd``); must equal heads x head_dim for GPT-2 and GPT-NeoX."""
     intermediate_size: int | None = None
     """MLP neurons per layer (GPT-2: ``n_inner``)."""
     num_attention_heads: int | None = None
     """Query heads per layer; with GQA they are trimmed within each kept KV group."""
     num_key_value_heads: int | None = None
-    """KV groups to keep (Llama family only); lowering it drops whole groups with their query
-    heads. None keeps every group (for an MHA model: follows `num_attention_heads`)."""
+    """KV groups to keep (families with grouped-query attention); lowering it drops whole groups
+    with their query heads. None keeps every group (for an MHA model: follows
+    `num_attention_heads`)."""
     num_hidden_layers: int | None = None
     """Decoder layers to keep."""
     layer_metric: Literal["block_importance", "lm_loss"] = "block_importance"
@@ -49,6 +50,7 @@ class _Plan:
     kv_heads: int
     layers: list[int]
     hidden: torch.Tensor
+    heads: list[torch.Tensor]
     q: list[torch.Tensor]
     kv: list[torch.Tensor]
     ffn: list[torch.Tensor]
@@ -101,7 +103,7 @@ def _plan(spec: ArchSpec, dims: Dims, scores: ImportanceScores, target: PruneTar
         if target.num_key_value_heads is not None:
             raise ValueError(
                 f"`num_key_value_heads` ({target.num_key_value_heads}) is not a field of "
-                f"{spec.family} models (no grouped-query attention); leave it None"
+                f"{spec.name} models (no grouped-query attention); leave it None"
             )
         kv_heads = heads
     elif target.num_key_value_heads is None:
@@ -120,22 +122,23 @@ def _plan(spec: ArchSpec, dims: Dims, scores: ImportanceScores, target: PruneTar
             "group: query heads are kept within their group. Keep more KV groups "
             f"(`num_key_value_heads` >= {-(-heads // group)}) or fewer query heads"
         )
-    if spec.family == "gpt2" and hidden != heads * dims.head_dim:
+    if spec.head_dim_field is None and hidden != heads * dims.head_dim:
         raise ValueError(
             f"`hidden_size` ({hidden}) must equal `num_attention_heads` ({heads}) x head_dim "
-            f"({dims.head_dim}) = {heads * dims.head_dim} for GPT-2, whose attention width is "
-            "its hidden size: prune heads and hidden size together, e.g. "
+            f"({dims.head_dim}) = {heads * dims.head_dim} for {spec.name}, whose attention width "
+            "is its hidden size: prune heads and hidden size together, e.g. "
             f"num_attention_heads={max(1, hidden // dims.head_dim)}, "
             f"hidden_size={max(1, hidden // dims.head_dim) * dims.head_dim}"
         )
 
     layers = _pick_layers(dims, scores, target)
     new_group = heads // kv_heads
-    q_idx, kv_idx, ffn_idx = [], [], []
+    head_idx, q_idx, kv_idx, ffn_idx = [], [], [], []
     for i in layers:
         per_group = scores.heads[i].float().reshape(dims.kv_heads, group)
         kept_groups = _top(per_group.norm(dim=1), kv_heads)
         kept_heads = torch.cat([g * group + _top(per_group[g], new_group) for g in kept_groups])
+        head_idx.append(kept_heads)
         q_idx.append(_head_channels(kept_heads, dims.head_dim))
         kv_idx.append(_head_channels(kept_groups, dims.head_dim))
         ffn_idx.append(_top(scores.neurons[i], ffn))
@@ -144,6 +147,7 @@ def _plan(spec: ArchSpec, dims: Dims, scores: ImportanceScores, target: PruneTar
         kv_heads=kv_heads,
         layers=layers,
         hidden=_top(scores.hidden, hidden),
+        heads=head_idx,
         q=q_idx,
         kv=kv_idx,
         ffn=ffn_idx,
@@ -196,17 +200,18 @@ def _new_config(model: nn.Module, spec: ArchSpec, plan: _Plan) -> Any:
         spec.heads_field: int(heads),
         spec.layers_field: len(plan.layers),
     }
-    if spec.family == "llama":
-        updates[spec.kv_field or ""] = plan.kv_heads
+    if spec.kv_field is not None:
+        updates[spec.kv_field] = plan.kv_heads
+    if spec.head_dim_field is not None:
         # The attention width no longer follows hidden_size / heads: write head_dim explicitly.
-        updates["head_dim"] = d.head_dim
-        for name in ("layer_types", "no_rope_layers"):
-            value = getattr(config, name, None)
-            if isinstance(value, list | tuple) and len(value) == d.layers:
-                updates[name] = [value[i] for i in plan.layers]
-        window = getattr(config, "max_window_layers", None)
-        if isinstance(window, int) and window < d.layers:
-            updates["max_window_layers"] = sum(1 for i in plan.layers if i < window)
+        updates[spec.head_dim_field] = d.head_dim
+    for name in spec.layer_lists:
+        value = getattr(config, name, None)
+        if isinstance(value, list | tuple) and len(value) == d.layers:
+            updates[name] = [value[i] for i in plan.layers]
+    window = getattr(config, "max_window_layers", None)
+    if isinstance(window, int) and window < d.layers:
+        updates["max_window_layers"] = sum(1 for i in plan.layers if i < window)
     for key, value in updates.items():
         setattr(config, key, value)
     try:
@@ -227,15 +232,20 @@ def _index(axis: Axis, layer: int | None, plan: _Plan) -> torch.Tensor | None:
     if axis == "hidden":
         return plan.hidden
     assert layer is not None, f"axis {axis} outside a layer"
+    d = plan.dims
     if axis == "q":
         return plan.q[layer]
     if axis == "kv":
         return plan.kv[layer]
     if axis == "ffn":
         return plan.ffn[layer]
-    inner = plan.dims.heads * plan.dims.head_dim  # "qkv": GPT-2's fused c_attn
-    q = plan.q[layer]
-    return torch.cat([q, q + inner, q + 2 * inner])
+    if axis == "ffn2":  # fused [gate | up]
+        return torch.cat([plan.ffn[layer], plan.ffn[layer] + d.ffn])
+    if axis == "qkv_heads":  # per head [q_h | k_h | v_h]
+        return _head_channels(plan.heads[layer], 3 * d.head_dim)
+    q_width, kv_width = d.heads * d.head_dim, d.kv_heads * d.head_dim  # "qkv": [q | k | v]
+    kv = plan.kv[layer]
+    return torch.cat([plan.q[layer], kv + q_width, kv + q_width + kv_width])
 
 
 def _pruned_state(model: nn.Module, spec: ArchSpec, plan: _Plan) -> dict[str, torch.Tensor]:
@@ -283,7 +293,7 @@ def prune(model: nn.Module, scores: ImportanceScores, target: PruneTarget) -> An
     in their original order, layers are renumbered from 0.
 
     Args:
-        model: a causal LM of a supported architecture (Llama, Mistral, Qwen2, GPT-2).
+        model: a causal LM of a supported architecture (see `prune_distill.arch.SUPPORTED`).
         scores: `collect_importance(model, ...)` of this very model.
         target: the shape to prune to.
 
@@ -299,13 +309,24 @@ def prune(model: nn.Module, scores: ImportanceScores, target: PruneTarget) -> An
     plan = _plan(spec, dims, scores, target)
     config = _new_config(model, spec, plan)
     state = _pruned_state(model, spec, plan)
+    if spec.rescale is not None:
+        new_dims = Dims(
+            hidden=int(plan.hidden.numel()),
+            ffn=int(plan.ffn[0].numel()) if plan.ffn else dims.ffn,
+            heads=int(plan.heads[0].numel()) if plan.heads else dims.heads,
+            kv_heads=plan.kv_heads,
+            head_dim=dims.head_dim,
+            layers=len(plan.layers),
+        )
+        resize = Resize(dims, new_dims, tuple(plan.layers), model.config, config)
+        spec.rescale(state, resize)
 
     with torch.device("meta"):
         new: Any = type(model)(config)
     new.load_state_dict(state, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         new.tie_weights()
-    _copy_buffers(model, new, spec, plan)
+    _copy_buffers(model, new, spec, plan, config)
     leftover = [n for n, t in [*new.named_parameters(), *new.named_buffers()] if t.is_meta]
     if leftover:
         raise RuntimeError(f"internal error: pruned model has uninitialised tensors {leftover}")
@@ -316,11 +337,23 @@ def prune(model: nn.Module, scores: ImportanceScores, target: PruneTarget) -> An
     return new
 
 
-def _copy_buffers(model: nn.Module, new: nn.Module, spec: ArchSpec, plan: _Plan) -> None:
-    """Fill buffers not in the state dict (rotary `inv_freq`) from the source model."""
+def _copy_buffers(
+    model: nn.Module, new: nn.Module, spec: ArchSpec, plan: _Plan, config: Any
+) -> None:
+    """Fill buffers not in the state dict.
+
+    Those the adapter derives from the new config (Gemma's embedding scale) are computed, the
+    rest (rotary `inv_freq`) copied from the source model.
+    """
     old_buffers = dict(model.named_buffers())
+    fresh = spec.buffers(config)
     regex = spec.layer_regex
     for name, buf in list(new.named_buffers()):
+        if name in fresh:
+            owner, _, attr = name.rpartition(".")
+            value = fresh[name].to(device=old_buffers[name].device, dtype=old_buffers[name].dtype)
+            new.get_submodule(owner).register_buffer(attr, value, persistent=False)
+            continue
         if not buf.is_meta:
             continue
         match = regex.match(name)

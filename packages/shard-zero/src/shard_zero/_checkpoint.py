@@ -1,36 +1,67 @@
 """Sharded, atomic checkpoints keyed by parameter name and row range, loadable at any world size.
 
-Layout of a checkpoint directory: one `rank{r:05d}.pt` per rank of the saving world, each a dict
-`{"world_size", "rank", "param_groups", "params": {name: {"shape", "rows", "sharded",
-"master", "state"}}}` where `master` is the fp32 shard (rows `rows` of the parameter) and
-`state` the optimizer's state for it. A directory is written under `<path>.tmp` and renamed
-into place by rank 0 once every rank has written, so a crash never leaves a half checkpoint at
-`path`.
+Layout of a checkpoint directory written by N ranks: for each rank r,
 
-Resharding at a different world size: masters and state tensors shaped like the shard
-(elementwise optimizers: AdamW's moments, SGD's momentum buffer) are concatenated by row range
-and re-sliced. Other state tensors (factored statistics) are classified from the saved ranks: if
-they are equal on every saved rank they are replicated (Adafactor's column statistics);
-otherwise, if their dim 0 equals each saved rank's row count, they are row-sharded (its row
-statistics) and re-sliced; anything else raises `ValueError`.
+* `rank{r:05d}.safetensors`: its fp32 master shard of every trainable parameter
+  (`<name>::master`, rows `rows[name]` of the parameter) and the optimizer's tensor state for it
+  (`<name>::state::<key>`); the header's metadata (`shard_zero`, JSON) holds the format, the
+  rank, the world size and `rows` (each parameter's row range on that rank);
+* `rank{r:05d}.meta.pt`: the optimizer's param groups and non-tensor state (e.g. integer steps).
+
+A directory is written under `<path>.tmp` and renamed into place by rank 0 once every rank has
+written, so a crash never leaves a half checkpoint at `path`.
+
+Loading reads every rank file's header (shapes and row ranges, no tensor data) and rank 0's
+`meta.pt`, then reads, with safetensors slices (`safe_open(...).get_slice(key)[a:b]`), only the
+rows of each tensor that overlap this rank's rows: a rank never materialises another rank's
+shard. Each optimizer state tensor of a parameter is classified from the saved shapes alone
+(identically on every rank, so ranks never disagree):
+
+* shaped like the saved shard (elementwise state: AdamW's moments, SGD's momentum): row-sharded;
+* 0-dim: whole (one copy, e.g. a tensor step);
+* dim 0 equal to each saved rank's row count, and not the same shape on every saved rank:
+  row-sharded (Adafactor/CAME row statistics with uneven shards);
+* the same shape on every saved rank and dim 0 not the row count: whole (column statistics);
+* both possible (e.g. saved at world 1, or a column count equal to the rows per rank): the
+  parameter has >= 3 dims -> row-sharded (factored statistics of a stack of matrices keep the
+  leading dim); else the state key decides: containing `row` -> row-sharded, `col` -> whole
+  (the names Adafactor, CAME, torch and Hugging Face use); otherwise `ValueError`.
+
+Whole tensors are read from one saved rank (`rank % saved_world`), row-sharded ones are sliced.
+A parameter saved replicated (below `min_shard_numel`) and loaded sharded, or the reverse, is
+resliced the same way.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from shard_zero._api import engine_of
 from shard_zero._layout import Entry
 from shard_zero._optimizer import ZeroOptimizer
 
-_FORMAT = 1
+_FORMAT = 2
+_SEP = "::"
+_META_KEY = "shard_zero"
+
+
+def _tensors_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def _meta_file(rank: int) -> str:
+    return f"rank{rank:05d}.meta.pt"
 
 
 def _barrier(group: Any) -> None:
@@ -46,6 +77,9 @@ def save_checkpoint(
         path: the checkpoint directory (replaced atomically if it exists).
         model: the model returned by `prepare`.
         optimizer: the optimizer returned by `prepare`.
+
+    Raises:
+        TypeError: an optimizer state key is not a string.
     """
     engine = engine_of(model)
     final = Path(path)
@@ -55,25 +89,32 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier(engine.group)
     inner = optimizer.optimizer
-    params: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    rows: dict[str, tuple[int, int]] = {}
+    scalars: dict[str, dict[str, Any]] = {}
     for e in engine.entries:
-        state = {k: _to_cpu(v) for k, v in inner.state.get(e.master, {}).items()}
-        params[e.name] = {
-            "shape": e.shape,
-            "rows": (e.start, e.end),
-            "sharded": e.sharded,
-            "master": _to_cpu(e.master),
-            "state": state,
-        }
+        tensors[e.name + _SEP + "master"] = _to_cpu(e.master)
+        rows[e.name] = (e.start, e.end) if e.sharded else (0, e.rows)
+        scalars[e.name] = {}
+        for key, value in inner.state.get(e.master, {}).items():
+            if not isinstance(key, str):
+                raise TypeError(f"optimizer state key {key!r} of {e.name!r} must be a str")
+            if isinstance(value, torch.Tensor):
+                tensors[e.name + _SEP + "state" + _SEP + key] = _to_cpu(value)
+            else:
+                scalars[e.name][key] = value
+    header = {"format": _FORMAT, "rank": engine.rank, "world_size": engine.world, "rows": rows}
+    save_file(tensors, tmp / _tensors_file(engine.rank), metadata={_META_KEY: json.dumps(header)})
     groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
-    payload = {
+    meta = {
         "format": _FORMAT,
         "world_size": engine.world,
         "rank": engine.rank,
         "param_groups": groups,
-        "params": params,
+        "shapes": {e.name: e.shape for e in engine.entries},
+        "scalars": scalars,
     }
-    torch.save(payload, tmp / f"rank{engine.rank:05d}.pt")
+    torch.save(meta, tmp / _meta_file(engine.rank))
     _barrier(engine.group)
     if engine.rank == 0:
         old = final.with_name(final.name + ".old")
@@ -85,68 +126,176 @@ def save_checkpoint(
     _barrier(engine.group)
 
 
+class _Files:
+    """The saved ranks' safetensors files, opened lazily; headers are read without tensor data."""
+
+    def __init__(self, root: Path, world: int, stack: ExitStack) -> None:
+        self.paths = [root / _tensors_file(r) for r in range(world)]
+        missing = [p.name for p in self.paths if not p.is_file()]
+        if missing:
+            raise ValueError(
+                f"checkpoint {os.fspath(root)!r} was saved by {world} ranks but lacks {missing[:4]}"
+            )
+        self.stack = stack
+        self.handles: dict[int, Any] = {}
+        self.keys: dict[int, set[str]] = {}
+        self.rows: dict[int, dict[str, tuple[int, int]]] = {}
+
+    def handle(self, rank: int) -> Any:
+        if rank not in self.handles:
+            f = self.stack.enter_context(safe_open(self.paths[rank], framework="pt", device="cpu"))
+            self.handles[rank] = f
+            self.keys[rank] = set(f.keys())
+            header = json.loads(f.metadata()[_META_KEY])
+            self.rows[rank] = {k: (int(v[0]), int(v[1])) for k, v in header["rows"].items()}
+        return self.handles[rank]
+
+    def piece_rows(self, rank: int, name: str) -> tuple[int, int]:
+        self.handle(rank)
+        return self.rows[rank][name]
+
+    def shape(self, rank: int, key: str) -> tuple[int, ...] | None:
+        f = self.handle(rank)
+        if key not in self.keys[rank]:
+            return None
+        return tuple(f.get_slice(key).get_shape())
+
+    def read_rows(self, rank: int, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) (in the saved piece's own numbering) of tensor `key`."""
+        return self.handle(rank).get_slice(key)[lo:hi]  # type: ignore[no-any-return]
+
+    def read_whole(self, rank: int, key: str) -> torch.Tensor:
+        return self.handle(rank).get_tensor(key)  # type: ignore[no-any-return]
+
+
 def load_checkpoint(
     path: str | os.PathLike[str], model: nn.Module, optimizer: ZeroOptimizer
 ) -> None:
     """Load a `save_checkpoint` directory into a prepared model and optimizer (collective).
 
-    The saving world size may differ from the current one (see the module docstring).
+    The saving world size, stage and `min_shard_numel` may differ from the current ones; each
+    rank reads only the rows it holds (see the module docstring).
 
     Raises:
-        FileNotFoundError: `path` holds no rank files.
-        ValueError: the checkpoint's parameters do not match the model's, or a factored
-            state tensor cannot be resharded to the new world size.
+        FileNotFoundError: `path` holds no shard-zero checkpoint.
+        ValueError: the checkpoint's parameters do not match the model's, a rank file is
+            missing, or an optimizer state tensor cannot be resharded.
     """
     engine = engine_of(model)
-    files = sorted(Path(path).glob("rank*.pt"))
-    if not files:
-        raise FileNotFoundError(f"no rank*.pt files in checkpoint directory {os.fspath(path)!r}")
-    saved = [torch.load(f, map_location="cpu", weights_only=True) for f in files]
-    if len(saved) != saved[0]["world_size"]:
-        raise ValueError(
-            f"checkpoint {os.fspath(path)!r} has {len(saved)} rank files but was saved by "
-            f"{saved[0]['world_size']} ranks"
+    root = Path(path)
+    meta_path = root / _meta_file(0)
+    if not meta_path.is_file():
+        old = sorted(root.glob("rank*.pt"))
+        hint = " (a format-1 checkpoint of an older shard-zero: re-save it)" if old else ""
+        raise FileNotFoundError(
+            f"no shard-zero checkpoint in {os.fspath(path)!r}: {meta_path.name} is missing{hint}"
         )
-    same_world = len(saved) == engine.world
-    inner = optimizer.optimizer
-    names = set(saved[0]["params"])
-    missing = sorted({e.name for e in engine.entries} ^ names)
-    if missing:
-        raise ValueError(f"checkpoint and model parameters differ: {missing[:8]}")
+    meta = torch.load(meta_path, map_location="cpu", weights_only=True)
+    if meta.get("format") != _FORMAT:
+        raise ValueError(f"checkpoint format {meta.get('format')!r} != {_FORMAT}")
+    shapes = {k: tuple(v) for k, v in meta["shapes"].items()}
+    differ = sorted({e.name for e in engine.entries} ^ set(shapes))
+    if differ:
+        raise ValueError(f"checkpoint and model parameters differ: {differ[:8]}")
     for e in engine.entries:
-        pieces = [s["params"][e.name] for s in saved]
-        if tuple(pieces[0]["shape"]) != e.shape or pieces[0]["sharded"] != e.sharded:
+        if shapes[e.name] != e.shape:
             raise ValueError(
-                f"parameter {e.name!r}: checkpoint shape {tuple(pieces[0]['shape'])} / sharded "
-                f"{pieces[0]['sharded']} != model {e.shape} / {e.sharded} (same "
-                "`min_shard_numel` required)"
+                f"parameter {e.name!r}: checkpoint shape {shapes[e.name]} != model shape {e.shape}"
             )
-        mine = pieces[engine.rank] if same_world else None
-        master = mine["master"] if mine is not None else _reslice(e, pieces, "master")
-        e.master.data.copy_(master)
-        state: dict[str, Any] = {}
-        for key, value in pieces[0]["state"].items():
-            if mine is not None:
-                state[key] = mine["state"][key]
-            elif not isinstance(value, torch.Tensor) or value.dim() == 0 or not e.sharded:
-                state[key] = value
-            else:
-                state[key] = _reslice_state(e, pieces, key)
-        if state:
-            group = _group_of(inner, e.master)
-            inner.state[e.master] = {k: _to_device(k, v, e.master, group) for k, v in state.items()}
-        else:
-            inner.state.pop(e.master, None)
-    for group, saved_group in zip(inner.param_groups, saved[0]["param_groups"], strict=True):
+    inner = optimizer.optimizer
+    with ExitStack() as stack:
+        files = _Files(root, int(meta["world_size"]), stack)
+        for e in engine.entries:
+            _load_entry(e, files, engine.rank, meta["scalars"][e.name], inner)
+    for group, saved_group in zip(inner.param_groups, meta["param_groups"], strict=True):
         group.update(saved_group)
     engine.push_params()
 
 
-def _to_cpu(value: Any) -> Any:
-    """A CPU copy of a tensor (files hold CPU tensors whatever the model's device)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    return value
+def _load_entry(
+    e: Entry, files: _Files, rank: int, scalars: dict[str, Any], inner: torch.optim.Optimizer
+) -> None:
+    world = len(files.paths)
+    pieces = [(r, *files.piece_rows(r, e.name)) for r in range(world)]
+    if all(p[1:] == (0, e.rows) for p in pieces):  # saved replicated: one piece holds it all
+        pieces = [pieces[rank % world]]
+    target = (e.start, e.end) if e.sharded else (0, e.rows)
+    master = _read(
+        e, files, pieces, target=target, rank=rank, key=e.name + _SEP + "master", label="master"
+    )
+    e.master.data.copy_(master.reshape(e.master.shape))
+    prefix = e.name + _SEP + "state" + _SEP
+    files.handle(pieces[0][0])
+    keys = sorted(k[len(prefix) :] for k in files.keys[pieces[0][0]] if k.startswith(prefix))
+    state: dict[str, Any] = dict(scalars)
+    for key in keys:
+        state[key] = _read(e, files, pieces, target=target, rank=rank, key=prefix + key, label=key)
+    if state:
+        group = _group_of(inner, e.master)
+        inner.state[e.master] = {k: _to_device(k, v, e.master, group) for k, v in state.items()}
+    else:
+        inner.state.pop(e.master, None)
+
+
+def _read(
+    e: Entry,
+    files: _Files,
+    pieces: list[tuple[int, int, int]],
+    *,
+    target: tuple[int, int],
+    rank: int,
+    key: str,
+    label: str,
+) -> torch.Tensor:
+    """This rank's value of tensor `key`: the overlapping rows of the pieces, or one whole copy."""
+    shapes = [files.shape(r, key) for r, _, _ in pieces]
+    absent = [r for (r, _, _), s in zip(pieces, shapes, strict=True) if s is None]
+    if absent:
+        raise ValueError(f"{e.name!r}: {label!r} is missing from saved rank(s) {absent[:4]}")
+    known = [s for s in shapes if s is not None]
+    if not _row_sharded(e, known, [hi - lo for _, lo, hi in pieces], label):
+        return files.read_whole(pieces[rank % len(pieces)][0], key)
+    parts = []
+    for r, lo, hi in pieces:
+        a, b = max(lo, target[0]), min(hi, target[1])
+        if a < b:
+            parts.append(files.read_rows(r, key, a - lo, b - lo))
+    if not parts:  # this rank holds no rows: an empty tensor of the right shape and dtype
+        return files.read_rows(pieces[0][0], key, 0, 0)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def _row_sharded(e: Entry, shapes: list[tuple[int, ...]], rows: list[int], key: str) -> bool:
+    """Whether a saved tensor is split by rows like the parameter (see the module docstring)."""
+    rest = e.shape[1:]
+    if not e.shape:
+        return False
+    if all(s == (r, *rest) for s, r in zip(shapes, rows, strict=True)):
+        return True
+    if any(len(s) == 0 for s in shapes):
+        return False
+    by_rows = all(s[0] == r and s[1:] == shapes[0][1:] for s, r in zip(shapes, rows, strict=True))
+    same = all(s == shapes[0] for s in shapes)
+    if by_rows != same:
+        return by_rows
+    lower = key.lower()
+    if by_rows and len(e.shape) >= 3:
+        return True
+    if by_rows and "row" in lower and "col" not in lower:
+        return True
+    if by_rows and "col" in lower and "row" not in lower:
+        return False
+    raise ValueError(
+        f"cannot tell whether optimizer state {key!r} of {e.name!r} (saved shapes "
+        f"{shapes[:4]}, rows per saved rank {rows[:4]}) is split by rows or whole; load it at "
+        f"the saving world size ({len(rows)}) with the same `min_shard_numel`, or name row "
+        "statistics '*row*' and column statistics '*col*'"
+    )
+
+
+def _to_cpu(value: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy (files hold CPU tensors whatever the model's device)."""
+    return value.detach().to("cpu", copy=True).contiguous()
 
 
 def _group_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any]:
@@ -164,26 +313,3 @@ def _to_device(key: str, value: Any, param: torch.Tensor, group: dict[str, Any])
     if key == "step" and not (group.get("capturable") or group.get("fused")):
         return value
     return value.to(param.device)
-
-
-def _reslice(e: Entry, pieces: list[dict[str, Any]], key: str) -> torch.Tensor:
-    if not e.sharded:
-        return pieces[0][key]  # type: ignore[no-any-return]
-    full = torch.cat([p[key] for p in pieces], dim=0)
-    return full[e.start : e.end]
-
-
-def _reslice_state(e: Entry, pieces: list[dict[str, Any]], key: str) -> torch.Tensor:
-    values: list[torch.Tensor] = [p["state"][key] for p in pieces]
-    rows = [p["rows"][1] - p["rows"][0] for p in pieces]
-    if all(v.shape == p["master"].shape for v, p in zip(values, pieces, strict=True)):
-        return torch.cat(values, dim=0)[e.start : e.end]
-    if all(v.shape == values[0].shape and torch.equal(v, values[0]) for v in values):
-        return values[0]
-    if all(v.shape[0] == r for v, r in zip(values, rows, strict=True)):
-        return torch.cat(values, dim=0)[e.start : e.end]
-    raise ValueError(
-        f"cannot reshard optimizer state {key!r} of {e.name!r} (shapes "
-        f"{[tuple(v.shape) for v in values]}) to a different world size; load it at the saving "
-        f"world size ({len(pieces)})"
-    )

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -42,6 +43,15 @@ _CAUSE = (
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def host_readable(t: torch.Tensor) -> bool:
+    """Whether `t` holds data the host can read (False for fake tensors: shapes only).
+
+    Under `FakeTensorMode` (the scale simulator) every value read (`.tolist()`, `bool(t)`)
+    raises; shard-zero's checks that read values skip themselves there.
+    """
+    return not is_fake(t)
 
 
 def _timeout_group(group: Any, timeout: datetime.timedelta) -> Any:
@@ -140,6 +150,8 @@ class Comm:
     # ------------------------------------------------------------------ divergence checks
     def check_tags(self, ident: int, seq: int, tags: torch.Tensor) -> None:
         """Compare gathered `(ident, hash)` tags (world, 2) with this rank's `(ident, seq)`."""
+        if not host_readable(tags):
+            return
         if tags.device.type == "cpu":
             self._raise_on_mismatch(ident, seq, tags)
             return
@@ -190,7 +202,7 @@ class Comm:
             dist.broadcast(t, src=root, group=self.group)
         except RuntimeError as exc:
             raise self._failed("the per-step consistency check", exc) from exc
-        theirs = t.tolist()
+        theirs = t.tolist() if host_readable(t) else mine
         if theirs != mine:
             same = " (as many, but different ones)" if theirs[0] == mine[0] else ""
             raise RuntimeError(

@@ -49,8 +49,11 @@ class Entry:
         start, end: this rank's rows.
         chunk: rows per rank in the padded communication layout.
         row_numel: elements per row.
-        acc: fp32 full-size gradient accumulated over micro-batches (until reduced).
-        ready: whether this parameter's gradient arrived in the current backward.
+        acc: replicated parameters at stages 2-3: the fp32 gradient accumulated over
+            backwards until the end-of-backward all-reduce.
+        ready: whether this parameter's gradient was packed into its bucket in this backward.
+        held: stages 2-3, a parameter travelling in pieces: its gradient (compute dtype) from
+            its arrival until its last piece is packed.
     """
 
     name: str
@@ -64,6 +67,7 @@ class Entry:
     row_numel: int
     acc: torch.Tensor | None = None
     ready: bool = False
+    held: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -90,64 +94,125 @@ def row_split(rows: int, world: int, rank: int) -> tuple[int, int, int]:
 
 @dataclass(eq=False)
 class Bucket:
-    """Parameters that travel together in one collective, at `offsets` within each rank row."""
+    """Parameters that travel together in one collective, at `offsets` within each rank row.
+
+    A *piece* (`rows` set) carries rows [a, b) of every rank's chunk of its single entry: a
+    parameter larger than a bucket travels in several pieces, so no communication buffer is
+    larger than `bucket_numel` elements (beyond one row per rank).
+    """
 
     entries: list[Entry]
+    rows: tuple[int, int] | None = None
     offsets: list[int] = field(default_factory=list)
     size: int = 0
-    pending: int = 0
-    launched: bool = False
+    pending: int = 0  # gradients still to arrive in this backward
     ident: int = 0  # what `Comm` calls this bucket's gradient reduction
+    buf: torch.Tensor | None = None  # (world, size) reduce-scatter input being packed
 
     def __post_init__(self) -> None:
-        offset = 0
-        self.offsets = []
-        for e in self.entries:
-            self.offsets.append(offset)
-            offset += e.seg
-        self.size = offset
+        if self.rows is not None:
+            assert len(self.entries) == 1
+            assert 0 <= self.rows[0] < self.rows[1]
+            a, b = self.rows
+            self.offsets = [0]
+            self.size = (b - a) * self.entries[0].row_numel
+        else:
+            offset = 0
+            self.offsets = []
+            for e in self.entries:
+                self.offsets.append(offset)
+                offset += e.seg
+            self.size = offset
         self.pending = len(self.entries)
 
+    def span(self, e: Entry) -> tuple[int, int]:
+        """The rows of each rank's chunk of `e` this bucket carries."""
+        return self.rows if self.rows is not None else (0, e.chunk)
 
-def _padded_view(buf2d: torch.Tensor, offset: int, e: Entry) -> torch.Tensor:
-    return buf2d[:, offset : offset + e.seg].view(buf2d.shape[0], e.chunk, e.row_numel)
+
+def _view(buf2d: torch.Tensor, offset: int, e: Entry, span: tuple[int, int]) -> torch.Tensor:
+    n = span[1] - span[0]
+    return buf2d[:, offset : offset + n * e.row_numel].view(buf2d.shape[0], n, e.row_numel)
 
 
-def pack_full(buf2d: torch.Tensor, offset: int, e: Entry, full: torch.Tensor | None) -> None:
-    """Write the full tensor `full` (or zeros) into the rank-major bucket `buf2d` (world, S)."""
-    view = _padded_view(buf2d, offset, e)
+def _last_rank_rows(e: Entry, span: tuple[int, int]) -> tuple[int, int]:
+    """`(q, n)`: ranks < q hold whole chunks; rank q holds `n` rows of `span` (maybe 0)."""
+    q, rem = divmod(e.rows, e.chunk)
+    return q, max(0, min(span[1], rem) - span[0])
+
+
+def pack_full(
+    buf2d: torch.Tensor,
+    offset: int,
+    e: Entry,
+    full: torch.Tensor | None,
+    span: tuple[int, int] | None = None,
+) -> None:
+    """Write rows `span` of every rank's chunk of `full` (or zeros) into `buf2d` (world, S)."""
+    a, b = span or (0, e.chunk)
+    view = _view(buf2d, offset, e, (a, b))
     if full is None:
         view.zero_()
         return
     rows = full.reshape(e.rows, e.row_numel)
-    q, rem = divmod(e.rows, e.chunk)
-    view[:q].copy_(rows[: q * e.chunk].view(q, e.chunk, e.row_numel))
-    if rem:
-        view[q, :rem].copy_(rows[q * e.chunk :])
+    q, n = _last_rank_rows(e, (a, b))
+    if q:
+        view[:q].copy_(rows[: q * e.chunk].view(q, e.chunk, e.row_numel)[:, a:b])
+    if n:
+        view[q, :n].copy_(rows[q * e.chunk + a : q * e.chunk + a + n])
 
 
-def unpack_full(buf2d: torch.Tensor, offset: int, e: Entry, full: torch.Tensor) -> None:
-    """Copy the real rows of a gathered rank-major bucket `buf2d` into the full tensor `full`."""
-    view = _padded_view(buf2d, offset, e)
+def unpack_full(
+    buf2d: torch.Tensor,
+    offset: int,
+    e: Entry,
+    full: torch.Tensor,
+    span: tuple[int, int] | None = None,
+) -> None:
+    """Copy the real rows `span` of a gathered rank-major bucket `buf2d` into `full`."""
+    a, b = span or (0, e.chunk)
+    view = _view(buf2d, offset, e, (a, b))
     rows = full.view(e.rows, e.row_numel)
-    q, rem = divmod(e.rows, e.chunk)
-    rows[: q * e.chunk].view(q, e.chunk, e.row_numel).copy_(view[:q])
-    if rem:
-        rows[q * e.chunk :].copy_(view[q, :rem])
+    q, n = _last_rank_rows(e, (a, b))
+    if q:
+        rows[: q * e.chunk].view(q, e.chunk, e.row_numel)[:, a:b].copy_(view[:q])
+    if n:
+        rows[q * e.chunk + a : q * e.chunk + a + n].copy_(view[q, :n])
 
 
-def local_piece(flat: torch.Tensor, offset: int, e: Entry) -> torch.Tensor:
+def local_rows(e: Entry, span: tuple[int, int]) -> tuple[int, int]:
+    """`(first, count)`: this rank's rows of `e` (relative to its shard) inside `span`."""
+    a, b = span
+    return a, max(0, min(b, e.end - e.start) - a)
+
+
+def local_piece(
+    flat: torch.Tensor, offset: int, e: Entry, span: tuple[int, int] | None = None
+) -> torch.Tensor:
     """This rank's rows of `e` inside one rank's bucket segment `flat` (S,), in `e`'s shape."""
-    return flat[offset : offset + e.local_numel].view((e.end - e.start, *e.shape[1:]))
+    _, n = local_rows(e, span or (0, e.chunk))
+    return flat[offset : offset + n * e.row_numel].view((n, *e.shape[1:]))
 
 
-def make_buckets(entries: list[Entry], bucket_numel: int) -> list[Bucket]:
-    """Greedy consecutive buckets of at most `bucket_numel` padded elements (at least one entry)."""
+def make_buckets(entries: list[Entry], bucket_numel: int, world: int) -> list[Bucket]:
+    """Greedy consecutive buckets of at most `bucket_numel` elements over all `world` ranks.
+
+    An entry larger than that on its own is cut into pieces of whole rows per rank (at least
+    one row per rank each).
+    """
     buckets: list[Bucket] = []
     current: list[Entry] = []
     size = 0
     for e in entries:
-        if current and size + e.seg > bucket_numel:
+        if world * e.seg > bucket_numel and e.chunk > 1:
+            if current:
+                buckets.append(Bucket(current))
+                current, size = [], 0
+            per = max(1, bucket_numel // (world * e.row_numel))
+            for a in range(0, e.chunk, per):
+                buckets.append(Bucket([e], rows=(a, min(a + per, e.chunk))))
+            continue
+        if current and world * (size + e.seg) > bucket_numel:
             buckets.append(Bucket(current))
             current, size = [], 0
         current.append(e)

@@ -48,8 +48,11 @@ class ZeroOptimizer(Optimizer):
             raise ValueError("`closure` is not supported by shard-zero (run backward yourself)")
         self.engine.reduce_leftover()
         self.engine.check_step()  # before the weights change: a diverged step raises here
-        loss = self.optimizer.step()
-        self.engine.push_params()
+        self.engine.release_params()  # stages 1-2, mixed precision: refilled by push_params
+        try:
+            loss = self.optimizer.step()
+        finally:
+            self.engine.push_params()
         self.engine.comm.end_step()
         return loss
 

@@ -8,33 +8,61 @@ import torch
 from torch import nn
 
 from shard_zero._api import engine_of
+from shard_zero._layout import unpack_full
 from shard_zero._optimizer import ZeroOptimizer
 
+_FULL_STATE_IDENT = 700_000  # + entry index: what the full_state_dict gathers carry
 
-def full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """The unsharded state dict of `model` with its original keys (a collective).
 
-    Trainable parameters come from the fp32 master shards (all-gathered), so they carry full
-    precision even under mixed precision; buffers and frozen parameters are copied as they are.
-    Tied parameters appear under every key they had. Call it on every rank; every rank gets the
-    whole dict (e.g. save it from rank 0 with `save_pretrained(..., state_dict=...)`).
+def full_state_dict(
+    model: nn.Module, *, dtype: torch.dtype | None = None, rank0_only: bool = False
+) -> dict[str, Any]:
+    """The unsharded state dict of `model` with its original keys, on the CPU (a collective).
+
+    Trainable parameters come from the fp32 master shards, all-gathered one tensor at a time
+    and copied to the CPU before the next: the device holds at most one full parameter (plus
+    its padding) beyond its shards, never the whole fp32 model. They carry full precision even
+    under mixed precision; buffers and frozen parameters are copied to the CPU as they are.
+    Tied parameters appear under every key they had. Call it on every rank (e.g. save the
+    result from rank 0 with `save_pretrained(..., state_dict=...)`).
 
     Args:
         model: a model returned by `prepare`.
         dtype: cast trainable parameters to this dtype (None: fp32).
+        rank0_only: only rank 0 builds the dict (CPU memory for one copy of the model); the
+            other ranks take part in the gathers and get `{}`.
     """
     engine = engine_of(model)
-    gathered = engine.gather_masters()
-    out: dict[str, Any] = {}
+    keep = not rank0_only or engine.rank == 0
+    gathered: dict[nn.Parameter, torch.Tensor] = {}
+    for i, e in enumerate(engine.entries):
+        if e.sharded:
+            ident = _FULL_STATE_IDENT + i
+            engine.comm.names[ident] = f"the master weight {e.name!r} (full_state_dict)"
+            inp = torch.zeros(e.seg, dtype=torch.float32, device=engine.device)
+            inp[: e.local_numel].copy_(e.master.detach().reshape(-1))
+            out = torch.empty(engine.world * e.seg, dtype=torch.float32, device=engine.device)
+            engine.comm.wait(engine.comm.all_gather(out, inp, ident=ident), ident)
+            if keep:
+                full = torch.empty(e.shape, dtype=torch.float32, device="cpu")
+                unpack_full(out.view(engine.world, e.seg), 0, e, full)
+                gathered[e.param] = full if dtype is None else full.to(dtype)
+            del inp, out
+        elif keep:
+            full = e.master.detach().to("cpu", copy=True)
+            gathered[e.param] = full if dtype is None else full.to(dtype)
+    if not keep:
+        return {}
+    out_dict: dict[str, Any] = {}
     for key, value in model.state_dict(keep_vars=True).items():
-        full = gathered.get(value) if isinstance(value, nn.Parameter) else None
-        if full is not None:
-            out[key] = full if dtype is None else full.to(dtype)
+        full_value = gathered.get(value) if isinstance(value, nn.Parameter) else None
+        if full_value is not None:
+            out_dict[key] = full_value
         elif isinstance(value, torch.Tensor):
-            out[key] = value.detach().clone()
+            out_dict[key] = value.detach().to("cpu", copy=True)
         else:
-            out[key] = value
-    return out
+            out_dict[key] = value
+    return out_dict
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:

@@ -12,29 +12,80 @@ so all three training GEMMs cost density x dense (the STK decomposition, Gale et
 "MegaBlocks", arXiv 2211.15841). Numerics: every kernel accumulates in fp32 (`tl.dot` with an
 fp32 accumulator) and casts once on store. Loads are upcast to fp32 when UPCAST is set (always
 under TRITON_INTERPRET=1, where bf16 arithmetic is wrong); on a GPU bf16/fp16 operands go to
-the tensor cores as they are, and fp32 operands use TF32 (Triton's default).
+the tensor cores as they are, and fp32 operands use TF32 (Triton's default). dW splits the token
+sum over programs when there are few tiles: fp32 partials, summed in split order (deterministic).
+Launch configurations: `kernel_config` (also compiled for sm_80/sm_90 by tools/gpu_compile.py).
 
-The PyTorch paths (`*_torch`) are the CPU implementation and the reference the kernel tests
-compare against; `*_dense_reference` compute the same products through the dense weight.
+The PyTorch paths (`*_torch`, the CPU implementation) and the dense references the kernel tests
+compare against (`*_dense_reference`) are in `_bsr_torch`.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import warnings
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from sparse_kernels.layout import BlockLayout, blocks_to_dense, dense_to_blocks
+from sparse_kernels.layout import BlockLayout
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-BLOCK_M = 16 if _INTERPRET else 64
+BLOCK_SIZES = (16, 32, 64, 128)
+"""Tile edges the kernels take (power of two; 128 is the largest whose dW tile fits registers)."""
+_SHARED_BUDGET = 160 * 1024  # bytes of shared memory a config may plan for (A100: 163 KB)
+_INTERPRET_BLOCK_M = 16  # the interpreter pays ~0.5 ms per program and per op: small tiles
 
 
-def triton_available(device: torch.device) -> bool:
+def kernel_config(kernel: str, block_size: int, dtype: torch.dtype) -> dict[str, int]:
+    """GPU launch configuration of `kernel` ("dsd" | "dsdt" | "sdd") for b x b tiles of `dtype`.
+
+    `BLOCK_M` is the token tile (the rows of X/dY a program owns; for "sdd" the token step of its
+    reduction loop), `BK` the reduction chunk of a tile per loop step ("dsd"/"dsdt"), and
+    `num_warps`/`num_stages` go to the launch. The launchers use exactly these, and
+    `gpu_launch_configs()` lists them for `tools/gpu_compile.py`, which checks on sm_80/sm_90
+    that they compile without spills, within shared memory, onto tensor cores, pipelined.
+
+    * "dsd"/"dsdt" loop over (tile, chunk of BK) pairs; `num_stages` = 3 gives 2 operand
+      buffers on sm_80 and 3 on sm_90 (the tile indices are prefetched one step ahead).
+    * "sdd" holds a (b, b) fp32 accumulator: 8 warps at b = 128 keep it at 64 registers per
+      thread, and a 32-token step keeps the operand buffers small.
+    """
+    if kernel not in ("dsd", "dsdt", "sdd"):
+        raise ValueError(f"`kernel` ({kernel!r}) must be 'dsd', 'dsdt' or 'sdd'")
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"the Triton kernels take `block_size` in {BLOCK_SIZES}, got {block_size}")
+    elt = torch.empty(0, dtype=dtype).element_size()
+    warps = 8 if block_size == 128 else 4
+    if kernel == "sdd":
+        block_m = 32 if block_size == 128 else 64
+        return {"BLOCK_M": block_m, "BK": block_size, "num_warps": warps, "num_stages": 3}
+    bk = min(block_size, 64 if elt <= 2 else 32)
+    per_stage = (64 * bk + block_size * bk) * elt
+    stages = 3 if 3 * per_stage <= _SHARED_BUDGET else 2
+    return {"BLOCK_M": 64, "BK": bk, "num_warps": warps, "num_stages": stages}
+
+
+def _launch_config(kernel: str, block_size: int, dtype: torch.dtype) -> dict[str, int]:
+    config = kernel_config(kernel, block_size, dtype)
+    if _INTERPRET:
+        config["BLOCK_M"] = _INTERPRET_BLOCK_M
+    return config
+
+
+def sdd_splits(nnzb: int, tokens: int, block_m: int, programs: int) -> int:
+    """Token splits of the dW kernel.
+
+    Enough programs (`nnzb · splits` >= `programs`, about two waves of SMs), each with at least
+    4 token steps, at most 16 partial sums.
+    """
+    want = -(-programs // max(nnzb, 1))
+    return max(1, min(want, tokens // (4 * block_m), 16))
+
+
+def available(device: torch.device) -> bool:
     """Whether the Triton kernels can run on `device` (CUDA, or CPU under the interpreter)."""
     if not HAS_TRITON:
         return False
@@ -61,27 +112,39 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr,
         UPCAST: tl.constexpr,
         BS: tl.constexpr,
+        BK: tl.constexpr,
         BLOCK_M: tl.constexpr,
     ):
-        """One program: rows [pid_m·BLOCK_M, +BLOCK_M) of Y, block column r (= block row of W)."""
+        """One program: rows [pid_m·BLOCK_M, +BLOCK_M) of Y, block column r (= block row of W).
+
+        One flat loop over (stored tile p of row r, chunk of BK of its columns): a tile index
+        load, then two operand loads and a dot, a shape Triton's software pipeliner
+        multi-buffers. `K` is the masked width of x (the launcher pads x to a multiple of 16
+        columns, so rows are 16-byte aligned and the loads vectorize).
+        """
         pid_m = tl.program_id(0)
         r = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_b = tl.arange(0, BS)
+        offs_k = tl.arange(0, BK)
         m_mask = offs_m < M
+        x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+        w_tile = v_ptr + offs_b[:, None] * BS + offs_k[None, :]  # (BS, BK) chunk of a tile
         acc = tl.zeros([BLOCK_M, BS], dtype=tl.float32)
         start = tl.load(row_ptr + r)
         end = tl.load(row_ptr + r + 1)
-        for p in range(start, end):
-            c = tl.load(col_idx + p)
-            k = c * BS + offs_b
-            x = tl.load(
-                x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + k[None, :],
-                mask=m_mask[:, None] & (k[None, :] < K),
-                other=0.0,
-            )
-            # int32 offset: the launcher checks nnzb·BS² < 2³¹ (the loop index is int32).
-            w = tl.load(v_ptr + p * (BS * BS) + offs_b[:, None] * BS + offs_b[None, :])
+        # the tile's block column is loaded one step ahead (loop-carried), so the operand
+        # addresses never wait on a load of the same step: Triton then pipelines the operand
+        # loads with num_stages - 1 buffers (with the index load in the same step, sm_80 got 1)
+        c = tl.load(col_idx + start, mask=start < end, other=0)
+        for it in range(0, (end - start) * (BS // BK)):
+            p = start + it // (BS // BK)
+            kk = (it % (BS // BK)) * BK
+            k = c * BS + kk + offs_k
+            x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k[None, :] < K), other=0.0)
+            w = tl.load(w_tile + p.to(tl.int64) * (BS * BS) + kk)
+            p_next = start + (it + 1) // (BS // BK)
+            c = tl.load(col_idx + p_next, mask=p_next < end, other=0)
             if UPCAST:
                 x = x.to(tl.float32)
                 w = w.to(tl.float32)
@@ -110,27 +173,36 @@ if HAS_TRITON:
         stride_dxm,
         UPCAST: tl.constexpr,
         BS: tl.constexpr,
+        BK: tl.constexpr,
         BLOCK_M: tl.constexpr,
     ):
-        """One program: rows of dX in block column c; loops over the stored tiles of column c."""
+        """One program: rows of dX in block column c.
+
+        One flat loop over (stored tile of column c, chunk of BK of its rows). `N` is the
+        masked (16-padded) width of dy.
+        """
         pid_m = tl.program_id(0)
         c = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_b = tl.arange(0, BS)
+        offs_k = tl.arange(0, BK)
         m_mask = offs_m < M
+        dy_rows = dy_ptr + offs_m[:, None].to(tl.int64) * stride_dym
+        w_tile = v_ptr + offs_k[:, None] * BS + offs_b[None, :]  # (BK, BS) chunk of a tile
         acc = tl.zeros([BLOCK_M, BS], dtype=tl.float32)
         start = tl.load(col_ptr + c)
         end = tl.load(col_ptr + c + 1)
-        for q in range(start, end):
-            p = tl.load(t_perm + q)
-            r = tl.load(row_idx + p)
-            n = r * BS + offs_b
-            dy = tl.load(
-                dy_ptr + offs_m[:, None].to(tl.int64) * stride_dym + n[None, :],
-                mask=m_mask[:, None] & (n[None, :] < N),
-                other=0.0,
-            )
-            w = tl.load(v_ptr + p.to(tl.int64) * BS * BS + offs_b[:, None] * BS + offs_b[None, :])
+        # tile id and block row loaded one step ahead (loop-carried), as in `_dsd_kernel`
+        p = tl.load(t_perm + start, mask=start < end, other=0)
+        r = tl.load(row_idx + p, mask=start < end, other=0)
+        for it in range(0, (end - start) * (BS // BK)):
+            kk = (it % (BS // BK)) * BK
+            n = r * BS + kk + offs_k
+            dy = tl.load(dy_rows + n[None, :], mask=m_mask[:, None] & (n[None, :] < N), other=0.0)
+            w = tl.load(w_tile + p.to(tl.int64) * (BS * BS) + kk * BS)
+            q_next = start + (it + 1) // (BS // BK)
+            p = tl.load(t_perm + q_next, mask=q_next < end, other=0)
+            r = tl.load(row_idx + p, mask=q_next < end, other=0)
             if UPCAST:
                 dy = dy.to(tl.float32)
                 w = w.to(tl.float32)
@@ -152,41 +224,90 @@ if HAS_TRITON:
         M,
         N,
         K,
+        nnzb,
+        m_per_split,
         stride_dym,
         stride_xm,
         UPCAST: tl.constexpr,
         BS: tl.constexpr,
         BLOCK_M: tl.constexpr,
     ):
-        """One program per stored tile p: dvalues[p] = Σ_m dY[m, r_p]ᵀ X[m, c_p] (fp32)."""
+        """Program (p, s): out[s, p] = Σ_{m in split s} dY[m, r_p]ᵀ X[m, c_p] (fp32 accumulator).
+
+        Split s covers tokens [s·m_per_split, (s+1)·m_per_split) (a multiple of BLOCK_M); with
+        one split `out` is dvalues itself, otherwise fp32 partials the launcher sums in a fixed
+        order (deterministic, no atomics).
+        """
         p = tl.program_id(0)
+        s = tl.program_id(1)
         r = tl.load(row_idx + p)
         c = tl.load(col_idx + p)
         offs_b = tl.arange(0, BS)
         n = r * BS + offs_b
         k = c * BS + offs_b
+        n_mask = n < N
+        k_mask = k < K
         acc = tl.zeros([BS, BS], dtype=tl.float32)
-        for m0 in range(0, M, BLOCK_M):
+        m_lo = s * m_per_split
+        m_hi = tl.minimum(m_lo + m_per_split, M)
+        for m0 in range(m_lo, m_hi, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
-            m_mask = offs_m < M
+            m_mask = offs_m < m_hi
+            rows = offs_m[:, None].to(tl.int64)
             dy = tl.load(
-                dy_ptr + offs_m[:, None].to(tl.int64) * stride_dym + n[None, :],
-                mask=m_mask[:, None] & (n[None, :] < N),
+                dy_ptr + rows * stride_dym + n[None, :],
+                mask=m_mask[:, None] & n_mask[None, :],
                 other=0.0,
             )
             x = tl.load(
-                x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + k[None, :],
-                mask=m_mask[:, None] & (k[None, :] < K),
+                x_ptr + rows * stride_xm + k[None, :],
+                mask=m_mask[:, None] & k_mask[None, :],
                 other=0.0,
             )
             if UPCAST:
                 dy = dy.to(tl.float32)
                 x = x.to(tl.float32)
             acc += tl.dot(tl.trans(dy), x)
+        out = (s.to(tl.int64) * nnzb + p) * (BS * BS)
         tl.store(
-            dv_ptr + p.to(tl.int64) * BS * BS + offs_b[:, None] * BS + offs_b[None, :],
+            dv_ptr + out + offs_b[:, None] * BS + offs_b[None, :],
             acc.to(dv_ptr.dtype.element_ty),
         )
+
+    def gpu_launch_configs() -> list[dict[str, Any]]:
+        """Every kernel launch the launchers below make on a GPU (for tools/gpu_compile.py).
+
+        Per dtype and tile edge, the config of `kernel_config`, with representative arguments:
+        feature widths and strides are always multiples of 16 (the launchers pad), tokens M and
+        stored tiles nnzb are listed both as a multiple of 16 and not (Triton specializes on it).
+        """
+        launches: list[dict[str, Any]] = []
+        i32 = torch.int32
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for bs in BLOCK_SIZES:
+                for M, nnzb in ((2048, 400), (2047, 409)) if bs == 64 else ((2048, 400),):
+                    common = {"M": M, "N": 4096, "K": 4096, "UPCAST": False, "BS": bs}
+                    args = {"x_ptr": dtype, "v_ptr": dtype, "row_ptr": i32, "col_idx": i32,
+                            "b_ptr": dtype, "y_ptr": dtype, "stride_xm": 4096,
+                            "stride_ym": 4096, "HAS_BIAS": True, **common}  # fmt: skip
+                    launches.append(_spec(_dsd_kernel, args, kernel_config("dsd", bs, dtype)))
+                    args = {"dy_ptr": dtype, "v_ptr": dtype, "col_ptr": i32, "t_perm": i32,
+                            "row_idx": i32, "dx_ptr": dtype, "stride_dym": 4096,
+                            "stride_dxm": 4096, **common}  # fmt: skip
+                    launches.append(_spec(_dsdt_kernel, args, kernel_config("dsdt", bs, dtype)))
+                    # partials (splits > 1) are fp32; one split writes dvalues in `dtype`
+                    for out in {torch.float32, dtype}:
+                        args = {"dy_ptr": dtype, "x_ptr": dtype, "row_idx": i32, "col_idx": i32,
+                                "dv_ptr": out, "nnzb": nnzb, "m_per_split": 512,
+                                "stride_dym": 4096, "stride_xm": 4096, **common}  # fmt: skip
+                        cfg = kernel_config("sdd", bs, dtype)
+                        launches.append(_spec(_sdd_kernel, args, cfg, bk=False))
+        return launches
+
+    def _spec(kernel: Any, args: dict[str, Any], cfg: dict[str, int], bk: bool = True) -> Any:
+        options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+        args = {**args, "BLOCK_M": cfg["BLOCK_M"], **({"BK": cfg["BK"]} if bk else {})}
+        return {"kernel": kernel, "args": args, "options": options}
 
 
 # ----------------------------------------------------------------------------------- launchers
@@ -202,213 +323,110 @@ def _check(x: Tensor, values: Tensor, layout: BlockLayout, features: int, what: 
         raise TypeError(f"`{what}` dtype {x.dtype} must equal `values` dtype {values.dtype}")
     if x.device != values.device:
         raise ValueError(f"`{what}` is on {x.device} but `values` on {values.device}")
-    if not triton_available(x.device):
+    if not available(x.device):
         raise ValueError(f"the Triton kernels need CUDA or TRITON_INTERPRET=1 (got {x.device})")
-    if layout.nnzb * b * b >= 2**31:
-        raise ValueError(f"{layout.nnzb} tiles of {b}x{b} overflow the kernels' int32 offsets")
-    if b < 16 or b & (b - 1):
-        raise ValueError(f"the Triton kernels need a power-of-two `block_size` >= 16, got {b}")
+    if b not in BLOCK_SIZES:
+        raise ValueError(f"the Triton kernels need `block_size` in {BLOCK_SIZES}, got {b}")
 
 
-def dsd_triton(x: Tensor, values: Tensor, layout: BlockLayout, bias: Tensor | None) -> Tensor:
-    """Y = X·Wᵀ (+ bias) with the Triton kernel; x (M, K) -> (M, N)."""
-    _check(x, values, layout, layout.in_features, "x")
-    x = x.contiguous()
-    values = values.contiguous()
-    M = x.shape[0]
-    y = torch.empty(M, layout.out_features, device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(M, BLOCK_M), layout.row_blocks)
-    _dsd_kernel[grid](
-        x, values, layout.row_ptr, layout.col_idx, bias if bias is not None else x, y,
-        M, layout.out_features, layout.in_features, x.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, UPCAST=_INTERPRET, BS=layout.block_size, BLOCK_M=BLOCK_M,
-    )  # fmt: skip
-    return y
+def _aligned(t: Tensor) -> Tensor:
+    """`t` contiguous, its columns zero-padded to a multiple of 16 (one copy if odd).
+
+    Rows are then 16-byte aligned and the mask bound a multiple of 16, so the kernels' loads
+    vectorize and pipeline.
+    """
+    pad = -t.shape[1] % 16
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t.contiguous()
 
 
-def dsdt_triton(dy: Tensor, values: Tensor, layout: BlockLayout) -> Tensor:
-    """DX = dY·W with the Triton kernel; dy (M, N) -> (M, K)."""
-    _check(dy, values, layout, layout.out_features, "dy")
-    dy = dy.contiguous()
-    values = values.contiguous()
-    M = dy.shape[0]
-    dx = torch.empty(M, layout.in_features, device=dy.device, dtype=dy.dtype)
-    grid = (triton.cdiv(M, BLOCK_M), layout.col_blocks)
-    _dsdt_kernel[grid](
-        dy, values, layout.col_ptr, layout.t_perm, layout.row_idx, dx,
-        M, layout.out_features, layout.in_features, dy.stride(0), dx.stride(0),
-        UPCAST=_INTERPRET, BS=layout.block_size, BLOCK_M=BLOCK_M,
-    )  # fmt: skip
-    return dx
-
-
-def sdd_triton(dy: Tensor, x: Tensor, layout: BlockLayout, values: Tensor) -> Tensor:
-    """dvalues[p] = dY[:, r_p]ᵀ·X[:, c_p] with the Triton kernel; (nnzb, b, b) in x's dtype."""
-    _check(x, values, layout, layout.in_features, "x")
-    _check(dy, values, layout, layout.out_features, "dy")
-    if dy.shape[0] != x.shape[0]:
-        raise ValueError(f"`dy` has {dy.shape[0]} rows but `x` has {x.shape[0]}")
-    dy = dy.contiguous()
-    x = x.contiguous()
-    dv = torch.empty_like(values)
-    if layout.nnzb == 0:
-        return dv
-    _sdd_kernel[(layout.nnzb,)](
-        dy, x, layout.row_idx, layout.col_idx, dv,
-        x.shape[0], layout.out_features, layout.in_features, dy.stride(0), x.stride(0),
-        UPCAST=_INTERPRET, BS=layout.block_size, BLOCK_M=BLOCK_M,
-    )  # fmt: skip
-    return dv
-
-
-# ------------------------------------------------------------------- PyTorch paths (CPU path)
-def _pad_cols(t: Tensor, cols: int) -> Tensor:
-    return t if t.shape[1] == cols else torch.nn.functional.pad(t, (0, cols - t.shape[1]))
-
-
-def _bsr(values: Tensor, crow: Tensor, col: Tensor, rows: int, cols: int) -> Tensor:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*BSR tensor support is in beta.*")
-        return torch.sparse_bsr_tensor(
-            crow.long(), col.long(), values, size=(rows, cols), check_invariants=False
-        )
-
-
-# Above this tile density the PyTorch path multiplies through the dense weight instead: on a
-# 2-core CPU (4096², fp32) torch's BSR product only beats the dense GEMM below ~25-30% density
-# (benchmarks/RESULTS.md).
-DENSE_CROSSOVER = 0.3
-
-
-def _acc_dtype(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def dsd_torch(
+def dsd_triton(
     x: Tensor,
     values: Tensor,
     layout: BlockLayout,
     bias: Tensor | None,
     *,
-    dense_crossover: float = DENSE_CROSSOVER,
+    config: dict[str, int] | None = None,
 ) -> Tensor:
-    """Y = X·Wᵀ (+ bias) with PyTorch ops; cost ∝ stored tiles, fp32 accumulation.
+    """Y = X·Wᵀ (+ bias) with the Triton kernel; x (M, K) -> (M, N).
 
-    CPU: one BSR x dense product `(W_bsr @ Xᵀ)ᵀ` in fp32 (torch's CPU BSR kernel is fp32/fp64
-    only, so bf16/fp16 operands are upcast once and the result cast back). Other devices: one
-    `addmm` per stored tile into an fp32 accumulator. Above `dense_crossover` tile density:
-    one dense GEMM through the materialized weight (faster there).
+    `config` overrides `kernel_config("dsd", ...)` (tests run the interpreter at GPU tiles).
     """
-    b = layout.block_size
-    rb, cb = layout.row_blocks, layout.col_blocks
+    _check(x, values, layout, layout.in_features, "x")
+    x = _aligned(x)
+    values = values.contiguous()
+    cfg = config or _launch_config("dsd", layout.block_size, x.dtype)
     M = x.shape[0]
-    acc = _acc_dtype(x)
-    if layout.density > dense_crossover:
-        w = blocks_to_dense(values, layout)
-        if x.dtype in (torch.float32, torch.float64):
-            return torch.nn.functional.linear(x, w, bias)
-        y = torch.nn.functional.linear(x.to(acc), w.to(acc), None if bias is None else bias.to(acc))
-        return y.to(x.dtype)
-    xp = _pad_cols(x, cb * b).to(acc)
-    if x.device.type == "cpu":
-        w = _bsr(values.to(acc), layout.row_ptr, layout.col_idx, rb * b, cb * b)
-        y = (w @ xp.T).T
-    else:
-        y3 = xp.new_zeros(M, rb, b)
-        xb = xp.view(M, cb, b)
-        va = values.to(acc)
-        tiles = zip(layout.row_idx.tolist(), layout.col_idx.tolist(), strict=True)
-        for p, (r, c) in enumerate(tiles):
-            y3[:, r].addmm_(xb[:, c], va[p].T)
-        y = y3.view(M, rb * b)
-    y = y[:, : layout.out_features]
-    if bias is not None:
-        y = y + bias.to(acc)
-    return y.to(x.dtype).contiguous()
+    y = torch.empty(M, layout.out_features, device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]), layout.row_blocks)
+    _dsd_kernel[grid](
+        x, values, layout.row_ptr, layout.col_idx, bias if bias is not None else x, y,
+        M, layout.out_features, x.shape[1], x.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, UPCAST=_INTERPRET, BS=layout.block_size, BK=cfg["BK"],
+        BLOCK_M=cfg["BLOCK_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return y
 
 
-def dsdt_torch(
-    dy: Tensor, values: Tensor, layout: BlockLayout, *, dense_crossover: float = DENSE_CROSSOVER
+def dsdt_triton(
+    dy: Tensor, values: Tensor, layout: BlockLayout, *, config: dict[str, int] | None = None
 ) -> Tensor:
-    """The input gradient dY·W with PyTorch ops, fp32 accumulation.
-
-    CPU: BSR of the transposed tiles; other devices: one `addmm` per tile. Above
-    `dense_crossover` tile density: one dense GEMM through the materialized weight.
-    """
-    b = layout.block_size
-    rb, cb = layout.row_blocks, layout.col_blocks
+    """DX = dY·W with the Triton kernel; dy (M, N) -> (M, K)."""
+    _check(dy, values, layout, layout.out_features, "dy")
+    dy = _aligned(dy)
+    values = values.contiguous()
+    cfg = config or _launch_config("dsdt", layout.block_size, dy.dtype)
     M = dy.shape[0]
-    acc = _acc_dtype(dy)
-    if layout.density > dense_crossover:
-        w = blocks_to_dense(values, layout)
-        if dy.dtype in (torch.float32, torch.float64):
-            return (dy @ w).contiguous()
-        return (dy.to(acc) @ w.to(acc)).to(dy.dtype)
-    dyp = _pad_cols(dy, rb * b).to(acc)
-    va = values.to(acc)
-    if dy.device.type == "cpu":
-        perm = layout.t_perm.long()
-        wt = _bsr(
-            va[perm].transpose(1, 2).contiguous(),
-            layout.col_ptr,
-            layout.row_idx[perm],
-            cb * b,
-            rb * b,
-        )
-        dx = (wt @ dyp.T).T
-    else:
-        dx3 = dyp.new_zeros(M, cb, b)
-        dyb = dyp.view(M, rb, b)
-        tiles = zip(layout.row_idx.tolist(), layout.col_idx.tolist(), strict=True)
-        for p, (r, c) in enumerate(tiles):
-            dx3[:, c].addmm_(dyb[:, r], va[p])
-        dx = dx3.view(M, cb * b)
-    return dx[:, : layout.in_features].to(dy.dtype).contiguous()
+    dx = torch.empty(M, layout.in_features, device=dy.device, dtype=dy.dtype)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]), layout.col_blocks)
+    _dsdt_kernel[grid](
+        dy, values, layout.col_ptr, layout.t_perm, layout.row_idx, dx,
+        M, dy.shape[1], layout.in_features, dy.stride(0), dx.stride(0),
+        UPCAST=_INTERPRET, BS=layout.block_size, BK=cfg["BK"],
+        BLOCK_M=cfg["BLOCK_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return dx
 
 
-def sdd_torch(
-    dy: Tensor, x: Tensor, layout: BlockLayout, *, dense_crossover: float = DENSE_CROSSOVER
+def sdd_triton(
+    dy: Tensor,
+    x: Tensor,
+    layout: BlockLayout,
+    values: Tensor,
+    *,
+    config: dict[str, int] | None = None,
+    splits: int | None = None,
 ) -> Tensor:
-    """dvalues[p] = dY[:, r_p]ᵀ·X[:, c_p] for stored tiles only, per block row with PyTorch ops.
+    """dvalues[p] = dY[:, r_p]ᵀ·X[:, c_p] with the Triton kernel; (nnzb, b, b) in x's dtype.
 
-    For each block row r the stored columns of X are gathered once and one GEMM
-    `dY[:, r]ᵀ · X[:, cols(r)]` yields all of that row's tiles. Above `dense_crossover` tile
-    density: the dense dYᵀX, then its stored tiles.
+    The token dimension is split over `splits` programs per tile (default `sdd_splits`: about
+    two waves of SMs), whose fp32 partials are summed in split order (deterministic).
     """
-    if layout.density > dense_crossover:
-        return dense_to_blocks(dy.T @ x, layout)
-    b = layout.block_size
-    rb, cb = layout.row_blocks, layout.col_blocks
-    M = x.shape[0]
-    xt = _pad_cols(x, cb * b).T.contiguous().view(cb, b, M)
-    dyt = _pad_cols(dy, rb * b).T.contiguous().view(rb, b, M)
-    out = x.new_empty(layout.nnzb, b, b)
-    ptr = layout.row_ptr.tolist()
-    col = layout.col_idx.long()
-    for r in range(rb):
-        s, e = ptr[r], ptr[r + 1]
-        if s == e:
-            continue
-        g = dyt[r] @ xt[col[s:e]].view(-1, M).T  # (b, tiles·b)
-        out[s:e] = g.view(b, e - s, b).transpose(0, 1)
-    return out
+    _check(x, values, layout, layout.in_features, "x")
+    _check(dy, values, layout, layout.out_features, "dy")
+    if dy.shape[0] != x.shape[0]:
+        raise ValueError(f"`dy` has {dy.shape[0]} rows but `x` has {x.shape[0]}")
+    if splits is not None and splits < 1:
+        raise ValueError(f"`splits` ({splits}) must be >= 1")
+    dy, x = _aligned(dy), _aligned(x)
+    cfg = config or _launch_config("sdd", layout.block_size, x.dtype)
+    M, nnzb, b = x.shape[0], layout.nnzb, layout.block_size
+    if nnzb == 0 or M == 0:
+        return torch.zeros_like(values)
+    if splits is None:
+        sms = 4 if x.device.type == "cpu" else _sm_count(x.device)
+        splits = sdd_splits(nnzb, M, cfg["BLOCK_M"], 2 * sms)
+    per = triton.cdiv(triton.cdiv(M, splits), cfg["BLOCK_M"]) * cfg["BLOCK_M"]
+    splits = triton.cdiv(M, per)
+    f32 = torch.float32
+    out = torch.empty_like(values) if splits == 1 else x.new_empty(splits, nnzb, b, b, dtype=f32)
+    _sdd_kernel[(nnzb, splits)](
+        dy, x, layout.row_idx, layout.col_idx, out,
+        M, dy.shape[1], x.shape[1], nnzb, per, dy.stride(0), x.stride(0),
+        UPCAST=_INTERPRET, BS=b,
+        BLOCK_M=cfg["BLOCK_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out if splits == 1 else out.sum(0).to(values.dtype)
 
 
-# -------------------------------------------------------------------- dense references (tests)
-def dsd_dense_reference(
-    x: Tensor, values: Tensor, layout: BlockLayout, bias: Tensor | None
-) -> Tensor:
-    """Y through the dense weight, in fp32 (the test oracle)."""
-    w = blocks_to_dense(values.float(), layout)
-    y = x.float() @ w.T
-    return y if bias is None else y + bias.float()
-
-
-def dsdt_dense_reference(dy: Tensor, values: Tensor, layout: BlockLayout) -> Tensor:
-    """DX through the dense weight, in fp32."""
-    return dy.float() @ blocks_to_dense(values.float(), layout)
-
-
-def sdd_dense_reference(dy: Tensor, x: Tensor, layout: BlockLayout) -> Tensor:
-    """Stored tiles of the dense dW = dYᵀX, in fp32."""
-    return dense_to_blocks(dy.float().T @ x.float(), layout)
+def _sm_count(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)

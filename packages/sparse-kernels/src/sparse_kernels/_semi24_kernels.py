@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,6 +23,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 BLOCK_R = 16
 BLOCK_W = 4 if _INTERPRET else 8
+NUM_WARPS = 4  # launch option of both kernels (Triton's default, stated so the gate compiles it)
 
 
 def available(device: torch.device) -> bool:
@@ -126,6 +128,23 @@ if HAS_TRITON:
                 val = tl.where(idx0 == i, v0, tl.where(idx1 == i, v1, 0.0))
                 tl.store(base + i, val.to(w_ptr.dtype.element_ty), mask=mask)
 
+    def gpu_launch_configs() -> list[dict[str, Any]]:
+        """Every launch the launchers below make on a GPU (for tools/gpu_compile.py).
+
+        Both kernels, fp16/bf16/fp32, column counts that are and are not multiples of 16.
+        """
+        launches: list[dict[str, Any]] = []
+        opts = {"num_warps": NUM_WARPS}
+        tiles = {"BLOCK_R": BLOCK_R, "BLOCK_W": BLOCK_W}
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for cols in (4096, 4100):
+                shape = {"rows": 4096, "cols": cols, "n_words": -(-cols // 16), **tiles}
+                args = {"w_ptr": dtype, "v_ptr": dtype, "meta_ptr": torch.int16, **shape}
+                launches.append({"kernel": _compress_kernel, "args": args, "options": opts})
+                args = {"v_ptr": dtype, "meta_ptr": torch.int16, "w_ptr": dtype, **shape}
+                launches.append({"kernel": _decompress_kernel, "args": args, "options": opts})
+        return launches
+
 
 def _check_device(t: Tensor) -> None:
     if not available(t.device):
@@ -143,8 +162,9 @@ def compress_24_triton(weight: Tensor) -> tuple[Tensor, Tensor]:
     if rows and cols:
         grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(n_words, BLOCK_W))
         _compress_kernel[grid](
-            weight, values, meta, rows, cols, n_words, BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W
-        )
+            weight, values, meta, rows, cols, n_words,
+            BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W, num_warps=NUM_WARPS,
+        )  # fmt: skip
     return values, meta
 
 
@@ -159,6 +179,7 @@ def decompress_24_triton(values: Tensor, meta: Tensor, cols: int) -> Tensor:
     if rows and cols:
         grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(n_words, BLOCK_W))
         _decompress_kernel[grid](
-            values, meta, dense, rows, cols, n_words, BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W
-        )
+            values, meta, dense, rows, cols, n_words,
+            BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W, num_warps=NUM_WARPS,
+        )  # fmt: skip
     return dense

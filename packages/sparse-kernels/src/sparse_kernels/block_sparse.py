@@ -9,8 +9,9 @@ The trainable parameter is `values` (nnzb, b, b): pruned tiles do not exist, so 
 revived by any optimizer, and forward, dX and dW all cost `density x dense` FLOPs. Backends:
 
 * `"triton"`: the kernels in `_bsr_kernels` (CUDA; on CPU only under TRITON_INTERPRET=1);
-* `"torch"`: PyTorch ops (CPU fp32: torch's BSR x dense; other dtypes: one GEMM per tile);
-* `"auto"`: Triton on CUDA when installed and block_size is a power of two >= 16, else torch.
+* `"torch"`: PyTorch ops in `_bsr_torch` (CPU fp32: torch's BSR x dense; other dtypes: one GEMM
+  per tile);
+* `"auto"`: Triton on CUDA when installed and block_size is 16, 32, 64 or 128, else torch.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from sparse_kernels import _bsr_kernels as K
+from sparse_kernels import _bsr_torch as T
 from sparse_kernels.layout import BlockLayout, blocks_to_dense, dense_to_blocks
 from sparse_kernels.masks import block_scores
 
@@ -35,18 +37,18 @@ def resolve_backend(backend: str, device: torch.device, block_size: int) -> str:
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"`backend` ({backend!r}) must be 'auto', 'torch' or 'triton'")
-    kernel_ok = block_size >= 16 and block_size & (block_size - 1) == 0
+    kernel_ok = block_size in K.BLOCK_SIZES
     if backend == "auto":
         return "triton" if device.type == "cuda" and K.HAS_TRITON and kernel_ok else "torch"
     if backend == "triton":
-        if not K.triton_available(device):
+        if not K.available(device):
             raise ValueError(
                 f"backend 'triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on "
                 f"CPU); got {device}"
             )
         if not kernel_ok:
             raise ValueError(
-                f"backend 'triton' needs a power-of-two block_size >= 16, got {block_size}"
+                f"backend 'triton' needs `block_size` in {K.BLOCK_SIZES}, got {block_size}"
             )
     return backend
 
@@ -69,7 +71,7 @@ class _BlockSparseMM(torch.autograd.Function):
         ctx.save_for_backward(x, values)
         if backend == "triton":
             return K.dsd_triton(x, values, layout, bias)
-        return K.dsd_torch(x, values, layout, bias)
+        return T.dsd_torch(x, values, layout, bias)
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
@@ -81,12 +83,12 @@ class _BlockSparseMM(torch.autograd.Function):
             if ctx.backend == "triton":
                 dx = K.dsdt_triton(dy, values, layout)
             else:
-                dx = K.dsdt_torch(dy, values, layout)
+                dx = T.dsdt_torch(dy, values, layout)
         if ctx.needs_input_grad[1]:
             if ctx.backend == "triton":
                 dv = K.sdd_triton(dy, x, layout, values)
             else:
-                dv = K.sdd_torch(dy, x, layout)
+                dv = T.sdd_torch(dy, x, layout)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0)
         return dx, dv, db, None, None

@@ -67,8 +67,11 @@ class SparsityConfig:
     """Score: `|W|`, Wanda `|W|·‖X_j‖₂`, or SparseGPT (OBS with the calibration Hessian)."""
     block_size: int = 64
     """Tile edge of the block pattern (edge tiles of non-multiple shapes are partial)."""
-    granularity: Granularity = "layer"
-    """Unstructured only: rank scores over the whole layer, or within each output row."""
+    granularity: Granularity | None = None
+    """Unstructured only: rank scores over the whole `"layer"`, or within each output `"row"`.
+    None (default) picks the method's own: `"row"` for Wanda (its paper compares weights per
+    output), `"layer"` for magnitude and SparseGPT. Resolved at construction, so the attribute
+    always holds `"layer"` or `"row"`."""
     targets: Sequence[str] | None = None
     """Regexes (`re.search`) on qualified module names; default: every `nn.Linear` inside an
     `nn.ModuleList` (the decoder blocks), so embeddings and `lm_head` are never pruned."""
@@ -85,6 +88,9 @@ class SparsityConfig:
             raise ValueError(
                 f"`method` ({self.method!r}) must be 'magnitude', 'wanda' or 'sparsegpt'"
             )
+        if self.granularity is None:
+            default = "row" if self.method == "wanda" else "layer"
+            object.__setattr__(self, "granularity", default)
         if self.granularity not in ("layer", "row"):
             raise ValueError(f"`granularity` ({self.granularity!r}) must be 'layer' or 'row'")
         if self.block_size < 1:

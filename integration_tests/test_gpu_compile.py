@@ -1,0 +1,159 @@
+"""tools/gpu_compile.py: the gate flags what it should, on records and on real sm_80/90 compiles."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = ROOT / "tools" / "gpu_compile.py"
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("gpu_compile_under_test", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record(**kw):
+    base = {
+        "kernel": "pkg._kernels:_k", "arch": "sm_80", "config": {"BLOCK": 64}, "ok": True,
+        "error": None, "registers": 64, "spills": 0, "shared_bytes": 16384, "num_stages": 3,
+        "pipeline_buffers": 2, "uses_dot": True, "tensor_core": True,
+    }  # fmt: skip
+    return {**base, **kw}
+
+
+def test_gate_passes_a_clean_record_and_flags_each_violation(tool):
+    assert tool.gate([_record(), _record(arch="sm_90", uses_dot=False, tensor_core=False)]) == []
+    cases = {
+        "compile error": _record(ok=False, error="CompilationError: boom"),
+        "spills 8 bytes": _record(spills=8),
+        "shared memory 200000 > 166912": _record(shared_bytes=200_000),
+        "tl.dot without tensor-core": _record(tensor_core=False),
+        "not pipelined (num_stages 1": _record(num_stages=1),
+        "not pipelined (num_stages 3, 1 buffer": _record(pipeline_buffers=1),
+    }
+    for expected, record in cases.items():
+        failures = tool.gate([record])
+        assert len(failures) == 1, (expected, failures)
+        assert expected in failures[0], (expected, failures)
+    # sm_90 allows 227 KB: 200 000 bytes pass there
+    assert tool.gate([_record(arch="sm_90", shared_bytes=200_000)]) == []
+
+
+TOY = """
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fp32_dot_kernel(a_ptr, b_ptr, c_ptr, K, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        a = tl.load(a_ptr + offs[:, None] * K + k0 + offs[None, :])
+        b = tl.load(b_ptr + (k0 + offs[:, None]) * BLOCK + offs[None, :])
+        acc += tl.dot(a, b, input_precision="ieee")  # FMA path: no tensor cores
+    tl.store(c_ptr + offs[:, None] * BLOCK + offs[None, :], acc)
+
+
+@triton.jit
+def _copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+@triton.jit
+def _spill_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    # 2048 values live across two reductions on one warp, capped at 32 registers: spills
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)
+    d = x - tl.sum(x, axis=0) / BLOCK
+    tl.store(y_ptr + offs, d * tl.rsqrt(tl.sum(d * d, axis=0) / BLOCK + 1e-5) + x)
+
+
+def launch(a, b, c, x, y):
+    _fp32_dot_kernel[(1,)](a, b, c, a.shape[1], BLOCK=32)
+    _copy_kernel[(1,)](x, y, x.numel(), BLOCK=1024)
+    _spill_kernel[(1,)](x, y, BLOCK=2048, num_warps=1, maxnreg=32)
+{extra}
+
+def gpu_launch_configs():
+    f32 = torch.float32
+    return [
+        {{"kernel": _fp32_dot_kernel, "options": {{"num_warps": 4, "num_stages": 3}},
+          "args": {{"a_ptr": f32, "b_ptr": f32, "c_ptr": f32, "K": 256, "BLOCK": 32}}}},
+        {{"kernel": _copy_kernel, "options": {{"num_warps": 4}},
+          "args": {{"x_ptr": f32, "y_ptr": f32, "n": 4096, "BLOCK": 1024}}}},
+        {{"kernel": _spill_kernel, "options": {{"num_warps": 1, "maxnreg": 32}},
+          "args": {{"x_ptr": f32, "y_ptr": f32, "BLOCK": 2048}}}},
+    ]
+"""
+
+
+def _toy_package(root: Path, extra: str = "") -> Path:
+    pkg = root / "packages" / "toy"
+    (pkg / "src" / "toy_kernels").mkdir(parents=True)
+    (pkg / "pyproject.toml").write_text('[project]\nname = "toy"\n')
+    (pkg / "src" / "toy_kernels" / "__init__.py").write_text("")
+    (pkg / "src" / "toy_kernels" / "_kernels.py").write_text(TOY.format(extra=extra))
+    return pkg
+
+
+def _run_tool(pkg: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(pkg / "src"), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(TOOL), "--out", str(out), "--packages", str(pkg), "--jobs", "1"]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+
+
+def test_real_compile_flags_a_dot_without_tensor_cores_and_a_spill(tmp_path):
+    pytest.importorskip("triton")
+    out = tmp_path / "records.json"
+    proc = _run_tool(_toy_package(tmp_path), out)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    records = json.loads(out.read_text())["records"]
+    by_key = {(r["kernel"].split(":")[1], r["arch"]): r for r in records}
+    kernels = ("_fp32_dot_kernel", "_copy_kernel", "_spill_kernel")
+    assert set(by_key) == {(k, a) for k in kernels for a in ("sm_80", "sm_90")}
+    for arch in ("sm_80", "sm_90"):
+        dot, copy = by_key["_fp32_dot_kernel", arch], by_key["_copy_kernel", arch]
+        assert dot["ok"]
+        assert copy["ok"]
+        assert dot["uses_dot"]
+        assert not dot["tensor_core"]
+        assert not copy["uses_dot"]
+        assert copy["registers"] > 0
+        assert copy["spills"] == 0
+        spill = by_key["_spill_kernel", arch]
+        assert spill["registers"] <= 32
+        assert spill["spills"] > 0
+    assert proc.stdout.count("FAIL tl.dot without tensor-core instructions") == 2
+    assert proc.stdout.count("FAIL spills") == 2
+    assert proc.stdout.count("FAIL") == 4  # the clean copy kernel passes
+
+
+def test_a_launched_kernel_missing_from_the_configs_is_an_error(tmp_path):
+    pytest.importorskip("triton")
+    extra = textwrap.dedent("""
+        @triton.jit
+        def _forgotten_kernel(x_ptr):
+            tl.store(x_ptr, 1.0)
+
+
+        def launch_forgotten(x):
+            _forgotten_kernel[(1,)](x)
+    """)
+    proc = _run_tool(_toy_package(tmp_path, extra), tmp_path / "records.json")
+    assert proc.returncode != 0
+    assert "launches _forgotten_kernel but gpu_launch_configs() omits it" in proc.stderr

@@ -1,0 +1,217 @@
+"""FSDP2 (`fully_shard`) parity runs for optimizers: sharded steps vs the single-process steps.
+
+Call `fsdp_update_errors` inside a `leanlm_testing.spawn` worker (gloo, CPU). It builds a small
+model whose matrices have row counts that do not divide the world sizes 2 and 4 (some ranks hold
+fewer rows, or none) and odd column counts, plus a vector and a 3-D parameter; shards it with
+`fully_shard`; and steps it next to an unsharded copy that sees the same data.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+MakeOptimizer = Callable[[Iterable[Tensor]], torch.optim.Optimizer]
+
+BATCH = 4  # examples per rank and step
+
+
+class Net(nn.Module):
+    """Linear(9→13) → tanh → Linear(13→7) → tanh → Linear(7→3, no bias), and a (5, 3, 4) tensor.
+
+    Rows 13, 7, 3 and 5 are not multiples of 2 or 4 (3 rows on 4 ranks leave one rank empty);
+    columns 9, 13 and 7 are odd.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(9, 13)
+        self.lin2 = nn.Linear(13, 7)
+        self.lin3 = nn.Linear(7, 3, bias=False)
+        self.extra = nn.Parameter(torch.randn(5, 3, 4) * 0.5)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        """Mean squared error plus a term that gives `extra` element-wise varied gradients."""
+        out = self.lin3(torch.tanh(self.lin2(torch.tanh(self.lin1(x)))))
+        extra = (torch.sin(self.extra) * x.mean()).square().sum()
+        loss: Tensor = (out - y).square().mean() + extra
+        return loss
+
+
+def _batch(step: int, rank: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(7919 * step + rank)
+    x = torch.randn(BATCH, 9, generator=gen) * torch.rand(9, generator=gen).add_(0.2)
+    return x, torch.randn(BATCH, 3, generator=gen)
+
+
+def fsdp_update_errors(
+    rank: int,
+    world_size: int,
+    make_optimizer: MakeOptimizer,
+    *,
+    steps: int,
+    mesh_shape: tuple[int, ...] | None = None,
+    resume_at: int | None = None,
+) -> dict[str, float]:
+    """Per parameter, the largest norm-relative error of a step's update over `steps` steps.
+
+    The reference is an unsharded copy stepped by `make_optimizer` on the gradient of the mean
+    of the ranks' losses (what FSDP2's averaged gradients give). `mesh_shape` (default
+    `(world_size,)`) of two dims is HSDP: (replicate, shard); every replica then sees the same
+    data so that the replicas stay equal, as HSDP requires. `resume_at`: before that step, the
+    sharded optimizer is replaced by a new one loaded from a copy of its `state_dict()` (each
+    rank its own), so that the following steps check the saved state too.
+    """
+    shape = mesh_shape or (world_size,)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard")[-len(shape) :])
+    torch.manual_seed(0)
+    ref = Net()
+    net = copy.deepcopy(ref)
+    for layer in (net.lin1, net.lin2, net.lin3):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    ref_opt = make_optimizer(ref.parameters())
+    opt = make_optimizer(net.parameters())
+    shard_ranks = shape[-1]
+    data_rank = mesh.get_local_rank(len(shape) - 1)  # replicas of a shard see the same data
+    errors = dict.fromkeys((n for n, _ in ref.named_parameters()), 0.0)
+    for step in range(steps):
+        if step == resume_at:
+            saved = copy.deepcopy(opt.state_dict())
+            opt = make_optimizer(net.parameters())
+            opt.load_state_dict(saved)
+        net(*_batch(step, data_rank)).backward()
+        ref_loss = sum(ref(*_batch(step, r)) for r in range(shard_ranks))
+        (ref_loss / shard_ranks).backward()
+        before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+        ref_opt.step()
+        with torch.no_grad():
+            gathered = {n: _full(p) for n, p in net.named_parameters()}
+        opt.step()
+        for name, p in net.named_parameters():
+            assert isinstance(p, DTensor), f"{name} is not a DTensor: FSDP2 did not shard it"
+            ref_update = ref.get_parameter(name).detach() - before[name]
+            update = _full(p) - gathered[name]
+            err = float((update - ref_update).norm() / ref_update.norm().clamp(min=1e-30))
+            errors[name] = max(errors[name], err)
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    dist.barrier()
+    return errors
+
+
+def _full(p: Tensor) -> Tensor:
+    """The full value of a (DTensor) parameter, gathered."""
+    full = p.detach()
+    if isinstance(full, DTensor):
+        full = full.full_tensor()
+    return full.clone()  # full_tensor() of a Replicate DTensor is its local tensor
+
+
+def dtensor_update_errors(
+    rank: int, world_size: int, make_optimizer: MakeOptimizer, *, steps: int
+) -> dict[str, float]:
+    """As `fsdp_update_errors`, for DTensor parameters made with `distribute_tensor`.
+
+    Matrices and the 3-D tensor are `Replicate()`, vectors `Shard(0)`; the gradients are the
+    unsharded model's, distributed the same way (every rank computes them on the same data).
+    """
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    ref = Net()
+    placements = {
+        n: [Shard(0)] if p.dim() == 1 else [Replicate()] for n, p in ref.named_parameters()
+    }
+    params = {
+        n: nn.Parameter(distribute_tensor(p.detach().clone(), mesh, placements[n]))
+        for n, p in ref.named_parameters()
+    }
+    ref_opt = make_optimizer(ref.parameters())
+    opt = make_optimizer(params.values())
+    errors = dict.fromkeys(params, 0.0)
+    for step in range(steps):
+        ref(*_batch(step, 0)).backward()
+        before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+        for n, p in ref.named_parameters():
+            assert p.grad is not None
+            params[n].grad = distribute_tensor(p.grad.clone(), mesh, placements[n])
+        with torch.no_grad():
+            gathered = {n: _full(p) for n, p in params.items()}
+        ref_opt.step()
+        opt.step()
+        for n, p in params.items():
+            ref_update = ref.get_parameter(n).detach() - before[n]
+            update = _full(p) - gathered[n]
+            err = float((update - ref_update).norm() / ref_update.norm().clamp(min=1e-30))
+            errors[n] = max(errors[n], err)
+        ref_opt.zero_grad()
+    dist.barrier()
+    return errors
+
+
+# Parity workers shared by the optimizer packages' FSDP2 tests: a package passes its optimizer
+# factory (e.g. `partial(CAME, backend="torch")`), its named configs and its lazy-variant mutant.
+
+STEPS = 4
+TOL = 1e-4  # norm-relative error of every step's update, per tensor
+MakeConfigured = Callable[..., torch.optim.Optimizer]
+Mutant = Callable[[], AbstractContextManager[object]]
+
+
+def check_update_errors(errors: dict[str, float], what: str, tol: float = TOL) -> None:
+    """Fail, naming `what`, if any tensor's update error is above `tol` (or NaN)."""
+    bad = {name: err for name, err in errors.items() if not err <= tol}
+    assert not bad, f"{what}: update errors above {tol}: {bad}"
+
+
+def fsdp_parity_worker(
+    rank: int,
+    world_size: int,
+    optimizer: MakeConfigured,
+    configs: Mapping[str, Mapping[str, Any]],
+    lazy: Mutant | None,
+) -> None:
+    """`spawn` worker: sharded steps of every config within `TOL` of the unsharded steps.
+
+    Each of `configs` runs under `Shard(0)` (with a `state_dict` round trip before step 3) and
+    under `Replicate`. `lazy`, if given, returns a context manager under which the optimizer
+    computes its column statistics from the local rows only; that version must be measurably
+    wrong (errors above `100 * TOL` on `lin1.weight` and `lin2.weight` with the first of
+    `configs`), so the parity above depends on the all-reduce of the column sums.
+    """
+    for name, kw in configs.items():
+        make = partial(optimizer, **kw)
+        errors = fsdp_update_errors(rank, world_size, make, steps=STEPS, resume_at=2)
+        check_update_errors(errors, f"{name}, Shard(0), state_dict round trip before step 3")
+        replicate = dtensor_update_errors(rank, world_size, make, steps=STEPS)
+        check_update_errors(replicate, f"{name}, Replicate")
+    if lazy is not None:
+        with lazy():
+            make = partial(optimizer, **configs[next(iter(configs))])
+            errors = fsdp_update_errors(rank, world_size, make, steps=STEPS)
+        for name in ("lin1.weight", "lin2.weight"):
+            assert errors[name] > 100 * TOL, (
+                f"local-only column statistics went unnoticed: {errors}"
+            )
+
+
+def hsdp_parity_worker(
+    rank: int, world_size: int, optimizer: MakeConfigured, configs: Mapping[str, Mapping[str, Any]]
+) -> None:
+    """`spawn` worker (world 4): every config under HSDP on a (2, 2) mesh, within `TOL`."""
+    for name, kw in configs.items():
+        make = partial(optimizer, **kw)
+        errors = fsdp_update_errors(rank, world_size, make, steps=STEPS, mesh_shape=(2, 2))
+        check_update_errors(errors, f"{name}, HSDP (Replicate, Shard(0))")

@@ -1,0 +1,83 @@
+"""Count Triton kernel launches and torch ops of a block of code (tests and benchmarks).
+
+`count_launches(modules)` patches every `*_kernel` attribute of the given modules with a
+wrapper that records `kernel[grid](...)` calls, and counts the torch (aten) ops dispatched
+meanwhile outside those launches (the interpreter's own tensor handling is not counted). It
+works under the Triton interpreter and on a GPU. With `execute=False` the kernels are recorded
+but not run (fast counting of host code without data-dependent branches; results are garbage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@dataclass
+class Counts:
+    """What ran inside `count_launches`: kernel names in launch order, torch op names."""
+
+    launches: list[str] = field(default_factory=list)
+    ops: list[str] = field(default_factory=list)
+
+
+class _OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    def __init__(self, counts: Counts) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.counts = counts
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if not self.paused:
+            self.counts.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _Counted:
+    """Stands in for a `@triton.jit` function: records each `kernel[grid](...)` launch."""
+
+    def __init__(self, fn: Any, name: str, counter: _OpCounter, *, execute: bool) -> None:
+        self.fn, self.name, self.counter, self.execute = fn, name, counter, execute
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            self.counter.counts.launches.append(self.name)
+            if not self.execute:
+                return None
+            self.counter.paused = True
+            try:
+                return self.fn[grid](*args, **kwargs)
+            finally:
+                self.counter.paused = False
+
+        return launch
+
+
+@contextmanager
+def count_launches(modules: Sequence[ModuleType], *, execute: bool = True) -> Iterator[Counts]:
+    """Count the launches of the `*_kernel` functions of `modules` and the torch ops meanwhile.
+
+    `execute=False` records the launches without running the kernels. The modules' attributes
+    are restored on exit.
+    """
+    counts = Counts()
+    counter = _OpCounter(counts)
+    saved: list[tuple[ModuleType, str, Any]] = []
+    try:
+        for module in modules:
+            for name in dir(module):
+                if name.endswith("_kernel") and hasattr(getattr(module, name), "__getitem__"):
+                    fn = getattr(module, name)
+                    saved.append((module, name, fn))
+                    counted = _Counted(fn, f"{module.__name__}.{name}", counter, execute=execute)
+                    setattr(module, name, counted)
+        with counter:
+            yield counts
+    finally:
+        for module, name, fn in reversed(saved):
+            setattr(module, name, fn)

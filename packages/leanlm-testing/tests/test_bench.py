@@ -1,0 +1,111 @@
+import subprocess
+import time
+
+import pytest
+import torch
+
+from leanlm_testing import bench
+
+
+def test_interleaved_medians_time_each_case_in_turn():
+    calls: list[str] = []
+
+    def case(name: str, seconds: float):
+        def run() -> None:
+            calls.append(name)
+            time.sleep(seconds)
+
+        return run
+
+    medians = bench.interleaved_medians(
+        {"fast": case("fast", 0.001), "slow": case("slow", 0.02)}, rounds=3, warmup=1
+    )
+    assert calls == ["fast", "slow"] + ["fast", "slow"] * 3  # warm-up, then alternating
+    assert medians["slow"] >= 0.02
+    assert medians["fast"] < medians["slow"]
+
+
+def test_median_is_the_median_not_the_mean():
+    durations = iter([0.0, 0.001, 0.001, 0.05])  # warm-up, then one outlier among three
+
+    medians = bench.median_seconds(lambda: time.sleep(next(durations)), repeats=3)
+    assert 0.001 <= medians < 0.01
+
+
+def test_sync_runs_after_every_timed_call():
+    waits: list[int] = []
+    bench.interleaved_medians(
+        {"a": lambda: None, "b": lambda: None},
+        rounds=2,
+        warmup=0,
+        sync=lambda: waits.append(1),
+    )
+    assert len(waits) == 1 + 2 * 2  # once after the warm-ups, once per timed call
+
+
+@pytest.mark.parametrize("rounds", [0, -1])
+def test_rounds_must_be_positive(rounds):
+    with pytest.raises(ValueError, match=f"`rounds` must be >= 1, got {rounds}"):
+        bench.interleaved_medians({"a": lambda: None}, rounds=rounds)
+    with pytest.raises(ValueError, match=f"`repeats` must be >= 1, got {rounds}"):
+        bench.median_seconds(lambda: None, repeats=rounds)
+
+
+def test_peak_rss_sees_an_allocation_and_resets():
+    bench.reset_peak_rss()
+    before = bench.peak_rss_mib()
+    x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    grown = bench.peak_rss_mib() - before
+    del x
+    assert grown >= 60
+    now = bench.reset_peak_rss()
+    assert bench.peak_rss_mib() < now + 30
+
+
+def test_rss_field_must_exist():
+    with pytest.raises(RuntimeError, match="'VmNope' is not a field"):
+        bench.rss_kib("VmNope")
+
+
+def test_git_revision_names_the_commit_and_marks_changes(tmp_path):
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True
+        ).stdout.strip()
+
+    assert bench.git_revision(tmp_path) == "unknown"
+    git("init", "-q")
+    (tmp_path / "f.txt").write_text("a")
+    git("add", "f.txt")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "m")
+    sha = git("rev-parse", "--short", "HEAD")
+    assert bench.git_revision(tmp_path) == sha
+    (tmp_path / "f.txt").write_text("b")
+    assert bench.git_revision(tmp_path / "f.txt") == f"{sha} (+ uncommitted changes)"
+
+
+def test_header_names_versions_and_device():
+    line = bench.header("bench_x", "cpu", ["torch", "no-such-dist-xyz"])
+    assert line.startswith("# bench_x  device CPU: ")
+    assert f"torch {torch.__version__}" in line
+    assert "no-such-dist-xyz not installed" in line
+    assert "git " in line
+
+
+def test_environment_states_cpu_threads_only_for_cpu(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        env = bench.environment("cpu", ["torch"])
+        assert env["torch threads"] == "1"
+        torch.set_num_threads(2)
+        assert bench.environment("cpu")["torch threads"] == "2"
+    finally:
+        torch.set_num_threads(before)
+    assert list(env)[:2] == ["device", "torch threads"]
+    assert env["torch"] == torch.__version__
+    assert bench.header("b", "cpu").count("torch threads ") == 1
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev: "Fake GPU")
+    gpu = bench.environment("cuda:0")
+    assert gpu["device"] == "CUDA: Fake GPU"
+    assert "torch threads" not in gpu

@@ -1,0 +1,99 @@
+"""Stopping a run cleanly on SIGTERM / SIGINT (the worker side).
+
+Inside `handling_signals()` both signals request a stop. In the training loop
+(`at_step_boundaries`) the request only sets a flag: the loop finishes its step, the processes
+agree on it in the step's all-reduce, write a checkpoint when one is due and raise
+`Interrupted`. Anywhere else the handler raises `Interrupted` at once, so a run stopped while
+loading data or evaluating also ends within seconds. A second signal always raises at once.
+
+Under `leanlm`'s own launcher (`LAUNCHER_ENV` set) the launcher forwards the user's signal as
+SIGINT; a SIGTERM then comes from torchrun's agent shutting the others down after one process
+failed, and ends the process quietly (the failing process reports the error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from types import FrameType
+
+LAUNCHER_ENV = "LEANLM_LAUNCHER_PID"
+"""Set by `leanlm.launch.relaunch` in the processes it starts (the launcher's PID)."""
+
+
+class Interrupted(Exception):  # noqa: N818  (not an error: a requested stop)
+    """The run was stopped by a signal; `step` is the last finished step of `stage`."""
+
+    def __init__(self, *, stage: str, step: int, quiet: bool = False) -> None:
+        self.stage = stage
+        self.step = step
+        self.quiet = quiet
+        """True when the stop was torchrun's shutdown after another process failed."""
+        where = f"[{stage}] " if stage else ""
+        super().__init__(f"{where}interrupted at step {step}; continue with --resume")
+
+
+class _State:
+    signum = 0
+    armed = False
+    stage = ""
+    step = 0
+
+
+_state = _State()
+
+
+def _handler(signum: int, frame: FrameType | None) -> None:
+    first = not _state.signum
+    _state.signum = _state.signum or signum
+    if _state.armed and first:
+        return  # the training loop stops at the end of its step
+    quiet = _state.signum == signal.SIGTERM and LAUNCHER_ENV in os.environ
+    raise Interrupted(stage=_state.stage, step=_state.step, quiet=quiet)
+
+
+@contextlib.contextmanager
+def handling_signals() -> Iterator[None]:
+    """Inside: SIGTERM and SIGINT request a stop (enter in the main thread)."""
+    _state.signum, _state.stage, _state.step = 0, "", 0
+    previous = {sig: signal.signal(sig, _handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _state.signum, _state.stage, _state.step = 0, "", 0
+
+
+def requested() -> bool:
+    """Whether a stop was requested."""
+    return bool(_state.signum)
+
+
+def exit_code() -> int:
+    """128 + the number of the signal that requested the stop (the shell's convention)."""
+    return 128 + (_state.signum or signal.SIGINT)
+
+
+def progress(stage: str, step: int) -> None:
+    """Record where the run is (for the message of an `Interrupted` raised by the handler)."""
+    _state.stage, _state.step = stage, step
+
+
+def stopped(stage: str | None = None, step: int | None = None) -> Interrupted:
+    """The exception that ends a stopped run (default: where `progress` last put it)."""
+    quiet = _state.signum == signal.SIGTERM and LAUNCHER_ENV in os.environ
+    stage = _state.stage if stage is None else stage
+    return Interrupted(stage=stage, step=_state.step if step is None else step, quiet=quiet)
+
+
+@contextlib.contextmanager
+def at_step_boundaries() -> Iterator[None]:
+    """Inside: a first signal only sets the flag (the loop polls `requested()` each step)."""
+    _state.armed = True
+    try:
+        yield
+    finally:
+        _state.armed = False

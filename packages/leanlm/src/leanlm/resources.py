@@ -1,0 +1,92 @@
+"""Data shared by the stages of one run: corpus, tokenizer, token streams, blocks, windows."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from accelerate import Accelerator
+
+from leanlm.data import (
+    Corpus,
+    TokenStreams,
+    blocks,
+    load_corpus,
+    spread_windows,
+    tokenize_corpus,
+)
+from leanlm.tokenizer import load_or_train_tokenizer
+
+if TYPE_CHECKING:
+    from leanlm.config import RunConfig
+
+
+def default_cache_dir() -> Path:
+    """`$LEANLM_CACHE_DIR`, else `~/.cache/leanlm`."""
+    env = os.environ.get("LEANLM_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "leanlm"
+
+
+class RunResources:
+    """Data shared by the stages of one run, built lazily once per process.
+
+    The main process builds each cache entry first (datasets cache, tokenizer, token ids); the
+    others wait, then read it, so several processes never write the same cache at once.
+    """
+
+    def __init__(self, config: RunConfig, accelerator: Accelerator) -> None:
+        self.config = config
+        self.accelerator = accelerator
+        self.cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+
+    @cached_property
+    def corpus(self) -> Corpus:
+        """The run's text (train / validation `datasets` splits)."""
+        with self.accelerator.main_process_first():
+            return load_corpus(self.config.data, cache_dir=self.cache_dir / "datasets")
+
+    @cached_property
+    def _tokenizer_and_key(self) -> tuple[Any, str]:
+        if self.config.init_model:  # the model's own tokenizer, keyed by its content
+            from transformers import AutoTokenizer
+
+            with self.accelerator.main_process_first():
+                tokenizer = AutoTokenizer.from_pretrained(self.config.init_model)
+            if not tokenizer.is_fast or tokenizer.eos_token_id is None:
+                raise ValueError(
+                    f"`init_model` ({self.config.init_model!r}) needs a fast tokenizer with an "
+                    "end-of-sequence token (documents are joined with it)"
+                )
+            content = tokenizer.backend_tokenizer.to_str()
+            return tokenizer, hashlib.sha256(content.encode()).hexdigest()[:16]
+        with self.accelerator.main_process_first():
+            return load_or_train_tokenizer(
+                self.corpus, self.config.tokenizer, cache_dir=self.cache_dir
+            )
+
+    @property
+    def tokenizer(self) -> Any:
+        """The run's fast tokenizer (trained on the train split, cached)."""
+        return self._tokenizer_and_key[0]
+
+    @cached_property
+    def streams(self) -> TokenStreams:
+        """Both splits as 1-D token streams."""
+        tokenizer, key = self._tokenizer_and_key
+        with self.accelerator.main_process_first():
+            return tokenize_corpus(self.corpus, tokenizer, tokenizer_key=key)
+
+    @cached_property
+    def train_blocks(self) -> torch.Tensor:
+        """Training sequences `(N, seq_len)`."""
+        return blocks(self.streams.train, self.config.data.seq_len)
+
+    @cached_property
+    def validation_windows(self) -> torch.Tensor:
+        """The validation windows `(N, seq_len)` every stage is scored on."""
+        data = self.config.data
+        return spread_windows(self.streams.validation, data.seq_len, data.eval_windows)

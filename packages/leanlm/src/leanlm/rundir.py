@@ -1,0 +1,288 @@
+"""The run directory, checked before any work: one run at a time, usable, and safe to resume.
+
+`preflight` runs in the process the user started, before any worker: an `--out` that is a file,
+cannot be created or written, or sits on a nearly full disk; a directory that holds a run
+(without `--resume`); a `--resume` whose config differs from the stored one (unless
+`--restart-changed`); an `init_model` that is not a causal-LM folder with a tokenizer; a hub
+model or dataset with no network and no cached copy. `RunLock` then keeps a second run out of
+the directory while this one lives (`fcntl.flock`, released by the kernel when the process
+dies, so a lock left by a killed run is simply taken over).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from leanlm.config import ConfigError, RunConfig, to_dict
+
+CONFIG_FILE = "config.toml"
+LOCK_FILE = "leanlm.lock"
+MIN_FREE_MIB = 100
+"""An `--out` on a disk with less free space than this is refused before the run starts."""
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT})
+"""`OSError`s that mean the disk, not the program, is at fault: reported in one line."""
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+_TRUE = {"1", "true", "yes", "on"}
+
+
+class RunLockedError(RuntimeError):
+    """Another live process holds the run directory."""
+
+
+class ConfigChangedError(ValueError):
+    """`--resume` with a config that differs from the one the run was started with."""
+
+
+def holds_work(out_dir: Path) -> bool:
+    """Whether `out_dir` holds something a fresh run would destroy (a result or a checkpoint)."""
+    if not out_dir.is_dir():
+        return False
+    return any(out_dir.glob("*/result.json")) or any(out_dir.glob("*/checkpoints/step-*"))
+
+
+def stage_hash(config: RunConfig, stage: str, previous_hash: str) -> str:
+    """Hash of what a stage's output depends on.
+
+    That is data, tokenizer, model, seed, precision, the stage's own section, and the previous
+    stage's hash (so changing an early stage invalidates every later one).
+    """
+    own = config.fingerprint(
+        "seed", "mixed_precision", "init_model", "data", "tokenizer", "model", stage
+    )
+    return hashlib.sha256(f"{own}:{previous_hash}".encode()).hexdigest()[:16]
+
+
+def _stored_hashes(stage_dir: Path) -> set[str]:
+    """Config hashes of a stage's stored result and checkpoints (its work on disk)."""
+    found = set()
+    files = [stage_dir / "result.json", *stage_dir.glob("checkpoints/step-*/trainer_state.json")]
+    for path in files:
+        try:
+            value = json.loads(path.read_text()).get("config_hash")
+        except (OSError, ValueError):
+            continue
+        if isinstance(value, str):
+            found.add(value)
+    return found
+
+
+def discarded_stages(out_dir: Path, config: RunConfig) -> list[str]:
+    """Stages of `config` whose stored work in `out_dir` was made under another config."""
+    stages, previous = [], ""
+    for stage in config.stages:
+        digest = stage_hash(config, stage, previous)
+        stored = _stored_hashes(out_dir / stage)
+        if stored and digest not in stored:
+            stages.append(stage)
+        previous = digest
+    return stages
+
+
+def changed_keys(stored: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config mappings (missing counts as differing)."""
+    keys: list[str] = []
+    for key in sorted(stored.keys() | new.keys()):
+        a, b = stored.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys += changed_keys(a, b, f"{prefix}{key}.")
+        elif a != b:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def check_reuse(
+    out_dir: Path, config: RunConfig, *, resume: bool, restart_changed: bool = False
+) -> None:
+    """Refuse to overwrite a run, and to resume one in a way that discards work.
+
+    A config change that leaves every stored result and checkpoint valid (a stage appended,
+    `name`, a stage that has not run yet) resumes; one that would restart a stage with work
+    on disk needs `restart_changed`.
+
+    Raises:
+        FileExistsError: `out_dir` holds a run and `resume` is false.
+        ConfigChangedError: `resume` would discard the work of a stage (the changed keys and
+            the stages are listed), unless `restart_changed`.
+    """
+    if not holds_work(out_dir):
+        return
+    if not resume:
+        raise FileExistsError(
+            f"{out_dir} already holds a run: pass --resume to continue it, or start over with "
+            f"`rm -r {out_dir}` (or another --out)"
+        )
+    stages = [] if restart_changed else discarded_stages(out_dir, config)
+    if not stages:
+        return
+    stored_file = out_dir / CONFIG_FILE
+    stored = tomllib.loads(stored_file.read_text("utf-8")) if stored_file.is_file() else {}
+    changed = ", ".join(f"`{k}`" for k in changed_keys(stored, to_dict(config)))
+    raise ConfigChangedError(
+        f"--resume: the config differs from the one {out_dir} was run with, in {changed}; "
+        f"resuming would restart {', '.join(stages)} and discard the results and checkpoints "
+        "there. Pass --restart-changed to do that, or restore the config"
+    )
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """`--out` must be a directory (or creatable), writable, on a disk with room.
+
+    Raises:
+        ValueError: naming `--out` and what is wrong.
+    """
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} is a file, not a directory; choose another --out")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".leanlm-write-test"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"--out {out_dir} is not writable: {err.strerror}") from None
+    free_mib = shutil.disk_usage(out_dir).free / 2**20
+    if free_mib < MIN_FREE_MIB:
+        raise ValueError(
+            f"--out {out_dir}: only {free_mib:.0f} MiB free on its disk (the run needs at least "
+            f"{MIN_FREE_MIB} MiB); free some space or choose another --out"
+        )
+
+
+def disk_full(out_dir: Path) -> bool:
+    """Whether the disk of `out_dir` has (almost) no space left (< 1 MiB)."""
+    try:
+        return shutil.disk_usage(out_dir).free < 2**20
+    except OSError:
+        return False
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """False when `HF_HUB_OFFLINE` is set or the hub's host does not answer within `timeout` s."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE:
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname or "", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _go_offline() -> None:
+    """Make huggingface_hub / datasets use their caches only, here and in the workers.
+
+    Both libraries read the variables at import; when already imported, their constants are set.
+    """
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    for module, names in (
+        ("huggingface_hub.constants", ("HF_HUB_OFFLINE",)),
+        ("datasets.config", ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")),
+    ):
+        if module in sys.modules:
+            for name in names:
+                setattr(sys.modules[module], name, True)
+
+
+def check_init_model(name: str) -> None:
+    """`init_model` must be a causal-LM folder with a tokenizer, or a reachable / cached hub id.
+
+    Raises:
+        ConfigError: naming `init_model` and what is missing.
+    """
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ConfigError("init_model", f"{name!r} is not a model folder (no config.json)")
+        arch = json.loads((path / "config.json").read_text()).get("architectures") or []
+        if not any(str(a).endswith("ForCausalLM") for a in arch):
+            raise ConfigError(
+                "init_model", f"{name!r} is not a causal LM (its architectures: {arch})"
+            )
+        if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise ConfigError(
+                "init_model",
+                f"{name!r} has no tokenizer (tokenizer.json); save one with "
+                "`tokenizer.save_pretrained` next to the model",
+            )
+        return
+    if not _HUB_ID.match(name) or name.startswith((".", "/", "~")):
+        raise ConfigError("init_model", f"{name!r} does not exist (and is not a hub id)")
+    if hub_reachable():
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+        raise ConfigError(
+            "init_model",
+            f"{name!r} is not a local folder, the hub cannot be reached (no network or "
+            "HF_HUB_OFFLINE set) and it is not in the hub cache",
+        )
+    _go_offline()
+
+
+def check_hub_dataset(config: RunConfig) -> None:
+    """With no network, a hub dataset is read from the cache only (no retries; see `data`)."""
+    data = config.data
+    if data.source == "hub" and not Path(data.hub_name).exists() and not hub_reachable():
+        _go_offline()
+
+
+def preflight(
+    config: RunConfig, out_dir: Path, *, resume: bool, restart_changed: bool = False
+) -> None:
+    """Every check that needs no worker (see the module docstring); call before the run."""
+    check_out_dir(out_dir)
+    check_reuse(out_dir, config, resume=resume, restart_changed=restart_changed)
+    if config.init_model:
+        check_init_model(config.init_model)
+    check_hub_dataset(config)
+
+
+class RunLock:
+    """An exclusive lock on `out_dir / LOCK_FILE` holding the owner's PID."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.path = out_dir / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        """Take the lock.
+
+        Raises:
+            RunLockedError: another live process holds it (its PID is named).
+        """
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RunLockedError(
+                f"{self.path.parent} is in use by a running leanlm (PID {owner}); wait for it to "
+                f"finish, stop it (`kill {owner}`), or choose another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock."""
+        if self._fd is None:
+            return
+        self.path.unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = None

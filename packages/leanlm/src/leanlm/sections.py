@@ -1,0 +1,227 @@
+"""The sections every run has (`[data]`, `[tokenizer]`, `[model]`) and the shared training settings.
+
+A stage's own section lives in its module (`leanlm.pretrain.PretrainConfig`, ...); a stage that
+trains subclasses `TrainConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Literal
+
+from leanlm.configio import ConfigError, non_negative, positive
+
+OptimizerName = Literal["came", "adamw", "adafactor"]
+"""`came`: `optim_came.CAME` (Adam-like quality, factored second moments: about half AdamW's
+state); `adamw`: `torch.optim.AdamW`; `adafactor`: `optim_adafactor.Adafactor` (factored second
+moments, no first moment: O(rows + cols) state per matrix)."""
+
+INIT_STAGE = "init"
+"""The name a stage uses for `RunConfig.init_model`'s model (e.g. `distill.teacher_stage`)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where the text comes from and how it is cut into training sequences."""
+
+    source: Literal["stdlib", "files", "hub"] = "stdlib"
+    """`stdlib`: the running interpreter's standard-library source plus `pydoc_data/topics.py`
+    (no network); `files`: local text files; `hub`: a `datasets` name or local dataset folder."""
+    files: tuple[str, ...] = ()
+    """For `source="files"`: text files (one document each)."""
+    validation_files: tuple[str, ...] = ()
+    """For `source="files"`: explicit validation files; empty = split `files` by file."""
+    hub_name: str = ""
+    """For `source="hub"`: the `datasets.load_dataset` path, e.g. `wikitext` or a local folder."""
+    hub_config: str | None = None
+    """For `source="hub"`: the dataset configuration, e.g. `wikitext-103-raw-v1`."""
+    hub_train_split: str = "train"
+    """For `source="hub"`: the split used for training."""
+    hub_validation_split: str = "validation"
+    """For `source="hub"`: the split used for validation."""
+    text_column: str = "text"
+    """For `source="hub"`: the column holding the text."""
+    include_tests: bool = False
+    """For `source="stdlib"`: also use the standard library's `test/` package."""
+    max_bytes: int = 0
+    """Use files in sorted order until this many bytes (0 = all). Not applied to `hub`."""
+    validation_fraction: float = 0.05
+    """Share of files held out for validation when splitting by file (by a hash of the name)."""
+    seq_len: int = 256
+    """Tokens per training sequence and per validation window."""
+    eval_windows: int = 64
+    """Validation windows of `seq_len` tokens, spread evenly over the validation split, that every
+    stage is scored on; 0 = all."""
+
+    def __post_init__(self) -> None:
+        positive(self, "seq_len")
+        if self.eval_windows < 0:
+            raise ConfigError("eval_windows", f"must be >= 0 (0 = all), got {self.eval_windows}")
+        if self.max_bytes < 0:
+            raise ConfigError("max_bytes", f"must be >= 0 (0 = no limit), got {self.max_bytes}")
+        if not 0.0 < self.validation_fraction < 1.0:
+            raise ConfigError(
+                "validation_fraction", f"must be in (0, 1), got {self.validation_fraction}"
+            )
+        if self.source == "files" and not self.files:
+            raise ConfigError("files", 'must list at least one file when `source = "files"`')
+        if self.source == "hub" and not self.hub_name:
+            raise ConfigError("hub_name", 'must name a dataset when `source = "hub"`')
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenizerConfig:
+    """The byte-level BPE tokenizer trained on the training split."""
+
+    vocab_size: int = 8192
+    """Vocabulary size, special tokens included."""
+    min_frequency: int = 2
+    """Minimum pair frequency for a BPE merge."""
+
+    def __post_init__(self) -> None:
+        positive(self, "min_frequency")
+        if self.vocab_size < 260:
+            # 256 byte symbols + the special tokens must fit.
+            raise ConfigError(
+                "vocab_size", f"must be >= 260 (256 bytes + specials), got {self.vocab_size}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A Llama decoder (`LlamaForCausalLM`); its vocabulary comes from the tokenizer."""
+
+    hidden_size: int = 256
+    """Width of the residual stream."""
+    intermediate_size: int = 688
+    """Width of the SwiGLU MLP."""
+    num_hidden_layers: int = 4
+    """Number of decoder layers."""
+    num_attention_heads: int = 4
+    """Query heads per layer."""
+    num_key_value_heads: int = 2
+    """Key/value heads per layer (GQA when fewer than query heads)."""
+    max_position_embeddings: int = 1024
+    """Longest sequence the rotary embedding is set up for (>= `data.seq_len`)."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding with the output projection."""
+    initializer_range: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+
+    def __post_init__(self) -> None:
+        positive(
+            self,
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "rope_theta",
+            "initializer_range",
+        )
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                "num_attention_heads",
+                f"({self.num_attention_heads}) must divide `hidden_size` ({self.hidden_size})",
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                "num_key_value_heads",
+                f"({self.num_key_value_heads}) must divide `num_attention_heads` "
+                f"({self.num_attention_heads})",
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Settings shared by the stages that train (warmup + cosine schedule, checkpoints)."""
+
+    optimizer: OptimizerName = "came"
+    """`came` (optim-came: Adam-like quality at about half AdamW's optimizer memory), `adamw`
+    (torch) or `adafactor` (optim-adafactor: factored second moments, least memory)."""
+    engine: Literal["ddp", "zero", "fsdp2"] | None = None
+    """How several processes share the work (`leanlm.engines`): `"ddp"` replicates the model
+    (accelerate's DDP); `"zero"` shards it with shard-zero at `zero_stage`; `"fsdp2"` shards
+    parameters, gradients and optimizer state with PyTorch's FSDP2 (`fully_shard` per decoder
+    layer; any `optimizer`, but CAME and Adafactor checkpoints resume only at the same number of
+    processes). Unset: `"zero"` when `zero_stage` > 0, else `"ddp"`. Ignored with one process."""
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """For `engine = "zero"` (the default engine when this is > 0): 1/2/3 = shard optimizer
+    state / + gradients / + parameters across processes with shard-zero (CPU/gloo for now);
+    0 = no sharding (then the engine is `"ddp"`)."""
+    steps: int = 200
+    """Optimizer steps."""
+    micro_batch_size: int = 8
+    """Sequences per process per forward/backward."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step (per process)."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of `lr` (cosine decay)."""
+    warmup_steps: int = 20
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (norm weights are not decayed)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas; CAME takes β1 from here (β2, β3 = 0.999, 0.9999); Adafactor ignores them."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping)."""
+    eval_every: int = 50
+    """Evaluate validation perplexity every this many steps (and at the end)."""
+    eval_batch_size: int = 16
+    """Windows per evaluation forward pass."""
+    checkpoint_every: int = 50
+    """Write a resumable training checkpoint every this many steps (0 = never)."""
+    keep_checkpoints: int = 2
+    """Training checkpoints kept on disk (older ones are deleted)."""
+    log_every: int = 1
+    """Write a `metrics.jsonl` / TensorBoard row every this many steps."""
+    max_bad_steps: int = 10
+    """Steps with a NaN/inf loss or gradient are skipped; past this many the stage writes a
+    checkpoint and stops with an error."""
+
+    _steps_given: ClassVar[bool] = True
+    """False for a stage that computes its own `steps` (`control`)."""
+
+    def __post_init__(self) -> None:
+        positive(
+            self,
+            "steps",
+            "micro_batch_size",
+            "grad_accum_steps",
+            "lr",
+            "eval_every",
+            "eval_batch_size",
+            "keep_checkpoints",
+            "log_every",
+        )
+        non_negative(
+            self, "warmup_steps", "weight_decay", "grad_clip", "checkpoint_every", "max_bad_steps"
+        )
+        if self._steps_given and self.warmup_steps >= self.steps:
+            raise ConfigError(
+                "warmup_steps", f"({self.warmup_steps}) must be < `steps` ({self.steps})"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError("betas", f"must both be in [0, 1), got {self.betas}")
+        if self.engine == "zero" and not self.zero_stage:
+            raise ConfigError("zero_stage", 'must be 1, 2 or 3 with `engine = "zero"`, got 0')
+        if self.engine in ("ddp", "fsdp2") and self.zero_stage:
+            raise ConfigError(
+                "zero_stage",
+                f'({self.zero_stage}) is for `engine = "zero"`; with `engine = '
+                f'"{self.engine}"` leave it at 0',
+            )
+
+    @property
+    def resolved_engine(self) -> Literal["ddp", "zero", "fsdp2"]:
+        """`engine`, or its default: `"zero"` when `zero_stage` > 0, else `"ddp"`."""
+        if self.engine is not None:
+            return self.engine
+        return "zero" if self.zero_stage else "ddp"

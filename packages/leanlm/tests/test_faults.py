@@ -1,0 +1,279 @@
+"""Fault injection: signals, damaged checkpoints, bad starts, and the rerun after each."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import namedtuple
+from importlib.metadata import version
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import leanlm.cli
+import leanlm.evaluate
+from leanlm import rundir
+from leanlm.cli import main
+from leanlm.config import DataConfig, dumps_toml
+from leanlm.trainer import causal_lm_loss
+
+
+def _weights(run_dir):
+    return load_file(run_dir / "pretrain" / "model" / "model.safetensors")
+
+
+def _assert_same_weights(a_dir, b_dir):
+    a, b = _weights(a_dir), _weights(b_dir)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs after the resume"
+
+
+def _loss_rows(run_dir):
+    text = (run_dir / "pretrain" / "metrics.jsonl").read_text()
+    keep = ("step", "loss", "lr", "grad_norm", "val_loss")
+    return [{k: r[k] for k in keep if k in r} for r in map(json.loads, text.splitlines())]
+
+
+def _messages(err):
+    return [line for line in err.splitlines() if line.startswith("leanlm:")]
+
+
+def _leanlm(*args):
+    return [sys.executable, "-m", "leanlm", *map(str, args)]
+
+
+def _snapshot(run_dir):
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()}
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.distributed
+def test_sigterm_stops_every_process_then_resume_equals_uninterrupted(
+    tmp_path, tiny_config, capsys
+):
+    config = tiny_config(pretrain={"steps": 100, "checkpoint_every": 10, "eval_every": 50})
+    path = tmp_path / "run.toml"
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    two = ["--processes", "2"]
+
+    path.write_text(dumps_toml(config))
+    subprocess.run(_leanlm("run", path, "--out", full, *two), check=True, env=ENV, timeout=300)
+
+    launcher = subprocess.Popen(
+        _leanlm("run", path, "--out", killed, *two), stderr=subprocess.PIPE, text=True, env=ENV
+    )
+    target = killed / "pretrain" / "checkpoints" / "step-00000010"
+    deadline = time.monotonic() + 240
+    while not target.exists() and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    run_tree = [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(True)]
+    # a second run into the same directory fails at once, naming the running launcher
+    assert main(["run", str(path), "--out", str(killed), "--resume"]) == 2
+    assert f"in use by a running leanlm (PID {launcher.pid})" in capsys.readouterr().err
+
+    launcher.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    _, stderr = launcher.communicate(timeout=60)
+    _gone, alive = psutil.wait_procs(run_tree, timeout=max(0.0, signalled + 30 - time.monotonic()))
+    assert not alive, f"still running 30 s after SIGTERM: {alive}"
+    assert len(run_tree) >= 4  # launcher, torchrun, 2 workers
+    assert launcher.returncode == 128 + signal.SIGTERM
+    assert not (killed / "pretrain" / "result.json").exists(), "the run finished before the kill"
+    stops = [m for m in _messages(stderr) if "interrupted" in m]
+    assert len(stops) == 1, stderr
+    assert stops[0].endswith("; continue with --resume")
+    assert "Traceback" not in stderr
+    stopped_at = int(stops[0].split("interrupted at step ")[1].split(";")[0])
+    assert stopped_at >= 10
+    # the stop step was checkpointed (it is not a multiple of checkpoint_every, so only the stop
+    # wrote it), and nothing is written once every process has exited
+    assert (killed / "pretrain" / "checkpoints" / f"step-{stopped_at:08d}").is_dir()
+    before = _snapshot(killed)
+    time.sleep(1)
+    assert _snapshot(killed) == before
+    assert not (killed / rundir.LOCK_FILE).exists()
+
+    resumed = subprocess.run(
+        _leanlm("run", path, "--out", killed, "--resume", *two),
+        check=False,
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from step-{stopped_at:08d}" in resumed.stdout + resumed.stderr
+    _assert_same_weights(full, killed)
+    assert _loss_rows(full) == _loss_rows(killed)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_worker_error_is_printed_once_then_the_corrected_rerun(tmp_path, tiny_config):
+    # Every worker fails alike: one error line (no torchrun report), and nothing is left that
+    # blocks the corrected run into the same directory.
+    path, out = tmp_path / "run.toml", tmp_path / "run"
+    path.write_text(dumps_toml(tiny_config(pretrain={"micro_batch_size": 10**8})))
+    bad = subprocess.run(
+        _leanlm("run", path, "--out", out, "--processes", "2"),
+        check=False,
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    assert bad.returncode == 2
+    (message,) = _messages(bad.stderr)
+    assert "`pretrain.micro_batch_size`" in message
+    assert "= 200000000 sequences" in message
+    assert "Traceback" not in bad.stderr
+    assert "ChildFailedError" not in bad.stderr
+    path.write_text(dumps_toml(tiny_config(pretrain={"steps": 4, "checkpoint_every": 2})))
+    subprocess.run(
+        _leanlm("run", path, "--out", out, "--processes", "2"), check=True, env=ENV, timeout=300
+    )
+    assert (out / "pretrain" / "result.json").is_file()
+
+
+def _signal_on_call(monkeypatch, call, sig=signal.SIGINT):
+    """Deliver `sig` to this process during the `call`-th pretrain micro-batch (1-based)."""
+    calls = {"n": 0}
+
+    def loss_fn(model, input_ids):
+        calls["n"] += 1
+        if calls["n"] == call:
+            os.kill(os.getpid(), sig)
+        return causal_lm_loss(model, input_ids)
+
+    monkeypatch.setattr(leanlm.evaluate, "causal_lm_loss", loss_fn)
+
+
+def test_interrupt_then_truncated_checkpoint_then_resume(
+    tmp_path, tiny_config, capsys, monkeypatch
+):
+    config = tiny_config(pretrain={"steps": 18, "checkpoint_every": 6, "eval_every": 6})
+    path = tmp_path / "run.toml"
+    path.write_text(dumps_toml(config))
+    full, run = tmp_path / "full", tmp_path / "run"
+    assert main(["run", str(path), "--out", str(full)]) == 0
+
+    _signal_on_call(monkeypatch, 9)  # Ctrl-C during step 9: it finishes, is saved, the run ends
+    assert main(["run", str(path), "--out", str(run)]) == 130
+    err = capsys.readouterr().err
+    assert _messages(err) == ["leanlm: [pretrain] interrupted at step 9; continue with --resume"]
+    assert "Traceback" not in err
+    checkpoints = run / "pretrain" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000006", "step-00000009"]
+    monkeypatch.undo()
+
+    newest = checkpoints / "step-00000009" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    assert main(["run", str(path), "--out", str(run), "--resume"]) == 0
+    log = capsys.readouterr()
+    assert (
+        f"checkpoint {checkpoints / 'step-00000009'} is damaged (model.safetensors does not "
+        "match its checksum); moved it to .damaged-step-00000009" in log.out
+    )
+    assert "resuming from step-00000006" in log.out
+    assert (checkpoints / ".damaged-step-00000009").is_dir()
+    _assert_same_weights(full, run)
+    assert _loss_rows(full) == _loss_rows(run)
+
+
+def test_bad_starts_then_the_corrected_rerun(tmp_path, tiny_config, capsys, monkeypatch):
+    good = tiny_config(pretrain={"steps": 4, "checkpoint_every": 2, "eval_every": 4})
+    path, out = tmp_path / "run.toml", tmp_path / "run"
+    empty, no_tokenizer, encoder = (tmp_path / n for n in ("empty", "no-tokenizer", "encoder"))
+    for folder in (empty, no_tokenizer, encoder):
+        folder.mkdir()
+    (no_tokenizer / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (encoder / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
+    (encoder / "tokenizer.json").write_text("{}")
+    hub = DataConfig(source="hub", hub_name="leanlm-test/no-such-dataset", seq_len=32)
+    bad_starts = [
+        ("init_model", {"init_model": str(tmp_path / "missing")}, "does not exist"),
+        ("init_model", {"init_model": str(empty)}, "not a model folder"),
+        ("init_model", {"init_model": str(encoder)}, "is not a causal LM"),
+        ("init_model", {"init_model": str(no_tokenizer)}, "has no tokenizer"),
+        ("init_model", {"init_model": "leanlm-test/no-such-model"}, "not in the hub cache"),
+        ("data.hub_name", {"data": hub}, "could not be loaded"),
+        ("pretrain.micro_batch_size", {"pretrain": {"micro_batch_size": 10**8}}, "training set"),
+    ]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    for key, changes, says in bad_starts:
+        pretrain = changes.pop("pretrain", None)
+        path.write_text(dumps_toml(tiny_config(pretrain=pretrain, **changes)))
+        assert main(["run", str(path), "--out", str(out)]) == 2, key
+        err = capsys.readouterr().err
+        assert len(_messages(err)) == 1, err
+        assert f"`{key}`" in err
+        assert says in err
+        assert "Traceback" not in err
+
+    path.write_text(dumps_toml(good))
+    cores = os.cpu_count() or 1
+    assert main(["run", str(path), "--out", str(path), "--processes", str(cores + 1)]) == 2
+    err = capsys.readouterr().err
+    assert f"--processes {cores + 1} is more than the {cores} CPU cores" in err
+    assert _messages(err)[-1] == f"leanlm: error: --out {path} is a file, not a directory; " + (
+        "choose another --out"
+    )
+    assert main(["run", str(path), "--out", str(path / "sub")]) == 2
+    assert "is not writable: Not a directory" in capsys.readouterr().err
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(rundir.shutil, "disk_usage", lambda _: usage(2**30, 2**30, 2**20))
+    assert main(["run", str(path), "--out", str(out)]) == 2
+    assert "only 1 MiB free on its disk" in capsys.readouterr().err
+    monkeypatch.undo()
+
+    # an unexpected error: one line; the same while the disk is full: the full disk
+    def fail(model, input_ids):
+        raise RuntimeError("[enforce fail at inline_container.cc] file write failed")
+
+    monkeypatch.setattr(leanlm.evaluate, "causal_lm_loss", fail)
+    for full, says in ((False, "RuntimeError: [enforce fail"), (True, "no space left on")):
+        monkeypatch.setattr(leanlm.cli, "disk_full", lambda _, full=full: full)
+        assert main(["run", str(path), "--out", str(out)]) == (2 if full else 1)
+        err = capsys.readouterr().err
+        assert len(_messages(err)) == 1, err
+        assert says in _messages(err)[0]
+        assert "Traceback" not in err
+    monkeypatch.undo()
+
+    # the corrected run, into the same directory, over a lock left by a killed run
+    (out / rundir.LOCK_FILE).write_text("4194303\n")
+    assert main(["run", str(path), "--out", str(out)]) == 0
+    log = capsys.readouterr()
+    assert "on 1 process(es), 4 steps" in log.out
+    assert "Removed shared tensor" not in log.out + log.err
+    assert "Downloading data" not in log.err
+    assert "Generating train split" not in log.err
+
+    assert main(["run", str(path), "--out", str(out)]) == 2
+    assert _messages(capsys.readouterr().err) == [
+        f"leanlm: error: {out} already holds a run: pass --resume to continue it, or start "
+        f"over with `rm -r {out}` (or another --out)"
+    ]
+    changed = dataclasses.replace(
+        good, seed=1, pretrain=dataclasses.replace(good.pretrain, lr=1e-3)
+    )
+    path.write_text(dumps_toml(changed))
+    assert main(["run", str(path), "--out", str(out), "--resume"]) == 2
+    assert "differs from the one" in (err := capsys.readouterr().err)
+    assert "in `pretrain.lr`, `seed`; resuming would restart pretrain and discard" in err
+    assert "Pass --restart-changed" in err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"leanlm {version('leanlm')}"

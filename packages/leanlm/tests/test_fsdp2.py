@@ -1,0 +1,261 @@
+"""FSDP2 as an engine (`engine = "fsdp2"`).
+
+Two gloo processes train like one with the same global batch, a run resumed from an FSDP2
+checkpoint ends where the uninterrupted run ended, and evaluation runs in lockstep.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from leanlm.config import RunConfig, dumps_toml, from_dict
+from leanlm.configio import ConfigError
+
+
+class _SegfaultError(AssertionError):
+    """A process of a run died of SIGSEGV (its faulthandler traceback is in the message)."""
+
+
+def _run(args, *, processes, env):
+    env = {**env, "PYTHONFAULTHANDLER": "1"}  # a native crash prints where it happened
+    if processes == 1:
+        command = [sys.executable, "-m", "leanlm", *map(str, args)]
+    else:
+        torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
+        command = [torchrun, "--standalone", "--nproc_per_node", str(processes), "-m", "leanlm"]
+        command += list(map(str, args))
+    done = subprocess.run(
+        command, check=False, capture_output=True, text=True, env=env, timeout=300
+    )
+    if done.returncode != 0 and "SIGSEGV" in done.stderr:
+        raise _SegfaultError(done.stderr[-6000:])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+def _scenario(tmp_path, *args, **kwargs):
+    """`_one_vs_two_then_resume`, run again in a fresh folder if a process segfaults.
+
+    A 2-process gloo resume (AdamW, DCP) crashed once with SIGSEGV in a clean-clone CI run on 2
+    cores: rank 0, before its first step. Not reproduced in 3 reruns of this test and 30 repeats
+    of the resume alone.
+    The crash is native (torch's gloo / DCP, or ours: not yet known), so it is reported as a
+    warning with the faulthandler traceback and the scenario runs once more: the values it
+    checks still decide the test, and a second crash fails it.
+    """
+    try:
+        first = tmp_path / "first"
+        first.mkdir()
+        return _one_vs_two_then_resume(first, *args, **kwargs)
+    except _SegfaultError as crash:
+        warnings.warn(f"an FSDP2 process died of SIGSEGV; running again: {crash}", stacklevel=2)
+    again = tmp_path / "again"
+    again.mkdir()
+    return _one_vs_two_then_resume(again, *args, **kwargs)
+
+
+def _rows(run_dir):
+    path = run_dir / "pretrain" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _weights(run_dir):
+    return load_file(run_dir / "pretrain" / "model" / "model.safetensors")
+
+
+# Bytes of model state per parameter on one process (fp32): the parameter and AdamW's two
+# moments; CAME's first moment (its factored statistics are O(rows + cols)); Adafactor keeps
+# only factored statistics. The gradients are freed after the last step.
+_STATE_BYTES = {"adamw": 12, "came": 8, "adafactor": 4}
+
+
+def _one_vs_two_then_resume(tmp_path, tiny_config, optimizer, *, steps, atol, rtol, weights):
+    # Global batch 8 either way: 1 process x 4 sequences x 2 accumulation steps, or
+    # 2 FSDP2 processes x 4 sequences x 1 step (gradients reduce-scattered and averaged).
+    every = steps // 2
+    common = {"steps": steps, "micro_batch_size": 4, "optimizer": optimizer}
+    common |= {"checkpoint_every": every, "eval_every": every}
+    one = tiny_config(pretrain={**common, "grad_accum_steps": 2})
+    two = tiny_config(pretrain={**common, "grad_accum_steps": 1, "engine": "fsdp2"})
+    (tmp_path / "one.toml").write_text(dumps_toml(one))
+    (tmp_path / "two.toml").write_text(dumps_toml(two))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    _run(["run", tmp_path / "one.toml", "--out", tmp_path / "one"], processes=1, env=env)
+    log = _run(["run", tmp_path / "two.toml", "--out", tmp_path / "two"], processes=2, env=env)
+    assert "on 2 process(es) FSDP2" in log
+
+    result = json.loads((tmp_path / "two" / "pretrain" / "result.json").read_text())
+    assert result["metrics"]["processes"] == 2
+    assert result["metrics"]["parallel"] == "FSDP2"
+    # each process holds half of the parameters and of the per-element state, plus (CAME,
+    # Adafactor) its rows' row statistics and the full column statistics: < 10% more here
+    full_bytes = _STATE_BYTES[optimizer] * result["metrics"]["params"]
+    assert 0.45 * full_bytes < result["metrics"]["model_state_mib"] * 2**20 < 0.6 * full_bytes
+    losses = [
+        torch.tensor([r["loss"] for r in _rows(d) if "loss" in r], dtype=torch.float64)
+        for d in (tmp_path / "one", tmp_path / "two")
+    ]
+    assert len(losses[0]) == steps
+    torch.testing.assert_close(losses[1], losses[0], atol=atol, rtol=rtol)
+    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], **weights, msg=name)
+
+    # Resume: the same run folder cut back to its mid-run FSDP2 checkpoint (result, model and
+    # the later metric rows gone) must end with the uninterrupted run's weights, bit for bit.
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "two", cut)
+    stage = cut / "pretrain"
+    sharded = stage / "checkpoints" / f"step-{every:08d}" / "fsdp2"
+    assert sharded.is_dir()
+    per_rank = sorted(f.name for f in sharded.glob("optim-rank*"))
+    if optimizer == "adamw":  # DTensor state: in the DCP files
+        assert per_rank == []
+    else:  # plain local state: one file per process
+        assert per_rank == ["optim-rank00000-of-00002.pt", "optim-rank00001-of-00002.pt"]
+    (stage / "result.json").unlink()
+    shutil.rmtree(stage / "model")
+    rows = [r for r in _rows(cut) if r["step"] <= every]
+    (stage / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    log = _run(["run", tmp_path / "two.toml", "--out", cut, "--resume"], processes=2, env=env)
+    assert f"resuming from step-{every:08d}" in log
+    resumed = _weights(cut)
+    for name in b:
+        assert torch.equal(resumed[name], b[name]), f"{name} differs after an FSDP2 resume"
+    assert [r["loss"] for r in _rows(cut) if "loss" in r] == losses[1].tolist()
+
+
+@pytest.mark.distributed
+@pytest.mark.filterwarnings("always:an FSDP2 process died of SIGSEGV:UserWarning")
+def test_fsdp2_two_processes_match_one_and_resume_exactly(tmp_path, tiny_config):
+    # fp32 sums in a different order (per-rank then reduce-scatter vs. sequential accumulation)
+    # perturb gradients by ~1e-7 relative; over 20 steps that stays below 1e-5 in the loss.
+    weights = {"atol": 2e-5, "rtol": 1e-4}
+    _scenario(tmp_path, tiny_config, "adamw", steps=20, atol=1e-5, rtol=1e-5, weights=weights)
+
+
+@pytest.mark.distributed
+@pytest.mark.filterwarnings("always:an FSDP2 process died of SIGSEGV:UserWarning")
+@pytest.mark.parametrize("optimizer", ["came", pytest.param("adafactor", marks=pytest.mark.slow)])
+def test_fsdp2_factored_optimizers_match_one_process_and_resume_exactly(
+    tmp_path, tiny_config, optimizer
+):
+    # The sharded step all-reduces the column sums and the RMS sums over the two shards of each
+    # matrix (`optim_adafactor.dtensor`) and FSDP2 averages the gradients in another order, so
+    # values differ from one process in the last bits only. Measured after 12 steps: weights
+    # <= 2.3e-8 apart (they are ~0.02 and move ~1e-2), losses <= 4.8e-7 (CAME) and 0
+    # (Adafactor). Column statistics from a shard's own rows alone would put each update off by
+    # 11-34% of its norm (optim-came README, "FSDP2").
+    weights = {"atol": 1e-6, "rtol": 1e-5}
+    _scenario(tmp_path, tiny_config, optimizer, steps=12, atol=1e-5, rtol=1e-5, weights=weights)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "text"),
+    [
+        ({"engine": "fsdp2", "zero_stage": 2}, "pretrain.zero_stage", 'is for `engine = "zero"`'),
+        ({"engine": "zero"}, "pretrain.zero_stage", 'must be 1, 2 or 3 with `engine = "zero"`'),
+        ({"engine": "tp"}, "pretrain.engine", "must be one of"),
+    ],
+)
+def test_engine_settings_are_checked(section, key, text):
+    with pytest.raises(ConfigError) as info:
+        from_dict(RunConfig, {"pretrain": {"optimizer": "adamw", **section}})
+    assert info.value.key == key
+    assert text in str(info.value)
+
+
+def test_engine_defaults_from_zero_stage_and_sparsify_refuses_fsdp2():
+    config = from_dict(RunConfig, {"pretrain": {"zero_stage": 2}, "distill": {}})
+    assert config.pretrain.resolved_engine == "zero"
+    assert config.distill.resolved_engine == "ddp"
+    config = from_dict(RunConfig, {"distill": {"engine": "fsdp2", "optimizer": "adamw"}})
+    assert config.distill.resolved_engine == "fsdp2"
+    with pytest.raises(ConfigError) as info:
+        from_dict(RunConfig, {"sparsify": {"engine": "fsdp2", "optimizer": "adamw"}})
+    assert info.value.key == "sparsify.engine"
+
+
+def _evaluate_sharded(rank, world_size, windows, expected):
+    from leanlm.engines import fsdp2_shard
+    from leanlm.evaluate import evaluate_perplexity
+    from leanlm_testing.models import tiny_llama
+
+    model = fsdp2_shard(tiny_llama(seed=0))
+    # 5 windows over 2 ranks in batches of 2: rank 0 runs 2 passes, rank 1 one real pass and one
+    # unscored pass, or rank 0 would wait forever in its second pass's all-gather
+    result = evaluate_perplexity(model, windows, batch_size=2, lockstep=True)
+    assert result.tokens == expected["tokens"]
+    assert abs(result.loss - expected["loss"]) < 1e-5, (result.loss, expected["loss"])
+
+
+@pytest.mark.distributed
+def test_fsdp2_evaluation_runs_in_lockstep_and_equals_one_process(tmp_path):
+    from leanlm.evaluate import evaluate_perplexity
+    from leanlm_testing import spawn
+    from leanlm_testing.models import tiny_llama
+
+    windows = torch.randint(0, 256, (5, 16), generator=torch.Generator().manual_seed(0))
+    single = evaluate_perplexity(tiny_llama(seed=0), windows, batch_size=2)
+    expected = {"tokens": single.tokens, "loss": single.loss}
+    spawn(_evaluate_sharded, windows, expected, world_size=2, tmp_path=tmp_path)
+
+
+def _save_and_load_factored_state(rank, world_size, folder):
+    from pathlib import Path
+
+    from leanlm.engines import _Fsdp2State, fsdp2_shard
+    from leanlm.optim import decay_param_groups, optimizer_over
+    from leanlm_testing.models import tiny_llama
+
+    def build():
+        model = fsdp2_shard(tiny_llama(seed=0))
+        groups = decay_param_groups(model.parameters(), 0.1)
+        return model, optimizer_over("came", groups, lr=1e-3, betas=(0.9, 0.95))
+
+    model, optimizer = build()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):  # each rank its own data: its row statistics differ from the other's
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    path = Path(folder)
+    _Fsdp2State(model, optimizer).save(path)
+    fresh_model, fresh_optimizer = build()
+    _Fsdp2State(fresh_model, fresh_optimizer).load(path)
+    saved, loaded = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
+    assert len(saved) > 0
+    assert saved.keys() == loaded.keys()
+    for index, state in saved.items():
+        assert loaded[index].keys() == state.keys(), index
+        assert loaded[index]["step"] == state["step"] == 2
+        for key, value in state.items():
+            if key != "step":
+                assert torch.equal(loaded[index][key], value), (index, key)
+    for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True):
+        assert torch.equal(a.to_local(), b.to_local())
+
+    torch.distributed.barrier()
+    if rank == 0:  # as if written by 3 processes
+        for f in path.glob("optim-rank*-of-00002.pt"):
+            f.rename(f.with_name(f.name.replace("-of-00002", "-of-00003")))
+    torch.distributed.barrier()
+    with pytest.raises(ValueError, match="another number of processes"):
+        _Fsdp2State(fresh_model, fresh_optimizer).load(path)
+
+
+@pytest.mark.distributed
+def test_fsdp2_factored_optimizer_state_is_saved_per_process(tmp_path):
+    # DCP would keep one rank's copy of the plain-tensor row statistics and give it to both
+    # ranks on load (each rank saw other data here, so the equality check catches that).
+    from leanlm_testing import spawn
+
+    spawn(_save_and_load_factored_state, str(tmp_path / "ckpt"), world_size=2, tmp_path=tmp_path)

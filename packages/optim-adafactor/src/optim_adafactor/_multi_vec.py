@@ -1,0 +1,189 @@
+# Triton convention: upper-case constexpr kernel arguments, many positional kernel arguments.
+# ruff: noqa: N803, PLR0917
+"""Multi-tensor fused Adafactor step of small unfactored tensors: one launch for all of them.
+
+Vectors (norm weights, biases) and other unfactored tensors of at most `MAX_NUMEL` elements
+keep a full second moment `v`. One program steps one tensor in two sweeps: the first updates
+`v = β2 v + (1-β2)(g² + ε1)` in place and sums `u² = g²/v` (and `p²`); the step size, the clip
+and the momentum coefficient then follow on the device; the second sweep re-reads g and v
+(from L1/L2: at most 256 KB) and writes m and p as `_torch_path.apply` does. DRAM bytes per
+element: G + 4 (v read) + 4 (v write) + P (+P for RMS(p)) + P + 2M, negligible next to the
+matrices. Same tables and address scheme as `_multi.py`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from optim_adafactor import _multi_tables as mt
+
+if TYPE_CHECKING:
+    from optim_adafactor._torch_path import Work
+    from optim_adafactor.optimizer import Adafactor
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+MAX_NUMEL = 1 << 16  # larger unfactored tensors keep the PyTorch path (one program each is slow)
+BLOCK = 64 if _INTERPRET else 1024
+NUM_WARPS = 4
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from optim_adafactor._kernels import stochastic_round_bf16
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _mt_vec_kernel(  # type: ignore[no-untyped-def]
+        addr, geo, gaddr, scal, g0, p0, lr_ptr, lr, beta2, eps1, eps2, clip_threshold, coef,
+        beta1, weight_decay, seed_base,
+        LR_TENSOR: tl.constexpr, HAS_P: tl.constexpr, CLIP: tl.constexpr, HAS_M: tl.constexpr,
+        HAS_DECAY: tl.constexpr, SR: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """One unfactored tensor per program: `v` EMA, `u = g/√v`, clip, momentum, write.
+
+        `addr` rows: parameter, momentum (or the parameter), `v`; `geo` rows: numel, index.
+        `scal[t, 3]` receives the step size `lr_t` (for `Adafactor._get_lr`).
+        """
+        pid = tl.program_id(0)
+        numel = tl.load(geo + pid * 2)
+        g_ptr = tl.load(gaddr + pid).to(g0.dtype)
+        p_ptr = tl.load(addr + pid * 3).to(p0.dtype)
+        m_ptr = tl.load(addr + pid * 3 + 1).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(addr + pid * 3 + 2).to(tl.pointer_type(tl.float32))
+        usq = tl.zeros([BLOCK], dtype=tl.float32)
+        psq = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in range(0, numel, BLOCK):
+            offs = k + tl.arange(0, BLOCK)
+            mask = offs < numel
+            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # upcast first
+            v = tl.load(v_ptr + offs, mask=mask, other=1.0)
+            v = beta2 * v + (1.0 - beta2) * (g * g + eps1)
+            tl.store(v_ptr + offs, v, mask=mask)
+            u = g / tl.sqrt(v)
+            usq += tl.where(mask, u * u, 0.0)
+            if HAS_P:
+                p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                psq += p * p
+        n_f = numel.to(tl.float32)
+        lr_t = tl.load(lr_ptr).to(tl.float32) if LR_TENSOR else lr
+        if HAS_P:
+            lr_t = lr_t * tl.maximum(tl.sqrt(tl.sum(psq, axis=0) / n_f), eps2)
+        scale = lr_t
+        if CLIP:
+            rms = tl.sqrt(tl.sum(usq, axis=0) / n_f)
+            scale = scale / tl.maximum(rms / clip_threshold, 1.0)
+        tl.store(scal + pid * 4 + 3, lr_t)
+        scale = scale * coef
+        wd_lr = lr_t * weight_decay
+        seed = 0
+        if SR:
+            index = tl.load(geo + pid * 2 + 1)
+            seed = ((seed_base + 7919 * index) % 2147483647).to(tl.int32)
+        for k in range(0, numel, BLOCK):
+            offs = k + tl.arange(0, BLOCK)
+            mask = offs < numel
+            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + offs, mask=mask, other=1.0)
+            upd = g / tl.sqrt(v) * scale
+            if HAS_M:
+                mom = tl.load(m_ptr + offs, mask=mask, other=0.0)
+                mom = beta1 * mom + upd
+                tl.store(m_ptr + offs, mom, mask=mask)
+                upd = mom
+            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_DECAY:
+                p = p - wd_lr * p
+            p = p - upd
+            if SR:
+                p = stochastic_round_bf16(p, seed, offs)
+            tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+
+    def gpu_launch_configs() -> list[dict[str, Any]]:
+        """Every launch `step_vectors` makes on a GPU (for tools/gpu_compile.py)."""
+        i64, f32 = torch.int64, torch.float32
+        launches: list[dict[str, Any]] = []
+        for dtype in (torch.bfloat16, torch.float16, f32):
+            for has_p in (False, True):
+                for has_m in (False, True):
+                    for sr in (False, True) if dtype == torch.bfloat16 else (False,):
+                        args = {"addr": i64, "geo": i64, "gaddr": i64, "scal": f32, "g0": dtype,
+                                "p0": dtype, "lr_ptr": f32, "lr": 1e-3, "beta2": 0.999,
+                                "eps1": 1e-30, "eps2": 1e-3, "clip_threshold": 1.0, "coef": 0.1,
+                                "beta1": 0.9, "weight_decay": 0.01, "seed_base": 12345,
+                                "LR_TENSOR": False, "HAS_P": has_p, "CLIP": True,
+                                "HAS_M": has_m, "HAS_DECAY": True, "SR": sr,
+                                "BLOCK": BLOCK}  # fmt: skip
+                        launches.append({"kernel": _mt_vec_kernel, "args": args,
+                                         "options": {"num_warps": NUM_WARPS}})  # fmt: skip
+        return launches
+
+
+@dataclass(slots=True)
+class VecTables:
+    """Address (n, 3) and geometry (n, 2) tables of a batch of small unfactored tensors."""
+
+    addr: Tensor
+    geo: Tensor
+    scal: Tensor  # (n, 4) fp32; column 3: lr_t of the last step
+    grad_addresses: mt.GradAddresses = field(default_factory=mt.GradAddresses)
+
+
+def fusable(p: Tensor) -> bool:
+    """Whether an unfactored parameter (and its gradient) can take the batched vector step."""
+    g = p.grad
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    return (
+        type(p) in (Tensor, torch.nn.Parameter)
+        and type(g) is Tensor
+        and 0 < p.numel() <= MAX_NUMEL
+        and p.is_contiguous()
+        and g.is_contiguous()
+        and p.dtype in dtypes
+        and g.dtype in dtypes
+    )
+
+
+def step_vectors(opt: Adafactor, works: list[Work], cache: dict[tuple[object, ...], Any]) -> None:
+    """One fused step of every small unfactored tensor in `works` (same batch key): 1 launch."""
+    w0 = works[0]
+    o, step, p0, g0 = w0.opts, w0.step, w0.param, w0.grad
+    has_m = o.beta1 is not None
+    tensors = [
+        (w.param, w.state["exp_avg"] if has_m else w.param, w.state["exp_avg_sq"]) for w in works
+    ]
+    signature = ("vec", *((tuple(t.data_ptr() for t in ts), ts[0].numel(), w.index)
+                          for ts, w in zip(tensors, works, strict=True)))  # fmt: skip
+    tables = cache.get(signature)
+    if tables is None:
+        device = p0.device
+        tables = VecTables(
+            addr=mt.to_device([[t.data_ptr() for t in ts] for ts in tensors], device),
+            geo=mt.to_device([[w.param.numel(), w.index] for w in works], device),
+            scal=torch.empty((len(works), 4), dtype=torch.float32, device=device),
+        )
+        while len(cache) >= mt.CACHE_SIZE:
+            cache.pop(next(iter(cache)))
+        cache[signature] = tables
+    gaddr = tables.grad_addresses([w.grad for w in works])
+    rel = o.relative_step_size(step)
+    lr_tensor = isinstance(rel, Tensor)
+    coef = (1.0 - o.beta1 if has_m else 1.0) * (-1.0 if o.maximize else 1.0)
+    clip = o.clip_threshold
+    _mt_vec_kernel[(len(works),)](
+        tables.addr, tables.geo, gaddr, tables.scal, g0, p0, rel if lr_tensor else tables.scal,
+        0.0 if lr_tensor else float(rel), o.beta2(step), w0.eps1, o.eps2,
+        1.0 if clip is None else clip, coef, o.beta1 if has_m else 0.0, o.weight_decay,
+        (opt._sr_seed + 1_000_003 * step) % (2**31 - 1), LR_TENSOR=lr_tensor,
+        HAS_P=o.needs_param_rms, CLIP=clip is not None, HAS_M=has_m,
+        HAS_DECAY=o.weight_decay != 0, SR=o.stochastic_rounding and p0.dtype == torch.bfloat16,
+        BLOCK=BLOCK, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    for i, w in enumerate(works):
+        opt._step_sizes[w.param] = (tables.scal, i)

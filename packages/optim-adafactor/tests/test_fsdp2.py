@@ -1,0 +1,66 @@
+"""FSDP2 (`fully_shard`) and DTensor parameters: sharded steps equal the single-process steps.
+
+gloo on CPU, world 2 and 4, rows that do not divide the world size (a rank with no rows at
+world 4), odd column counts, a vector and a 3-D parameter; HSDP on a (2, 2) mesh; Replicate.
+"""
+
+from contextlib import AbstractContextManager
+from functools import partial
+from typing import Any
+from unittest.mock import patch
+
+import pytest
+
+from leanlm_testing import spawn
+from leanlm_testing.fsdp import (
+    check_update_errors,
+    fsdp_parity_worker,
+    fsdp_update_errors,
+    hsdp_parity_worker,
+)
+from optim_adafactor import Adafactor
+from optim_adafactor.base import StepWork
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "hf_default": {},  # relative step, parameter scaling (Σp² reduced), clipping (Σu² reduced)
+    "momentum_wd": {"lr": 1e-2, "relative_step": False, "beta1": 0.9, "weight_decay": 0.1},
+}
+OPTIMIZER = partial(Adafactor, backend="torch")
+
+
+def _lazy() -> AbstractContextManager[object]:
+    """The lazy mutant: column statistics from the local rows only (no all-reduce)."""
+    return patch.object(StepWork, "reduce_factors", property(lambda self: False))
+
+
+@pytest.mark.distributed
+def test_fully_shard_and_replicate_world2(tmp_path: Any) -> None:
+    spawn(fsdp_parity_worker, OPTIMIZER, CONFIGS, _lazy, world_size=2, tmp_path=tmp_path)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # ~30 s: 4 processes on the 2-core CI machine
+def test_fully_shard_world4(tmp_path: Any) -> None:
+    """3 rows on 4 ranks: one rank holds none of `lin3.weight` and still joins the reductions."""
+    world4 = {"momentum_wd": CONFIGS["momentum_wd"]}
+    spawn(fsdp_parity_worker, OPTIMIZER, world4, None, world_size=4, tmp_path=tmp_path)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fully_shard_world4_all_configs_and_hsdp(tmp_path: Any) -> None:
+    spawn(fsdp_parity_worker, OPTIMIZER, CONFIGS, _lazy, world_size=4, tmp_path=tmp_path)
+    spawn(hsdp_parity_worker, OPTIMIZER, CONFIGS, world_size=4, tmp_path=tmp_path)
+
+
+def _triton_worker(rank: int, world_size: int) -> None:
+    make = partial(Adafactor, beta1=0.9, backend="triton")
+    errors = fsdp_update_errors(rank, world_size, make, steps=3, resume_at=2)
+    check_update_errors(errors, "fused kernels, Shard(0)")
+
+
+@pytest.mark.distributed
+@pytest.mark.interpreter
+@pytest.mark.slow  # the Triton interpreter in 2 processes
+def test_fully_shard_fused_kernels_world2(tmp_path: Any) -> None:
+    spawn(_triton_worker, world_size=2, tmp_path=tmp_path)

@@ -1,0 +1,67 @@
+"""The fused kernels at the tiles that ship on a GPU, run in the Triton interpreter.
+
+Under `TRITON_INTERPRET=1` the kernel modules pick narrower tiles to stay fast; these tests patch
+in the GPU values of their tile constants (read from copies of the modules imported as on a
+GPU), for the per-tensor kernels (`_kernels`) and the multi-tensor step (`Adafactor._multi_module`):
+16 x 256 tiles on 8 warps for rows whose width is a multiple of 16, 16 x 64 on 4 warps
+otherwise. Widths cover one full 256-column tile, the multi-tile column loop with a full and a
+partial last tile, and odd widths (257, 300, 513) over several 64-column tiles; row counts
+leave a partial 16-row block. Fresh random gradients every step; bf16 and fp32 parameters;
+the PyTorch path is the reference.
+"""
+
+import pytest
+import torch
+
+from leanlm_testing.kernels import (
+    assert_tiles_span_several,
+    check_fused_matches_torch_multi,
+    shipped_launch_configs,
+)
+from optim_adafactor import Adafactor, _kernels
+
+pytestmark = [
+    pytest.mark.interpreter,
+    pytest.mark.skipif(
+        not _kernels.available(torch.device("cpu")), reason="needs triton and TRITON_INTERPRET=1"
+    ),
+]
+
+SHAPES = [(17, 256), (3, 400), (5, 257), (3, 513), (2, 5, 300)]
+MODULES = [m for m in (Adafactor._kernels_module, Adafactor._multi_module) if m is not None]
+MULTI = [False, True] if Adafactor._multi_module is not None else [False]
+
+
+@pytest.fixture
+def gpu_tiles():
+    with shipped_launch_configs(MODULES) as copies:
+        yield copies
+
+
+def test_tiles_are_the_shipped_ones_and_span_several(gpu_tiles) -> None:
+    """The patched tiles are the GPU's, and the widths above run the multi-tile column loop."""
+    gpu = gpu_tiles[Adafactor._kernels_module]
+    assert_tiles_span_several(_kernels, gpu, SHAPES)
+    for name, copy in gpu_tiles.items():  # every module's launch_config now returns the GPU's
+        live = __import__(name, fromlist=["launch_config"])
+        for arg in (True, False) if name == Adafactor._multi_module else (256, 300):
+            assert live.launch_config(arg) == copy.launch_config(arg)
+
+
+CONFIGS = {
+    # stats with Σp² (parameter scale), Σu², apply with momentum and weight decay
+    "momentum_wd": {"beta1": 0.9, "weight_decay": 0.01},
+    # external lr without parameter scale: stats without p, apply without momentum
+    "plain": {"lr": 1e-2, "relative_step": False, "scale_parameter": False},
+    # no clip (no Σu² pass), stochastic rounding of bf16 parameters
+    "noclip_sr": {"beta1": 0.5, "clip_threshold": None, "stochastic_rounding": True},
+}
+
+
+@pytest.mark.parametrize("multi_tensor", MULTI)
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_matches_torch_path_at_shipped_tiles(gpu_tiles, dtype, config, multi_tensor):
+    check_fused_matches_torch_multi(
+        Adafactor, CONFIGS[config], SHAPES, dtype, multi_tensor=multi_tensor
+    )

@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""Triton launches and torch ops per fused CAME step (measured), DRAM bytes (computed).
+
+Command (from the repository root; RESULTS.md was made with it):
+
+    python packages/optim-came/benchmarks/bench_launches.py
+
+Launches and torch ops are counted (`leanlm_testing.launches`) during the third step of
+`backend="triton"` on Llama-shaped parameter sets: the per-tensor kernels (`multi_tensor =
+False`) against the multi-tensor step, and the PyTorch path's op count. Without a GPU the
+kernels are recorded but not executed (`count_launches(execute=False)`; the host code has no
+data-dependent branch, so the counts are those of a real step) and every dim is shrunk to
+<= 64 (the counts do not depend on the sizes). DRAM bytes per element are computed from the
+kernels at the full sizes (not measured), and the A100/H100 step times are predictions of
+`leanlm_testing.roofline` (a stated model, not measurements).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before the kernels' modules read it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from bench_came import Config
+
+from leanlm_testing import bench, roofline
+from leanlm_testing.launches import count_launches
+from optim_adafactor import _kernels as af_kernels
+from optim_adafactor import _multi as af_multi
+from optim_adafactor import _multi_tables as mt
+from optim_came import CAME, _kernels, _multi
+
+MODELS = {
+    "48 matrices": Config(hidden=1024, intermediate=2816, layers=0, vocab=32000),
+    "bench model (50M)": Config(),
+    "Llama-3.2-1B shape": Config(hidden=2048, intermediate=8192, layers=16, vocab=128256),
+}
+
+
+def shapes(name: str) -> list[tuple[int, ...]]:
+    """The model's parameter shapes; '48 matrices' cycles one layer's 7 matrices."""
+    if name == "48 matrices":
+        layer = [
+            s for s in Config(hidden=1024, intermediate=2816, layers=1).shapes() if len(s) == 2
+        ][2:9]
+        return [layer[i % 7] for i in range(48)]
+    return MODELS[name].shapes()
+
+
+def measure(shape_list: list[tuple[int, ...]], path: str) -> tuple[int, int]:
+    """(Triton launches, torch ops) of the third step (bf16 parameters and gradients)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    small = [tuple(min(d, 64) for d in s) for s in shape_list] if device == "cpu" else shape_list
+    params = [torch.randn(s, generator=gen).to(device, torch.bfloat16) for s in small]
+    opt = CAME(params, lr=1e-4, weight_decay=0.01, backend="torch" if path == "torch" else "triton")
+    opt.multi_tensor = path == "multi"
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(device, torch.bfloat16)
+        with count_launches(
+            [_multi, _kernels, af_multi, af_kernels], execute=device == "cuda"
+        ) as seen:
+            opt.step()
+    return len(seen.launches), len(seen.ops)
+
+
+def traffic(
+    shape_list: list[tuple[int, ...]], *, gpu: roofline.Gpu, multi: bool
+) -> tuple[dict[str, float], int]:
+    """DRAM bytes per kernel of one step over the 2-D matrices (bf16 g/p, fp32 m), and N.
+
+    Multi-tensor: statistics G (second sweep: L2) + 8 B partials per column per row chunk;
+    momentum G + 2M + 4 B partials; apply M + 2P; O(n + m) state. Per-tensor: statistics G +
+    4 B partials per column per 16 rows, Σu² G, momentum G + 2M + partials, apply M + 2P.
+    """
+    mats = [s for s in shape_list if len(s) == 2]
+    n_el = sum(n * m for n, m in mats)
+    g = p = 2
+    mom = 4
+    rows, cols = sum(n for n, _ in mats), sum(m for _, m in mats)
+    out: dict[str, float] = {}
+    if multi:
+        per_item = mt.item_rows(rows, 8, 4 * gpu.sms)
+        partial = sum(-(-n // per_item) * m for n, m in mats)
+        out["_mt_stats_kernel"] = n_el * g + 8 * rows + 8 * partial
+        out["_mt_cols_kernel (x2)"] = 8 * partial + 4 * partial + 24 * cols
+        out["_mt_scalars_kernel (x2)"] = 0.0  # O(row chunks + column tiles): a few KB
+        out["_mt_momentum_kernel"] = n_el * (g + 2 * mom) + 4 * partial + 12 * rows
+        out["_mt_came_apply_kernel"] = n_el * (mom + 2 * p) + 4 * rows
+    else:
+        partial = sum(-(-n // 16) * m for n, m in mats)
+        out["_stats_kernel"] = n_el * g + 4 * rows + 8 * partial
+        out["_sumsq_kernel"] = n_el * g + 8 * (rows + cols)
+        out["_momentum_kernel"] = n_el * (g + 2 * mom) + 8 * partial + 8 * (rows + cols)
+        out["_apply_kernel"] = n_el * (mom + 2 * p) + 8 * (rows + cols)
+    return out, n_el
+
+
+def main() -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(bench.header("bench_launches (optim-came)", device))
+    print(
+        "# bf16 parameters and gradients, fp32 state; lr 1e-4, weight decay 0.01; counts: "
+        "third step; "
+        + ("full sizes" if device == "cuda" else "kernels recorded, not executed; dims <= 64")
+    )
+    floor = 2 + 2 * 2 + 2 * 4  # read g, read/write p and m (the issue's floor, 14 B)
+    print(
+        "\n| model | path | Triton launches | torch ops | DRAM B/elem (computed) | "
+        "/ 14 B floor | A100 ms (model) | H100 ms (model) |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for model in MODELS:
+        shape_list = shapes(model)
+        for path in ("torch", "per-tensor", "multi"):
+            launches, ops = measure(shape_list, path)
+            cells = ["-"] * 4
+            if path != "torch":
+                times = []
+                for gpu in roofline.GPUS:
+                    per_kernel, n_el = traffic(shape_list, gpu=gpu, multi=path == "multi")
+                    total = sum(per_kernel.values())
+                    times.append(
+                        roofline.predict_seconds(
+                            gpu, dram_bytes=total, launches=launches, torch_ops=ops
+                        )
+                    )
+                bpe = total / n_el
+                cells = [
+                    f"{bpe:.2f}",
+                    f"{bpe / floor:.2f}",
+                    f"{times[0] * 1e3:.2f}",
+                    f"{times[1] * 1e3:.2f}",
+                ]
+            print(f"| {model} | {path} | {launches} | {ops} | " + " | ".join(cells) + " |")
+    print(f"\n# predictions: {roofline.assumptions()}")
+    print("\n## DRAM bytes per element per kernel (computed; bench model, H100 row chunks)\n")
+    for multi in (False, True):
+        per_kernel, n_el = traffic(shapes("bench model (50M)"), gpu=roofline.H100, multi=multi)
+        for name, total in per_kernel.items():
+            print(f"- `{name}`: {total / n_el:.3f} B/elem")
+
+
+if __name__ == "__main__":
+    main()

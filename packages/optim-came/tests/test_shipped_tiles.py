@@ -1,0 +1,73 @@
+"""The fused CAME kernels at the tiles that ship on a GPU, run in the Triton interpreter.
+
+Under `TRITON_INTERPRET=1` the kernel modules pick narrower tiles to stay fast; these tests
+patch in the GPU values of their tile constants (read from copies imported as on a GPU) for
+optim-came's kernels, the optim-adafactor statistics kernels they reuse and a multi-tensor
+step if `CAME._multi_module` names one: 16 x 256 tiles on 8 warps for widths that are multiples
+of 16, 16 x 64 on 4 warps otherwise. Widths
+cover one full 256-column tile, the multi-tile column loop with a partial last tile, and odd
+widths (257, 300, 513); row counts leave a partial 16-row block. Fresh random gradients every
+step; bf16 and fp32 parameters; the PyTorch path is the reference.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from leanlm_testing.kernels import (
+    assert_tiles_span_several,
+    check_fused_matches_torch_multi,
+    shipped_launch_configs,
+)
+from optim_came import CAME, _kernels
+
+pytestmark = [
+    pytest.mark.interpreter,
+    pytest.mark.skipif(
+        not _kernels.available(torch.device("cpu")), reason="needs triton and TRITON_INTERPRET=1"
+    ),
+]
+
+SHAPES = [(17, 256), (3, 400), (5, 257), (3, 513), (2, 5, 300)]
+# dependencies first: optim-came's multi-tensor step takes optim-adafactor's tile constants
+MODULES = [
+    m
+    for m in (
+        "optim_adafactor._kernels",
+        "optim_adafactor._multi",
+        CAME._kernels_module,
+        getattr(CAME, "_multi_module", None),
+    )
+    if m is not None and importlib.util.find_spec(m) is not None
+]
+MULTI = [False, True] if getattr(CAME, "_multi_module", None) is not None else [False]
+
+
+@pytest.fixture
+def gpu_tiles():
+    with shipped_launch_configs(MODULES) as copies:
+        yield copies
+
+
+def test_tiles_are_the_shipped_ones_and_span_several(gpu_tiles) -> None:
+    gpu = gpu_tiles[CAME._kernels_module]
+    assert_tiles_span_several(_kernels, gpu, SHAPES)
+
+
+CONFIGS = {
+    "defaults_wd": {"lr": 1e-3, "weight_decay": 0.01},
+    "extras_sr": {
+        "lr": 1e-3,
+        "bias_correction": True,
+        "instability_init": 1.0,
+        "stochastic_rounding": True,
+    },
+}
+
+
+@pytest.mark.parametrize("multi_tensor", MULTI)
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_matches_torch_path_at_shipped_tiles(gpu_tiles, dtype, config, multi_tensor):
+    check_fused_matches_torch_multi(CAME, CONFIGS[config], SHAPES, dtype, multi_tensor=multi_tensor)

@@ -1,0 +1,227 @@
+# Triton convention: upper-case constexpr kernel arguments, many positional kernel arguments.
+# ruff: noqa: N803, PLR0917
+"""Fused forward-KL kernel: the loss and the student-logit gradient in one kernel, no (N, V) temps.
+
+For token row ``n`` with student logits ``s_n``, teacher logits ``t_n`` (both (V,)), temperature
+``T`` and row weight ``w_n`` (``mask / number of valid tokens``), with ``a = s_n / T``,
+``b = t_n / T``, ``p = softmax(b)``, ``q = softmax(a)``:
+
+    KL_n = Σ_v p_v (b_v - a_v) + lse(a) - lse(b)
+    loss_n = T² · w_n · KL_n
+    grad_n = dloss / ds_n = w_n · T · (q - p)
+
+which is Hinton et al.'s temperature-scaled KD loss (arXiv 1503.02531) in the forward-KL form
+Minitron uses (arXiv 2407.14679, Sec. 3). The fused design follows Liger-Kernel's KL/JSD losses
+(arXiv 2410.10989): one program per token row streams the vocabulary in ``BLOCK_V`` chunks.
+
+* Sweep 1 keeps an online (max, Σexp) for ``a`` and for ``b`` (Milakov & Gimelshein,
+  arXiv 1805.02867) plus ``Σ exp(b_v - m_b) (b_v - a_v)``, rescaled with ``b``'s running max, so
+  the KL comes out of one read of both rows: ``KL = acc / Σexp_b + lse(a) - lse(b)``.
+* Sweep 2 (only when a gradient is needed) re-reads both rows and writes ``grad_n`` in the
+  logits' dtype.
+
+Numerics: loads are upcast to fp32 right after ``tl.load``; every sum is fp32 in vocabulary order
+per block, then across blocks. Exponents are always ``x - running max <= 0``, so ±1e4 logits cannot
+overflow; padding lanes of the last block read as ``-inf`` for the max / exp terms (``exp`` gives 0)
+and 0 for the ``b - a`` term, so they add exactly nothing. Memory: the only outputs are the
+gradient (N, V) and the per-row loss (N,); nothing else of size (N, V) is allocated.
+
+`fused_kl_reference` is the PyTorch statement of the same contract (the tests' reference); the
+CPU path of `forward_kl` is the chunked PyTorch loss in `losses.py`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Vocabulary chunk per loop iteration. The interpreter pays per operation, not per element, but
+# tests want several blocks and the tail of a non-multiple vocabulary exercised: a small block.
+BLOCK_V_MAX = 512 if _INTERPRET else 4096
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel can run on `device` (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    if not HAS_TRITON:
+        return False
+    return device.type == "cuda" or (_INTERPRET and device.type == "cpu")
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _forward_kl_kernel(  # type: ignore[no-untyped-def]
+        s_ptr,
+        t_ptr,
+        w_ptr,
+        grad_ptr,
+        loss_ptr,
+        n_cols,
+        stride_s,
+        stride_t,
+        stride_g,
+        inv_temp,
+        temp,
+        HAS_GRAD: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        """Row ``pid``: ``loss = T²·w·KL(softmax(t/T) || softmax(s/T))``, ``grad = w·T·(q - p)``."""
+        row = tl.program_id(0).to(tl.int64)
+        s_row = s_ptr + row * stride_s
+        t_row = t_ptr + row * stride_t
+        m_s = float("-inf")  # running max of a = s/T
+        d_s = 0.0  # Σ exp(a - m_s)
+        m_t = float("-inf")  # running max of b = t/T
+        d_t = 0.0  # Σ exp(b - m_t)
+        acc = 0.0  # Σ exp(b - m_t) · (b - a)
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            valid = cols < n_cols
+            a = tl.load(s_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+            b = tl.load(t_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+            a_x = tl.where(valid, a, float("-inf"))
+            b_x = tl.where(valid, b, float("-inf"))
+            # every block holds >= 1 valid lane, so the new maxima are finite and the first
+            # rescale factor is exp(-inf) = 0
+            new_m_s = tl.maximum(m_s, tl.max(a_x, axis=0))
+            d_s = d_s * tl.exp(m_s - new_m_s) + tl.sum(tl.exp(a_x - new_m_s), axis=0)
+            m_s = new_m_s
+            new_m_t = tl.maximum(m_t, tl.max(b_x, axis=0))
+            alpha = tl.exp(m_t - new_m_t)
+            e_t = tl.exp(b_x - new_m_t)  # 0 on padding lanes, where b - a = 0 - 0 as well
+            d_t = d_t * alpha + tl.sum(e_t, axis=0)
+            acc = acc * alpha + tl.sum(e_t * (b - a), axis=0)
+            m_t = new_m_t
+        lse_s = m_s + tl.log(d_s)
+        lse_t = m_t + tl.log(d_t)
+        w = tl.load(w_ptr + row).to(tl.float32)
+        kl = acc / d_t + lse_s - lse_t
+        tl.store(loss_ptr + row, kl * w * temp * temp)
+        if HAS_GRAD:
+            g_row = grad_ptr + row * stride_g
+            scale = w * temp
+            for start in range(0, n_cols, BLOCK_V):
+                cols = start + tl.arange(0, BLOCK_V)
+                valid = cols < n_cols
+                a = tl.load(s_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+                b = tl.load(t_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+                g = (tl.exp(a - lse_s) - tl.exp(b - lse_t)) * scale
+                tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=valid)
+
+
+# ---------------------------------------------------------------------------------- reference
+def fused_kl_reference(
+    student: Tensor, teacher: Tensor, weights: Tensor, temperature: float, *, need_grad: bool
+) -> tuple[Tensor, Tensor | None]:
+    """PyTorch statement of `fused_kl`'s contract: per-row weighted loss (N,) fp32, grad (N, V).
+
+    Materialises fp32 (N, V) temporaries; for tests and small inputs only.
+    """
+    logp_s = F.log_softmax(student.float() / temperature, dim=-1)
+    logp_t = F.log_softmax(teacher.float() / temperature, dim=-1)
+    w = weights.float()
+    kl = (logp_t.exp() * (logp_t - logp_s)).sum(-1)
+    loss = kl * w * temperature * temperature
+    if not need_grad:
+        return loss, None
+    grad = (logp_s.exp() - logp_t.exp()) * (w * temperature)[:, None]
+    return loss, grad.to(student.dtype)
+
+
+# ---------------------------------------------------------------------------------- launcher
+def block_and_warps(n_cols: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) the launcher uses for a vocabulary of `n_cols`."""
+    block = min(BLOCK_V_MAX, max(16, 1 << max(n_cols - 1, 0).bit_length()))
+    warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+    return block, warps
+
+
+if HAS_TRITON:
+
+    def gpu_launch_configs() -> list[dict[str, Any]]:
+        """Every launch `fused_kl` makes on a GPU (for tools/gpu_compile.py).
+
+        fp32/bf16/fp16 student and teacher logits (any pair), with and without the gradient,
+        at a 1000-word vocabulary (one 1024-wide block, 4 warps; not a multiple of 16, so the
+        loads are unaligned) and at Llama-3's 128256 (4096-wide blocks, 8 warps; aligned).
+        """
+        launches: list[dict[str, Any]] = []
+        for s_dtype in DTYPES:
+            for t_dtype in DTYPES:
+                for vocab in (1000, 128256):
+                    block, warps = block_and_warps(vocab)
+                    for grad in (False, True):
+                        args = {"s_ptr": s_dtype, "t_ptr": t_dtype, "w_ptr": torch.float32,
+                                "grad_ptr": s_dtype if grad else torch.float32,
+                                "loss_ptr": torch.float32, "n_cols": vocab, "stride_s": vocab,
+                                "stride_t": vocab, "stride_g": vocab, "inv_temp": 0.5,
+                                "temp": 2.0, "HAS_GRAD": grad, "BLOCK_V": block}  # fmt: skip
+                        launches.append({"kernel": _forward_kl_kernel, "args": args,
+                                         "options": {"num_warps": warps}})  # fmt: skip
+        return launches
+
+
+def fused_kl(
+    student: Tensor, teacher: Tensor, weights: Tensor, temperature: float, *, need_grad: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Per-row weighted forward KL (N,) fp32 and, if `need_grad`, its gradient w.r.t. `student`.
+
+    Args:
+        student: (N, V) fp32/bf16/fp16 student logits, unit stride along V (rows may be strided).
+        teacher: (N, V) teacher logits of any of those dtypes, on the same device.
+        weights: (N,) row weights (fp32); the loss is ``Σ_n out[n]``.
+        temperature: T > 0.
+        need_grad: also write ``w_n·T·(softmax(s_n/T) - softmax(t_n/T))`` in `student`'s dtype.
+
+    Returns:
+        ``(loss_rows, grad)`` with ``loss_rows[n] = T²·w_n·KL_n`` and grad None unless asked.
+
+    Raises:
+        ValueError: for shapes, devices or strides the kernel cannot take, or no Triton backend.
+        TypeError: for a dtype other than fp32/bf16/fp16.
+    """
+    if not available(student.device):
+        raise ValueError(
+            f"the Triton KL kernel needs triton and a CUDA device (or TRITON_INTERPRET=1 on "
+            f"CPU); got {student.device}"
+        )
+    if student.dim() != 2 or teacher.shape != student.shape:
+        raise ValueError(
+            f"`student` and `teacher` must both be (N, V); got {tuple(student.shape)} and "
+            f"{tuple(teacher.shape)}"
+        )
+    for name, x in (("student", student), ("teacher", teacher)):
+        if x.dtype not in DTYPES:
+            raise TypeError(f"`{name}` dtype {x.dtype} must be float32, bfloat16 or float16")
+        if x.device != student.device:
+            raise ValueError(f"`{name}` is on {x.device} but `student` on {student.device}")
+    if weights.shape != (student.shape[0],) or weights.device != student.device:
+        raise ValueError(
+            f"`weights` must be ({student.shape[0]},) on {student.device}; got "
+            f"{tuple(weights.shape)} on {weights.device}"
+        )
+    # unit stride along the vocabulary; a copy only for an exotic layout
+    s = student if student.stride(-1) == 1 else student.contiguous()
+    t = teacher if teacher.stride(-1) == 1 else teacher.contiguous()
+    n, v = s.shape
+    loss = torch.zeros(n, dtype=torch.float32, device=s.device)
+    grad = torch.empty((n, v), dtype=s.dtype, device=s.device) if need_grad else None
+    if n == 0 or v == 0:
+        return loss, None if grad is None else grad.zero_()
+    block, warps = block_and_warps(v)
+    _forward_kl_kernel[(n,)](
+        s, t, weights.float().contiguous(), grad if grad is not None else loss, loss,
+        v, s.stride(0), t.stride(0), v, 1.0 / temperature, float(temperature),
+        HAS_GRAD=need_grad, BLOCK_V=block, num_warps=warps,
+    )  # fmt: skip
+    return loss, grad

@@ -1,0 +1,276 @@
+"""Gradient reduction: from the model's parameters to the fp32 master shards' `.grad`.
+
+* Stages 2-3, every backward (`no_sync()` included): a post-accumulate-grad hook copies each
+  gradient into its bucket's reduce-scatter input (`Bucket.buf`, `reduce_dtype`, allocated at
+  the bucket's first gradient) and releases `param.grad` at once. A bucket whose gradients have
+  all arrived starts its async reduce-scatter as soon as every bucket before it in the
+  rank-invariant launch order has started (stage 3: the LM head, the units in reverse forward
+  order, the embeddings; stage 2: reverse registration order), so communication overlaps the
+  rest of backward, and a stage-3 unit is freed as soon as its last gradient arrives. After a
+  launch at most `MAX_IN_FLIGHT` earlier reduce-scatters stay outstanding: the oldest is waited
+  for and its output added into the master gradients (the sharded fp32 accumulator), which
+  releases its input. Memory therefore does not grow with the number of micro-batches.
+* Stage 1 (as DDP): gradients stay in `param.grad` in the compute dtype, accumulated by autograd
+  over the micro-batches run under `no_sync()`; the first backward outside `no_sync()` (or
+  `step()`) reduce-scatters them bucket by bucket at its end, releasing each full gradient as
+  soon as it is packed.
+* End of backward (an autograd callback): every bucket not launched yet is launched, in the same
+  order on every rank (a parameter without a gradient here counts as zeros), the replicated
+  parameters' gradients are all-reduced together with one flag per parameter (which ranks had
+  a gradient), and everything is waited for. A parameter no rank had a gradient for is left
+  without one, as in one process.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shard_zero._comm import host_readable
+from shard_zero._layout import Bucket, Entry, local_piece, local_rows, pack_full
+
+if TYPE_CHECKING:
+    from shard_zero._engine import ZeroEngine
+
+MAX_IN_FLIGHT = 1  # reduce-scatters left outstanding after a launch (plus the one being packed)
+REPLICATED_IDENT = 500_000
+
+
+class Reducer:
+    """Owns the gradient buckets of one engine and reduces them into the master gradients."""
+
+    def __init__(self, engine: ZeroEngine, buckets: list[Bucket]) -> None:
+        self.engine = engine
+        self.buckets = buckets  # every gradient bucket (stage 3: of every unit)
+        self._bucket_of = {id(e): b for b in buckets if b.rows is None for e in b.entries}
+        self._pieces_of: dict[int, list[Bucket]] = {}  # entries that travel in pieces
+        for b in buckets:
+            if b.rows is not None:
+                self._pieces_of.setdefault(id(b.entries[0]), []).append(b)
+        # stage 1 reduces at the boundary with every full gradient alive: buckets of small
+        # parameters first, so that their freed full gradients make room for the big ones' shards
+        self._boundary_order = sorted(
+            buckets, key=lambda b: max(e.param.numel() for e in b.entries)
+        )
+        self._offset_of = {
+            id(e): o for b in buckets for e, o in zip(b.entries, b.offsets, strict=True)
+        }
+        self._unit_of = {id(e): u for u in engine.units for e in u.entries}  # stage 3
+        self._pending: deque[tuple[Any, torch.Tensor, torch.Tensor, Bucket]] = deque()
+        self._order: list[Bucket] = []
+        self._cursor = 0
+        self._callback_queued = False
+        self._contributed: set[int] = set()  # entries that had a gradient on this rank
+        self._fresh: set[int] = set()  # entries whose master `.grad` this reduction created
+        self.unreduced = False  # stage 1: a backward under no_sync() left gradients unreduced
+        engine.comm.names[REPLICATED_IDENT] = (
+            "the gradients of the replicated (small) parameters and the per-parameter "
+            "gradient flags"
+        )
+
+    # ------------------------------------------------------------------ backward hooks
+    def queue_callback(self) -> None:
+        """Queue the end-of-backward callback once per backward and fix the launch order."""
+        if self._callback_queued:
+            return
+        self._callback_queued = True
+        engine = self.engine
+        if engine.stage == 3:
+            self._order = engine.stage3.launch_order()
+        else:
+            self._order = list(self.buckets if engine.stage == 2 else self._boundary_order)
+        self._cursor = 0
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def on_grad(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of every trainable parameter."""
+        self.queue_callback()
+        if self.engine.stage == 1:
+            return  # stays in `p.grad` (autograd accumulates) until the boundary
+        g = p.grad
+        p.grad = None
+        if g is None:
+            return
+        e = self.engine.by_param[p]
+        if not e.sharded:
+            e.acc = g.to(torch.float32) if e.acc is None else e.acc.add_(g)
+            return
+        unit = self._unit_of.get(id(e))
+        if unit is not None:
+            unit.grads_left -= 1
+            if unit.grads_left == 0:
+                unit.free()  # its last gradient is here: the gathered parameters go first
+        self._contributed.add(id(e))
+        pieces = self._pieces_of.get(id(e))
+        if pieces is not None:  # packed piece by piece at launch, then released
+            e.held = g
+            for piece in pieces:
+                piece.pending = 0
+        else:
+            bucket = self._bucket_of[id(e)]
+            if bucket.buf is None:
+                bucket.buf = self._new_buffer(bucket)
+            pack_full(bucket.buf, self._offset_of[id(e)], e, g)
+            e.ready = True
+            bucket.pending -= 1
+            if bucket.pending:
+                return
+        del g
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch the complete buckets at the head of the order (never one out of order)."""
+        while self._cursor < len(self._order) and self._order[self._cursor].pending == 0:
+            self._launch(self._order[self._cursor])
+            self._cursor += 1
+
+    def _end_backward(self) -> None:
+        self._callback_queued = False
+        engine = self.engine
+        if engine.stage == 3:
+            engine.stage3.free_all()  # also units some of whose parameters got no gradient
+        if engine.stage >= 2 or engine.sync:
+            # every bucket, in the same order on every rank, whether or not its parameters got
+            # gradients here: ranks whose gradients differ still issue the same collectives
+            for bucket in self._order[self._cursor :]:
+                self._launch(bucket)
+            self._cursor = len(self._order)
+            self._finish()
+            self.unreduced = False
+        else:
+            self.unreduced = True
+
+    def reduce_leftover(self) -> None:
+        """Reduce the gradients a stage-1 backward under `no_sync()` left in `param.grad`.
+
+        Whether to reduce depends only on what every rank ran (a backward under `no_sync()`
+        since the last reduction), not on which gradients this rank has, so ranks agree.
+        """
+        if not self.unreduced:
+            return
+        self.unreduced = False
+        for bucket in self._boundary_order:
+            self._launch(bucket)
+        self._finish()
+
+    # ------------------------------------------------------------------ buckets
+    def _new_buffer(self, bucket: Bucket) -> torch.Tensor:
+        engine = self.engine
+        return torch.empty(
+            engine.world, bucket.size, dtype=engine.reduce_dtype, device=engine.device
+        )
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start the reduce-scatter of `bucket` (packing what is missing), bounded in flight."""
+        engine = self.engine
+        buf = bucket.buf if bucket.buf is not None else self._new_buffer(bucket)
+        bucket.buf = None
+        for e, off in zip(bucket.entries, bucket.offsets, strict=True):
+            if e.ready:
+                continue  # packed when its gradient arrived
+            span = bucket.span(e)
+            g = e.held if e.held is not None else e.param.grad if engine.stage == 1 else None
+            pack_full(buf, off, e, g, span)  # zeros without a gradient
+            if g is not None:
+                self._contributed.add(id(e))
+            if span[1] == e.chunk:  # its last piece: the full gradient is released
+                e.held = None
+                if engine.stage == 1:
+                    e.param.grad = None
+            del g
+        for e in bucket.entries:
+            e.ready = False
+        bucket.pending = len(bucket.entries)
+        out = torch.empty(bucket.size, dtype=engine.reduce_dtype, device=engine.device)
+        work = engine.comm.reduce_scatter(out, buf.view(-1), ident=bucket.ident)
+        self._pending.append((work, buf, out, bucket))
+        while len(self._pending) > MAX_IN_FLIGHT:
+            self._retire()
+
+    def _retire(self) -> None:
+        """Wait for the oldest reduce-scatter and add its output into the master gradients."""
+        work, buf, out, bucket = self._pending.popleft()
+        engine = self.engine
+        engine.comm.wait(work, bucket.ident)
+        del buf  # the input is released once its reduction completed
+        scale = 1.0 / engine.world
+        for e, off in zip(bucket.entries, bucket.offsets, strict=True):
+            # a rank without rows gets an empty gradient, so that it still steps the parameter
+            # (row-shard optimizers all-reduce their statistics over every rank)
+            span = bucket.span(e)
+            piece = local_piece(out, off, e, span)
+            if bucket.rows is None and e.master.grad is None:
+                e.master.grad = piece.to(torch.float32, copy=True).mul_(scale)
+                self._fresh.add(id(e))
+                continue
+            if e.master.grad is None:  # the first piece: the others fill the remaining rows
+                e.master.grad = torch.empty_like(e.master)
+                self._fresh.add(id(e))
+            first, n = local_rows(e, span)
+            rows = e.master.grad[first : first + n]
+            if id(e) in self._fresh:
+                rows.copy_(piece).mul_(scale)
+            else:
+                rows.add_(piece, alpha=scale)
+
+    def _finish(self) -> None:
+        """All-reduce the replicated gradients and the gradient flags, then wait for all.
+
+        Only parameters for which some rank had a gradient keep one (the sum over ranks,
+        missing gradients counting as zero).
+        """
+        engine = self.engine
+        rep = engine.replicated
+        full = [_full_grad(e) for e in rep]
+        parts = [
+            (g if g is not None else torch.zeros(e.shape, device=engine.device)).reshape(-1)
+            for e, g in zip(rep, full, strict=True)
+        ]
+        mine = [
+            1.0 if (id(e) in self._contributed if e.sharded else g is not None) else 0.0
+            for e, g in zip(engine.entries, _all_full(engine, rep, full), strict=True)
+        ]
+        parts.append(torch.tensor(mine, dtype=torch.float32, device=engine.device))
+        flat = torch.cat([t.to(torch.float32) for t in parts]).to(engine.reduce_dtype)
+        del parts, full
+        engine.comm.all_reduce(flat, ident=REPLICATED_IDENT)
+        flat = flat.to(torch.float32)
+        n_rep = flat.numel() - len(engine.entries)
+        # fake tensors (the scale simulator) have no values: use this rank's own flags
+        flags = flat[n_rep:].tolist() if host_readable(flat) else mine
+        got = {id(e) for e, f in zip(engine.entries, flags, strict=True) if f > 0}
+        grads = flat[:n_rep].mul_(1.0 / engine.world)
+        offset = 0
+        for e in rep:
+            n = e.master.numel()
+            if id(e) in got:
+                piece = grads[offset : offset + n].view(e.master.shape)
+                if e.master.grad is None:
+                    e.master.grad = piece.clone()
+                else:
+                    e.master.grad.add_(piece)
+            offset += n
+            e.acc = None
+            e.param.grad = None
+        while self._pending:
+            self._retire()
+        for e in engine.sharded:
+            if id(e) in self._fresh and id(e) not in got:
+                e.master.grad = None  # no rank had a gradient: none, as in one process
+        self._contributed.clear()
+        self._fresh.clear()
+
+
+def _full_grad(e: Entry) -> torch.Tensor | None:
+    """A replicated parameter's unreduced gradient: its fp32 accumulator or (stage 1) `.grad`."""
+    return e.acc if e.acc is not None else e.param.grad
+
+
+def _all_full(
+    engine: ZeroEngine, rep: list[Entry], full: list[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """`full` for the replicated entries, None for the sharded ones, in `engine.entries` order."""
+    by_id = {id(e): g for e, g in zip(rep, full, strict=True)}
+    return [by_id.get(id(e)) for e in engine.entries]

@@ -1,0 +1,257 @@
+"""Stage 3: wrapping units, gathered for forward and backward and freed right after use.
+
+A unit's parameters are views of one flat buffer (`Unit.full`) whose storage is resized to 0 at
+rest. Gathering a unit all-gathers the masters' rows into a communication buffer, then gives
+`full` its storage and copies the rows in (the buffer is dropped), so a prefetched unit holds
+only its all-gather output until it is needed. In forward a pre-hook gathers the unit (and
+prefetches the next one) and a post-hook frees it; a hook on the unit's output gradient gathers
+it again in backward (prefetching the unit before it), and the gradient reducer frees it as soon
+as its last gradient is packed. The root unit (parameters outside every wrapped module, e.g. the
+embeddings and the LM head) is gathered once per forward and kept until the end of backward.
+
+Activation checkpointing recomputes a unit's forward inside backward: the hooks see that
+(`torch._C._current_graph_task_id() != -1`) and then only make sure the unit is gathered.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from shard_zero._comm import Gather
+from shard_zero._layout import Bucket, Entry, make_buckets, unpack_full
+
+if TYPE_CHECKING:
+    from shard_zero._engine import ZeroEngine
+
+_FREE, _GATHERING, _READY = 0, 1, 2
+_GRADS_OF_UNIT = 1_000_000  # + 10_000 * unit index + bucket index; a unit's gather: its index
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread (e.g. a recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Unit:
+    """Parameters gathered and freed together, stored as views of one flat buffer.
+
+    Attributes:
+        layout: the all-gather layout (offsets of every entry in one rank's segment).
+        grad_buckets: the buckets its gradients are reduced in, of at most `bucket_numel`
+            elements (a large parameter in pieces of whole rows), in reverse registration
+            order (the order backward produces them). For the root unit, the parameters
+            registered after the last unit (e.g. the LM head, whose gradient comes first in
+            backward) come first, then the rest (e.g. the embeddings, whose gradient is last).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        entries: list[Entry],
+        dtype: torch.dtype,
+        root: bool,
+        *,
+        ident: int,
+        device: torch.device,
+    ) -> None:
+        self.name = name
+        self.root = root
+        self.ident = ident
+        self.layout = Bucket(entries)
+        self.grad_buckets: list[Bucket] = []
+        numel = sum(e.param.numel() for e in entries)
+        self.full = torch.empty(numel, dtype=dtype, device=device)
+        self.nbytes = self.full.untyped_storage().nbytes()
+        self.state = _READY
+        self.gather: Gather | None = None
+        self.grads_left = len(entries)  # gradients still to arrive in this backward
+
+    @property
+    def entries(self) -> list[Entry]:
+        """The unit's (sharded, trainable) entries in layout order."""
+        return self.layout.entries
+
+    def free(self) -> None:
+        """Release the gathered storage (the parameters' views stay, pointing at 0 bytes)."""
+        if self.state == _READY:
+            self.full.untyped_storage().resize_(0)
+            self.state = _FREE
+
+
+class Units:
+    """The stage-3 units of one engine: construction, gathering hooks and freeing."""
+
+    def __init__(self, engine: ZeroEngine) -> None:
+        self.engine = engine
+        self.units: list[Unit] = []
+        self.fwd_order: list[Unit] = []  # the units in the order the last forward ran them
+        self._of_module: dict[int, Unit] = {}
+        self._build()
+
+    def _build(self) -> None:
+        engine = self.engine
+        model = engine.model
+        policy = engine.config.wrap_policy or _default_wrap_policy(model)
+        assigned: set[torch.Tensor] = set()
+        groups: list[tuple[str, list[Entry], nn.Module]] = []
+        for name, module in model.named_modules():
+            if module is model or not policy(name, module):
+                continue
+            members = [
+                engine.by_param[p]
+                for p in module.parameters()
+                if p in engine.by_param and engine.by_param[p].sharded and p not in assigned
+            ]
+            assigned.update(e.param for e in members)
+            if members:
+                groups.append((name, members, module))
+        rest = [e for e in engine.sharded if e.param not in assigned]
+        for name, members, module in [("", rest, model), *groups]:
+            dtypes = {e.param.dtype for e in members}
+            if len(dtypes) > 1:
+                raise ValueError(
+                    f"stage 3 unit {name or '<root>'!r} mixes parameter dtypes "
+                    f"{sorted(map(str, dtypes))}; set `param_dtype` or use a `wrap_policy` "
+                    "with uniform dtypes"
+                )
+            dtype = next(iter(dtypes)) if dtypes else torch.float32
+            ident = len(self.units)
+            unit = Unit(
+                name, members, dtype, root=module is model, ident=ident, device=engine.device
+            )
+            label = f"stage-3 unit {name or '<root>'!r}"
+            engine.comm.names[ident] = label
+            offset = 0
+            for e in members:
+                view = unit.full[offset : offset + e.param.numel()].view(e.shape)
+                view.copy_(e.param.data)
+                e.param.data = view
+                offset += e.param.numel()
+            unit.free()
+            self.units.append(unit)
+            self._of_module[id(module)] = unit
+            if unit.root:
+                module.register_forward_pre_hook(self._root_pre_forward)
+            else:
+                module.register_forward_pre_hook(self._unit_pre_forward)
+                module.register_forward_hook(self._unit_post_forward)
+        self._make_grad_buckets(assigned)
+
+    def _make_grad_buckets(self, assigned: set[torch.Tensor]) -> None:
+        engine = self.engine
+        numel, world = engine.config.bucket_numel, engine.world
+        position = {id(e): i for i, e in enumerate(engine.entries)}
+        last_wrapped = max((position[id(engine.by_param[p])] for p in assigned), default=-1)
+        root = self.units[0]
+        tail = [e for e in root.entries if position[id(e)] > last_wrapped]
+        head = [e for e in root.entries if position[id(e)] <= last_wrapped]
+        tail_buckets = make_buckets(tail[::-1], numel, world)
+        root.grad_buckets = tail_buckets + make_buckets(head[::-1], numel, world)
+        self.root_tail = len(tail_buckets)
+        for unit in self.units[1:]:
+            unit.grad_buckets = make_buckets(unit.entries[::-1], numel, world)
+        for u, unit in enumerate(self.units):
+            label = f"stage-3 unit {unit.name or '<root>'!r}"
+            for i, bucket in enumerate(unit.grad_buckets):
+                bucket.ident = _GRADS_OF_UNIT + 10_000 * u + i
+                engine.comm.names[bucket.ident] = f"the gradients of {label} (bucket {i})"
+
+    def launch_order(self) -> list[Bucket]:
+        """The gradient buckets in the order every rank reduces them in this backward.
+
+        Backward runs the units in reverse forward order; the root unit's parameters registered
+        after the last unit (the LM head) come first and the others (the embeddings) last.
+        """
+        root = self.units[0]
+        units: list[Unit] = []
+        for unit in [*reversed(self.fwd_order), *self.units[1:]]:
+            if unit not in units:
+                units.append(unit)
+        order = root.grad_buckets[: self.root_tail]
+        order += [b for u in units for b in u.grad_buckets]
+        return order + root.grad_buckets[self.root_tail :]
+
+    def unit_of_module(self, module: nn.Module) -> Unit:
+        """The unit that `module` (a wrapped module or the model) gathers."""
+        return self._of_module[id(module)]
+
+    # ------------------------------------------------------------------ gathering
+    def gather_start(self, unit: Unit) -> None:
+        """Launch the all-gather of a free unit (its storage is given at `gather_wait`)."""
+        if unit.state != _FREE:
+            return
+        b = unit.layout
+        gather = Gather(self.engine.comm, unit.ident, b.size, unit.full.dtype)
+        for e, off in zip(b.entries, b.offsets, strict=True):
+            gather.payload[off : off + e.local_numel].copy_(e.master.detach().reshape(-1))
+        unit.gather = gather.start()
+        unit.state = _GATHERING
+
+    def gather_wait(self, unit: Unit) -> None:
+        """Make `unit`'s parameters hold their full values (gathering now if needed)."""
+        self.gather_start(unit)
+        if unit.state == _GATHERING:
+            assert unit.gather is not None
+            gather, unit.gather = unit.gather, None
+            out = gather.wait()
+            unit.full.untyped_storage().resize_(unit.nbytes)
+            for e, off in zip(unit.layout.entries, unit.layout.offsets, strict=True):
+                unpack_full(out, off, e, e.param.data)
+            unit.state = _READY
+
+    def free_all(self) -> None:
+        """Free every unit (end of backward, or after a step) and reset its gradient count."""
+        for unit in self.units:
+            unit.free()
+            unit.grads_left = len(unit.entries)
+
+    # ------------------------------------------------------------------ hooks
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if not in_backward():
+            self.fwd_order = []
+        self.gather_wait(self.unit_of_module(module))
+
+    def _unit_pre_forward(self, module: nn.Module, args: Any) -> None:
+        unit = self.unit_of_module(module)
+        self.gather_wait(unit)
+        if in_backward():  # recomputed by activation checkpointing: gathered for its backward
+            return
+        self.fwd_order.append(unit)
+        if self.engine.config.prefetch:
+            index = self.units.index(unit)
+            if index + 1 < len(self.units):
+                self.gather_start(self.units[index + 1])
+
+    def _unit_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if in_backward():  # a recompute: its backward follows at once, keep it gathered
+            return
+        unit = self.unit_of_module(module)
+        unit.free()
+        if not torch.is_grad_enabled():
+            return
+        position = len(self.fwd_order) - 1
+        tensors = output if isinstance(output, tuple | list) else (output,)
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(  # type: ignore[no-untyped-call]
+                    lambda grad, u=unit, i=position: self._pre_backward(u, i)
+                )
+
+    def _pre_backward(self, unit: Unit, position: int) -> None:
+        self.engine.reducer.queue_callback()
+        self.gather_wait(unit)
+        if self.engine.config.prefetch and 0 < position <= len(self.fwd_order):
+            self.gather_start(self.fwd_order[position - 1])
+
+
+def _default_wrap_policy(model: nn.Module) -> Any:
+    children = {
+        id(child)
+        for module in model.modules()
+        if isinstance(module, nn.ModuleList)
+        for child in module
+    }
+    return lambda name, module: id(module) in children

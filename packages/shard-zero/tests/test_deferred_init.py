@@ -1,0 +1,198 @@
+"""Deferred init: `prepare` a `meta` model from an init function or a Hugging Face checkpoint.
+
+The result must equal the model built normally (same seed) / loaded from the same safetensors,
+value for value, and at stage 3 a rank must never hold the whole fp32 model while preparing:
+the live bytes of every CPU tensor created inside `prepare` are tracked (a dispatch mode) and
+compared with the same measurement of building the model normally.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import shard_zero._deferred as deferred_module
+from leanlm_testing import spawn
+from leanlm_testing.models import random_batches, tiny_llama_config
+from shard_zero import ZeroConfig, full_state_dict, prepare
+
+LAYERS = 6  # one decoder layer is ~1/7 of the model: room to see "never the whole model"
+
+
+def _config() -> Any:
+    return tiny_llama_config(num_hidden_layers=LAYERS)
+
+
+def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _reference() -> nn.Module:
+    """Built normally, then `apply(_init_weights)` under seed 1 (what `init` reproduces)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(_config())
+    torch.manual_seed(1)
+    model.apply(model._init_weights)
+    return model
+
+
+def _meta_model() -> nn.Module:
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        return LlamaForCausalLM(_config())
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Peak bytes of the live CPU storages created by ops inside the mode.
+
+    Storages are tracked through weak references (torch keeps a storage's Python object alive
+    as long as the storage lives, whichever tensor or parameter holds it), at their current size
+    (a stage-3 unit resized to 0 counts 0).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                self.storages.setdefault(id(storage), weakref.ref(storage))
+        live = {k: r() for k, r in self.storages.items()}
+        self.storages = {k: self.storages[k] for k, v in live.items() if v is not None}
+        total = sum(v.nbytes() for v in live.values() if v is not None)
+        self.peak = max(self.peak, total)
+        return out
+
+
+def _equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for key, value in want.items():
+        assert torch.equal(got[key], value), f"{what}: {key} differs"
+
+
+def _from_init(rank: int, world: int) -> None:
+    with pytest.raises(ValueError, match="meta device: pass `init`"):
+        prepare(_meta_model(), _adamw)
+    with pytest.raises(ValueError, match="`device` is required"):
+        prepare(_meta_model(), _adamw, init=lambda module: None)
+    with pytest.raises(ValueError, match="`init` is only for a model built on the meta"):
+        prepare(_reference(), _adamw, init=lambda module: None)
+    want = _reference().state_dict()
+    model_bytes = sum(v.numel() * 4 for k, v in want.items() if k != "lm_head.weight")
+    for stage, dtype in ((3, None), (3, torch.bfloat16), (2, None)):
+        config = ZeroConfig(stage=stage, min_shard_numel=100, param_dtype=dtype)  # type: ignore[arg-type]
+        meta = _meta_model()
+        torch.manual_seed(1)
+        with _LiveBytes() as deferred_peak:
+            model, opt = prepare(meta, _adamw, config, init=meta._init_weights, device="cpu")
+        # full_state_dict reads the fp32 masters: exact even with bf16 compute weights
+        _equal(full_state_dict(model), want, f"stage {stage} {dtype} from init")
+        if dtype is not None:
+            assert all(p.dtype == dtype for p in model.parameters())
+            ids = torch.arange(16).view(2, 8)
+            with torch.no_grad():
+                assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+        if stage == 3 and dtype is None:
+            from transformers import LlamaForCausalLM
+
+            with _LiveBytes() as normal_peak:
+                normal = LlamaForCausalLM(_config())
+                prepare(normal, _adamw, config)
+            if os.environ.get("SHARD_ZERO_PRINT"):
+                print(rank, model_bytes, normal_peak.peak, deferred_peak.peak, flush=True)
+            # building normally holds the whole fp32 model at least once; deferred never does
+            assert normal_peak.peak >= model_bytes, (normal_peak.peak, model_bytes)
+            # its fp32 shards (1/world of the model) plus a few modules' temporaries
+            bound = model_bytes * (1 / world + 0.25)
+            assert deferred_peak.peak < bound, (deferred_peak.peak, model_bytes)
+            # and it trains like the model prepared the usual way
+            ref, ref_opt = prepare(_reference(), _adamw, config)
+            per = 8 // world
+            for batch in random_batches(256, batches=2, batch_size=8, seq_len=16, seed=4):
+                ids = batch["input_ids"][rank * per : (rank + 1) * per]
+                for m, o in ((model, opt), (ref, ref_opt)):
+                    m(input_ids=ids, labels=ids).loss.backward()
+                    o.step()
+                    o.zero_grad()
+            _equal(full_state_dict(model), full_state_dict(ref), "after 2 steps")
+
+
+@pytest.mark.distributed
+def test_meta_model_with_init_equals_the_normally_built_one(tmp_path: Path) -> None:
+    spawn(_from_init, world_size=2, tmp_path=tmp_path)
+
+
+def _from_checkpoint(rank: int, world: int, folder: str) -> None:
+    want = _reference().state_dict()
+    real = deferred_module.safe_open
+    reads: list[tuple[str, tuple[int, int] | None]] = []
+
+    def recording(path: Any, **kwargs: Any) -> Any:
+        handle = real(path, **kwargs)
+
+        class Slice:
+            def __init__(self, key: str) -> None:
+                self.key, self.inner = key, handle.get_slice(key)
+
+            def get_shape(self) -> Any:
+                return self.inner.get_shape()
+
+            def __getitem__(self, index: slice) -> torch.Tensor:
+                reads.append((self.key, (index.start, index.stop)))
+                return self.inner[index]  # type: ignore[no-any-return]
+
+        class Handle:
+            def __enter__(self) -> Handle:
+                handle.__enter__()
+                return self
+
+            def __exit__(self, *exc: Any) -> None:
+                handle.__exit__(*exc)
+
+            def keys(self) -> Any:
+                return handle.keys()
+
+            def get_slice(self, key: str) -> Slice:
+                return Slice(key)
+
+            def get_tensor(self, key: str) -> torch.Tensor:
+                reads.append((key, None))
+                return handle.get_tensor(key)  # type: ignore[no-any-return]
+
+        return Handle()
+
+    for stage in (3, 1):
+        reads.clear()
+        deferred_module.safe_open = recording  # type: ignore[assignment]
+        try:
+            config = ZeroConfig(stage=stage, min_shard_numel=100)  # type: ignore[arg-type]
+            model, _ = prepare(_meta_model(), _adamw, config, checkpoint=folder, device="cpu")
+        finally:
+            deferred_module.safe_open = real
+        _equal(full_state_dict(model), want, f"stage {stage} from the checkpoint")
+        engine = model._shard_zero_engine  # type: ignore[attr-defined]
+        for e in engine.entries:
+            mine = [rows for key, rows in reads if key == e.name]
+            assert mine == ([(e.start, e.end)] if e.sharded else [None]), (e.name, mine)
+
+
+@pytest.mark.distributed
+def test_meta_model_from_a_safetensors_folder_reads_only_its_rows(tmp_path: Path) -> None:
+    folder = tmp_path / "hf"
+    _reference().save_pretrained(folder, max_shard_size="100KB")  # several files + an index
+    assert (folder / "model.safetensors.index.json").is_file()
+    spawn(_from_checkpoint, str(folder), world_size=2, tmp_path=tmp_path)

@@ -1,0 +1,168 @@
+"""PyTorch paths of the block-sparse products (the CPU path) and their dense references.
+
+Same products as the Triton kernels in `_bsr_kernels` (forward DSD, input gradient DSDᵀ, stored
+tiles of the weight gradient SDD), with fp32 accumulation (float64 for float64 inputs). The
+`*_dense_reference` functions compute them through the dense weight in fp32: the tests' oracle.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from sparse_kernels.layout import BlockLayout, blocks_to_dense, dense_to_blocks
+
+
+# ------------------------------------------------------------------- PyTorch paths (CPU path)
+def _pad_cols(t: Tensor, cols: int) -> Tensor:
+    return t if t.shape[1] == cols else torch.nn.functional.pad(t, (0, cols - t.shape[1]))
+
+
+def _bsr(values: Tensor, crow: Tensor, col: Tensor, rows: int, cols: int) -> Tensor:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*BSR tensor support is in beta.*")
+        return torch.sparse_bsr_tensor(
+            crow.long(), col.long(), values, size=(rows, cols), check_invariants=False
+        )
+
+
+# Above this tile density the PyTorch path multiplies through the dense weight instead: on a
+# 2-core CPU (4096², fp32) torch's BSR product only beats the dense GEMM below ~25-30% density
+# (benchmarks/RESULTS.md).
+DENSE_CROSSOVER = 0.3
+
+
+def _acc_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def dsd_torch(
+    x: Tensor,
+    values: Tensor,
+    layout: BlockLayout,
+    bias: Tensor | None,
+    *,
+    dense_crossover: float = DENSE_CROSSOVER,
+) -> Tensor:
+    """Y = X·Wᵀ (+ bias) with PyTorch ops; cost ∝ stored tiles, fp32 accumulation.
+
+    CPU: one BSR x dense product `(W_bsr @ Xᵀ)ᵀ` in fp32 (torch's CPU BSR kernel is fp32/fp64
+    only, so bf16/fp16 operands are upcast once and the result cast back). Other devices: one
+    `addmm` per stored tile into an fp32 accumulator. Above `dense_crossover` tile density:
+    one dense GEMM through the materialized weight (faster there).
+    """
+    b = layout.block_size
+    rb, cb = layout.row_blocks, layout.col_blocks
+    M = x.shape[0]
+    acc = _acc_dtype(x)
+    if layout.density > dense_crossover:
+        w = blocks_to_dense(values, layout)
+        if x.dtype in (torch.float32, torch.float64):
+            return torch.nn.functional.linear(x, w, bias)
+        y = torch.nn.functional.linear(x.to(acc), w.to(acc), None if bias is None else bias.to(acc))
+        return y.to(x.dtype)
+    xp = _pad_cols(x, cb * b).to(acc)
+    if x.device.type == "cpu":
+        w = _bsr(values.to(acc), layout.row_ptr, layout.col_idx, rb * b, cb * b)
+        y = (w @ xp.T).T
+    else:
+        y3 = xp.new_zeros(M, rb, b)
+        xb = xp.view(M, cb, b)
+        va = values.to(acc)
+        tiles = zip(layout.row_idx.tolist(), layout.col_idx.tolist(), strict=True)
+        for p, (r, c) in enumerate(tiles):
+            y3[:, r].addmm_(xb[:, c], va[p].T)
+        y = y3.view(M, rb * b)
+    y = y[:, : layout.out_features]
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(x.dtype).contiguous()
+
+
+def dsdt_torch(
+    dy: Tensor, values: Tensor, layout: BlockLayout, *, dense_crossover: float = DENSE_CROSSOVER
+) -> Tensor:
+    """The input gradient dY·W with PyTorch ops, fp32 accumulation.
+
+    CPU: BSR of the transposed tiles; other devices: one `addmm` per tile. Above
+    `dense_crossover` tile density: one dense GEMM through the materialized weight.
+    """
+    b = layout.block_size
+    rb, cb = layout.row_blocks, layout.col_blocks
+    M = dy.shape[0]
+    acc = _acc_dtype(dy)
+    if layout.density > dense_crossover:
+        w = blocks_to_dense(values, layout)
+        if dy.dtype in (torch.float32, torch.float64):
+            return (dy @ w).contiguous()
+        return (dy.to(acc) @ w.to(acc)).to(dy.dtype)
+    dyp = _pad_cols(dy, rb * b).to(acc)
+    va = values.to(acc)
+    if dy.device.type == "cpu":
+        perm = layout.t_perm.long()
+        wt = _bsr(
+            va[perm].transpose(1, 2).contiguous(),
+            layout.col_ptr,
+            layout.row_idx[perm],
+            cb * b,
+            rb * b,
+        )
+        dx = (wt @ dyp.T).T
+    else:
+        dx3 = dyp.new_zeros(M, cb, b)
+        dyb = dyp.view(M, rb, b)
+        tiles = zip(layout.row_idx.tolist(), layout.col_idx.tolist(), strict=True)
+        for p, (r, c) in enumerate(tiles):
+            dx3[:, c].addmm_(dyb[:, r], va[p])
+        dx = dx3.view(M, cb * b)
+    return dx[:, : layout.in_features].to(dy.dtype).contiguous()
+
+
+def sdd_torch(
+    dy: Tensor, x: Tensor, layout: BlockLayout, *, dense_crossover: float = DENSE_CROSSOVER
+) -> Tensor:
+    """dvalues[p] = dY[:, r_p]ᵀ·X[:, c_p] for stored tiles only, per block row with PyTorch ops.
+
+    For each block row r the stored columns of X are gathered once and one GEMM
+    `dY[:, r]ᵀ · X[:, cols(r)]` yields all of that row's tiles. Above `dense_crossover` tile
+    density: the dense dYᵀX, then its stored tiles.
+    """
+    if layout.density > dense_crossover:
+        return dense_to_blocks(dy.T @ x, layout)
+    b = layout.block_size
+    rb, cb = layout.row_blocks, layout.col_blocks
+    M = x.shape[0]
+    xt = _pad_cols(x, cb * b).T.contiguous().view(cb, b, M)
+    dyt = _pad_cols(dy, rb * b).T.contiguous().view(rb, b, M)
+    out = x.new_empty(layout.nnzb, b, b)
+    ptr = layout.row_ptr.tolist()
+    col = layout.col_idx.long()
+    for r in range(rb):
+        s, e = ptr[r], ptr[r + 1]
+        if s == e:
+            continue
+        g = dyt[r] @ xt[col[s:e]].view(-1, M).T  # (b, tiles·b)
+        out[s:e] = g.view(b, e - s, b).transpose(0, 1)
+    return out
+
+
+# -------------------------------------------------------------------- dense references (tests)
+def dsd_dense_reference(
+    x: Tensor, values: Tensor, layout: BlockLayout, bias: Tensor | None
+) -> Tensor:
+    """Y through the dense weight, in fp32 (the test oracle)."""
+    w = blocks_to_dense(values.float(), layout)
+    y = x.float() @ w.T
+    return y if bias is None else y + bias.float()
+
+
+def dsdt_dense_reference(dy: Tensor, values: Tensor, layout: BlockLayout) -> Tensor:
+    """DX through the dense weight, in fp32."""
+    return dy.float() @ blocks_to_dense(values.float(), layout)
+
+
+def sdd_dense_reference(dy: Tensor, x: Tensor, layout: BlockLayout) -> Tensor:
+    """Stored tiles of the dense dW = dYᵀX, in fp32."""
+    return dense_to_blocks(dy.float().T @ x.float(), layout)

@@ -1,0 +1,317 @@
+#!/usr/bin/env python
+"""Compile every launched Triton kernel for A100 (sm_80) and H100 (sm_90) without a GPU, and gate.
+
+Usage: python tools/gpu_compile.py --out FILE.json [--markdown FILE.md] [--jobs 2] [--no-gate]
+
+Discovery: every module under `packages/*/src` whose source contains `@triton.jit` must export
+`gpu_launch_configs()`, a list of launches as the module's own launchers make them on a GPU:
+`{"kernel": <JITFunction>, "args": {name: value}, "options": {"num_warps": .., "num_stages": ..}}`
+with a `torch.dtype` in place of each tensor argument and representative integers (whether an
+integer is a multiple of 16 changes the code Triton generates, so both cases are listed where
+both occur). Every `@triton.jit` function the module launches (`name[grid](...)`) must appear in
+it. The arguments go through Triton's own JIT binder and specialization (`_pack_args`), then
+`triton.compile` for `GPUTarget("cuda", 80 | 90, 32)`, exactly the path of a launch on that GPU.
+The wheel's `ptxas -v` gives registers and spills.
+
+One JSON record per compile: kernel (`module:function`), arch, config, ok, error, registers,
+spills (bytes stored + loaded), shared_bytes, num_stages (the launch option), pipeline_buffers
+(buffers of the multi-buffered shared-memory operands in the TTGIR; 1 = not pipelined),
+uses_dot (`tt.dot` in the TTIR), tensor_core (`mma.sync` on sm_80, `wgmma` or `mma` on sm_90 in
+the PTX). The gate fails on a compile error, any spill, shared memory over the arch's limit, a
+`tl.dot` without tensor-core instructions, or a GEMM loop (a kernel with `tl.dot`) launched
+with `num_stages` < 2 or not pipelined (fewer than 2 buffers).
+
+This is compile evidence, not a GPU run: it says what the compiler makes of the kernels, not
+how fast or how correct they are. Needs no GPU and must run without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+ARCHS = {"sm_80": 80, "sm_90": 90}
+# Max dynamic shared memory per block (CUDA C programming guide, compute capabilities table):
+# 163 KB on sm_80 (A100), 227 KB on sm_90 (H100).
+SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+_SPECS: dict[str, list[dict[str, Any]]] = {}  # module name -> gpu_launch_configs(), per process
+
+
+# ------------------------------------------------------------------------------- discovery
+def kernel_modules(roots: Iterable[Path]) -> list[tuple[str, Path]]:
+    """(module name, file) of every source file under `<root>/src` that defines a Triton kernel."""
+    found = []
+    for root in roots:
+        src = root / "src"
+        for path in sorted(src.rglob("*.py")):
+            if _defines_kernel(path):
+                rel = path.relative_to(src).with_suffix("")
+                found.append((".".join(rel.parts), path))
+    return found
+
+
+def _defines_kernel(path: Path) -> bool:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return any(
+        ast.unparse(dec).startswith(("triton.jit", "triton.autotune", "triton.heuristics"))
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef)
+        for dec in node.decorator_list
+    )
+
+
+def launched_names(path: Path) -> set[str]:
+    """Names subscripted with a grid in the module (`kernel[grid](...)`): the launched kernels."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Subscript)
+            and isinstance(node.func.value, ast.Name)
+        ):
+            names.add(node.func.value.id)
+    return names
+
+
+def load_specs(module_name: str, path: Path | None = None) -> list[dict[str, Any]]:
+    """The module's `gpu_launch_configs()`, checked to cover every kernel it launches."""
+    if module_name in _SPECS:
+        return _SPECS[module_name]
+    import triton
+
+    module = importlib.import_module(module_name)
+    if not hasattr(module, "gpu_launch_configs"):
+        raise SystemExit(f"{module_name} defines @triton.jit kernels but no gpu_launch_configs()")
+    specs: list[dict[str, Any]] = list(module.gpu_launch_configs())
+    if path is not None:
+        covered = {spec["kernel"].__name__ for spec in specs}
+        for name in sorted(launched_names(path)):
+            obj = getattr(module, name, None)
+            if isinstance(obj, triton.runtime.jit.JITFunction) and name not in covered:
+                raise SystemExit(f"{module_name} launches {name} but gpu_launch_configs() omits it")
+    _SPECS[module_name] = specs
+    return specs
+
+
+# ------------------------------------------------------------------------------ one compile
+def _config(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    config: dict[str, Any] = {}
+    dtypes = sorted({str(v).removeprefix("torch.") for v in spec["args"].values()
+                     if isinstance(v, torch.dtype) and v.is_floating_point})  # fmt: skip
+    config["dtype"] = "/".join(dtypes)
+    for name, value in spec["args"].items():
+        if isinstance(value, (bool, str)) or (name.isupper() and isinstance(value, int)):
+            config[name] = value
+    # integer arguments Triton does not specialize as multiples of 16 (unaligned masks/strides)
+    odd = [k for k, v in spec["args"].items() if type(v) is int and not k.isupper() and v % 16]
+    config["not_div16"] = "+".join(odd) or "-"
+    config.update(spec.get("options", {}))
+    config.update(spec.get("note", {}))
+    return config
+
+
+def _ptxas(ptx: str, arch: str) -> tuple[int | None, int | None]:
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    gpu = "sm_90a" if arch == "sm_90" else arch
+    with tempfile.TemporaryDirectory() as tmp:
+        f = Path(tmp) / "k.ptx"
+        f.write_text(ptx)
+        out = subprocess.run(
+            [str(ptxas), "-v", "--gpu-name", gpu, str(f), "-o", os.devnull],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    text = out.stdout + out.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return (
+        int(regs.group(1)) if regs else None,
+        int(spill.group(1)) + int(spill.group(2)) if spill else None,
+    )
+
+
+def compile_one(module_name: str, index: int, arch: str) -> dict[str, Any]:
+    """Compile spec `index` of `module_name` for `arch` through Triton's JIT path; one record."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import MockTensor, create_function_from_signature
+
+    spec = load_specs(module_name)[index]
+    fn = spec["kernel"]
+    record: dict[str, Any] = {
+        "kernel": f"{module_name}:{fn.__name__}", "arch": arch, "config": _config(spec),
+        "ok": False, "error": None, "registers": None, "spills": None, "shared_bytes": None,
+        "num_stages": spec.get("options", {}).get("num_stages", 3), "pipeline_buffers": None,
+        "uses_dot": None, "tensor_core": None,
+    }  # fmt: skip
+    try:
+        target = GPUTarget("cuda", ARCHS[arch], 32)
+        backend = CUDABackend(target)
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        args = {k: MockTensor.wrap_dtype(v) for k, v in spec["args"].items()}
+        opts = dict(spec.get("options", {}))
+        bound, specialization, options = binder(**args, **opts)
+        options, signature, constexprs, attrs = fn._pack_args(
+            backend, opts, bound, specialization, options
+        )
+        kernel = triton.compile(
+            ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__
+        )
+        ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+        record["num_stages"] = kernel.metadata.num_stages
+        record["shared_bytes"] = kernel.metadata.shared
+        record["uses_dot"] = "tt.dot " in kernel.asm["ttir"]
+        tc = ("mma.sync",) if arch == "sm_80" else ("wgmma", "mma.sync")
+        record["tensor_core"] = any(t in ptx for t in tc)
+        buffers = [int(b) for b in re.findall(r"!ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)]
+        record["pipeline_buffers"] = max(buffers, default=1)
+        record["registers"], record["spills"] = _ptxas(ptx, arch)
+        record["ok"] = True
+    except Exception as exc:  # a compile error is a result, not a crash
+        record["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
+    return record
+
+
+# -------------------------------------------------------------------------------------- gate
+def gate(records: list[dict[str, Any]]) -> list[str]:
+    """One line per violation; empty when every compile passes."""
+    bad = []
+    for r in records:
+        where = f"{r['kernel']} {r['arch']} {r['config']}"
+        if not r["ok"]:
+            bad.append(f"compile error: {where}: {r['error']}")
+            continue
+        if r["spills"]:
+            bad.append(f"spills {r['spills']} bytes ({r['registers']} registers): {where}")
+        limit = SHARED_LIMIT[r["arch"]]
+        if r["shared_bytes"] > limit:
+            bad.append(f"shared memory {r['shared_bytes']} > {limit} bytes: {where}")
+        if r["uses_dot"] and not r["tensor_core"]:
+            bad.append(f"tl.dot without tensor-core instructions in the PTX: {where}")
+        if r["uses_dot"] and (r["num_stages"] < 2 or r["pipeline_buffers"] < 2):
+            bad.append(
+                f"GEMM loop not pipelined (num_stages {r['num_stages']}, "
+                f"{r['pipeline_buffers']} buffer(s)): {where}"
+            )
+    return bad
+
+
+def markdown(records: list[dict[str, Any]]) -> str:
+    """The records as a markdown table."""
+    lines = [
+        "| kernel | arch | config | ok | regs | spills | shared B | stages | buffers | dot | TC |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        cfg = ", ".join(f"{k}={v}" for k, v in r["config"].items())
+        dot = {True: "yes", False: "no", None: "?"}
+        lines.append(
+            f"| `{r['kernel']}` | {r['arch']} | {cfg} | {'yes' if r['ok'] else 'NO'} | "
+            f"{r['registers']} | {r['spills']} | {r['shared_bytes']} | {r['num_stages']} | "
+            f"{r['pipeline_buffers']} | {dot[r['uses_dot']]} | "
+            f"{dot[r['tensor_core']] if r['uses_dot'] else '-'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def summary(records: list[dict[str, Any]], prefix: str = "") -> str:
+    """One markdown row per kernel and arch (modules starting with `prefix`).
+
+    Launches compiled, and the worst registers, spills, shared memory and pipelining over them.
+    """
+    rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in records:
+        if r["kernel"].startswith(prefix):
+            rows.setdefault((r["kernel"], r["arch"]), []).append(r)
+    lines = [
+        "| kernel | arch | launches | compiled | max regs | spills (B) | max shared (KB) | "
+        "min buffers | tensor cores |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (kernel, arch), rs in rows.items():
+        ok = [r for r in rs if r["ok"]]
+        dots = [r for r in ok if r["uses_dot"]]
+        tc = "-" if not dots else "all" if all(r["tensor_core"] for r in dots) else "NOT all"
+        buffers = min((r["pipeline_buffers"] for r in dots), default=None)
+        lines.append(
+            f"| `{kernel}` | {arch} | {len(rs)} | {len(ok)} | "
+            f"{max((r['registers'] for r in ok), default='-')} | "
+            f"{max((r['spills'] for r in ok), default='-')} | "
+            f"{max((r['shared_bytes'] for r in ok), default=0) / 1024:.0f} | "
+            f"{'-' if buffers is None else buffers} | {tc} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _run_job(job: tuple[str, int, str]) -> dict[str, Any]:
+    return compile_one(*job)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON file of the records")
+    parser.add_argument("--markdown", type=Path, help="also write the markdown table here")
+    parser.add_argument("--summary", type=Path, help="also write a per-kernel summary here")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument("--no-gate", action="store_true", help="report only, exit 0")
+    parser.add_argument(
+        "--packages", type=Path, nargs="*", help="package dirs (default: packages/*)"
+    )
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("run without TRITON_INTERPRET: the interpreter replaces the compiler")
+    roots = args.packages or sorted(p.parent for p in ROOT.glob("packages/*/pyproject.toml"))
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as cache:
+        # a fresh Triton cache: every run really compiles, nothing is kept
+        os.environ["TRITON_CACHE_DIR"] = cache
+        jobs = []
+        for name, path in kernel_modules(roots):
+            for i in range(len(load_specs(name, path))):
+                jobs.extend((name, i, arch) for arch in ARCHS)
+        if args.jobs > 1:
+            with ProcessPoolExecutor(args.jobs, mp_context=get_context("fork")) as pool:
+                records = list(pool.map(_run_job, jobs))
+        else:
+            records = [_run_job(job) for job in jobs]
+    import triton
+
+    elapsed = time.perf_counter() - start
+    result = {"triton": triton.__version__, "seconds": round(elapsed, 1), "records": records}
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    table = markdown(records)
+    if args.markdown:
+        args.markdown.write_text(table)
+    if args.summary:
+        args.summary.write_text(summary(records))
+    print(table)
+    failures = gate(records)
+    print(f"{len(records)} compiles with triton {triton.__version__} in {elapsed:.1f} s; "
+          f"{len(failures)} gate failure(s)")  # fmt: skip
+    for line in failures:
+        print("FAIL", line)
+    return 0 if args.no_gate or not failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
