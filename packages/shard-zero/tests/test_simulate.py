@@ -143,6 +143,21 @@ def test_accumulation_costs_only_the_sharded_fp32_gradient(
     assert four.calls["reduce_scatter"] == 4 * one.calls["reduce_scatter"]
 
 
+def test_a_bf16_accumulator_halves_what_accumulation_adds(
+    config_path: str, adamw: SimReport
+) -> None:
+    one = adamw.get("shard-zero-3")
+    four = _sim(config_path, stages=(3,), micro_batches=4, fsdp2=False).get("shard-zero-3")
+    low = _sim(config_path, stages=(3,), micro_batches=4, fsdp2=False, accum_dtype="bf16").get(
+        "shard-zero-3"
+    )
+    # between micro-batches the sharded accumulator is bf16: 2 bytes per local element
+    assert _peak(low) <= _peak(one) + 2 * adamw.psi / WORLD
+    assert _peak(four) - _peak(low) >= 0.9 * 2 * adamw.psi / WORLD
+    # the optimizer still reads fp32 gradients: the step holds the same fp32 shards
+    assert low.maxima["grads"] >= 4 * adamw.psi / WORLD * 0.99
+
+
 def test_the_lazy_mutant_fails_the_checks(
     config_path: str, adamw: SimReport, monkeypatch: pytest.MonkeyPatch
 ) -> None:

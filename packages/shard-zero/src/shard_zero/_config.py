@@ -32,6 +32,15 @@ class ZeroConfig:
             (2 bytes: half the gradient traffic; the fp32 accumulators are rounded to bf16
             before the sum, and the sum over ranks is done in bf16). `torch.float16` raises
             `ValueError` (overflow above 65504 and underflow without a loss scaler).
+        accum_dtype: stages 2-3: dtype of the sharded gradient accumulator that holds the
+            reduced gradients between backwards (`no_sync()` micro-batches). `torch.float32`
+            (None, the default: 4 bytes per local element) or `torch.bfloat16` (2 bytes: half
+            the accumulator, as DeepSpeed's `grad_accum_dtype`; each backward's reduced
+            gradient is rounded to bf16 when it is added, so even one micro-batch's gradient
+            carries bf16 rounding). The accumulator is cast to the fp32 master gradients at the
+            end of the first backward outside `no_sync()` (or by `step()` /
+            `clip_grad_norm_()`), when activations are gone; the optimizer always reads fp32.
+            Stage 1 accumulates in `param.grad` (the compute dtype, as DDP) and rejects it.
         min_shard_numel: parameters with fewer elements than this (and 0-dim ones) are not
             sharded: every rank keeps and steps a full replica, with gradients all-reduced.
         bucket_numel: most elements of one flat gradient or parameter communication buffer,
@@ -64,6 +73,7 @@ class ZeroConfig:
     stage: Literal[1, 2, 3] = 2
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    accum_dtype: torch.dtype | None = None
     min_shard_numel: int = 16384
     bucket_numel: int = 2**24
     wrap_policy: Callable[[str, nn.Module], bool] | None = None
@@ -74,7 +84,7 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
             raise ValueError(f"`stage` ({self.stage!r}) must be 1, 2 or 3")
-        for name in ("param_dtype", "reduce_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "accum_dtype"):
             value = getattr(self, name)
             if value == torch.float16:
                 raise ValueError(
@@ -86,6 +96,11 @@ class ZeroConfig:
                 raise ValueError(
                     f"`{name}` ({value!r}) must be None, torch.float32 or torch.bfloat16"
                 )
+        if self.stage == 1 and self.accum_dtype not in (None, torch.float32):
+            raise ValueError(
+                f"`accum_dtype` ({self.accum_dtype!r}) applies to stages 2-3 only: stage 1 "
+                "accumulates in `param.grad`, in the compute dtype (`param_dtype`), as DDP does"
+            )
         for name in ("min_shard_numel", "bucket_numel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):

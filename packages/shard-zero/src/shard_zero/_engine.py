@@ -62,6 +62,7 @@ class ZeroEngine:
         self.rank = self.comm.rank
         self.stage = config.stage
         self.reduce_dtype = config.reduce_dtype or torch.float32
+        self.accum_dtype = config.accum_dtype or torch.float32
         self.sync = True
         self._released: dict[int, int] = {}  # entry -> bytes of a compute copy freed for step
         self._check_same_model(model)
@@ -134,8 +135,13 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ gradients
     def reduce_leftover(self) -> None:
-        """Reduce gradients a stage-1 backward under `no_sync()` left unreduced (collective)."""
+        """Finish reduction before the optimizer reads the gradients (a collective).
+
+        Reduces what stage-1 backwards under `no_sync()` left unreduced, and casts bf16
+        accumulators (`accum_dtype`) into the fp32 master gradients.
+        """
         self.reducer.reduce_leftover()
+        self.reducer.materialize()
 
     # ------------------------------------------------------------------ parameters
     def release_params(self) -> None:

@@ -51,6 +51,8 @@ class Entry:
         row_numel: elements per row.
         acc: replicated parameters at stages 2-3: the fp32 gradient accumulated over
             backwards until the end-of-backward all-reduce.
+        low_acc: sharded parameters with `accum_dtype=torch.bfloat16`: this rank's reduced
+            gradient rows accumulated in bf16, until cast into `master.grad`.
         ready: whether this parameter's gradient was packed into its bucket in this backward.
         held: stages 2-3, a parameter travelling in pieces: its gradient (compute dtype) from
             its arrival until its last piece is packed.
@@ -66,6 +68,7 @@ class Entry:
     chunk: int
     row_numel: int
     acc: torch.Tensor | None = None
+    low_acc: torch.Tensor | None = None
     ready: bool = False
     held: torch.Tensor | None = None
 

@@ -61,6 +61,7 @@ class ZeroOptimizer(Optimizer):
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for e in self.engine.entries:
             e.acc = None
+            e.low_acc = None
             e.param.grad = None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

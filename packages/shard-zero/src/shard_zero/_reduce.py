@@ -196,24 +196,42 @@ class Reducer:
         engine.comm.wait(work, bucket.ident)
         del buf  # the input is released once its reduction completed
         scale = 1.0 / engine.world
+        low = engine.accum_dtype != torch.float32
         for e, off in zip(bucket.entries, bucket.offsets, strict=True):
             # a rank without rows gets an empty gradient, so that it still steps the parameter
             # (row-shard optimizers all-reduce their statistics over every rank)
             span = bucket.span(e)
             piece = local_piece(out, off, e, span)
-            if bucket.rows is None and e.master.grad is None:
-                e.master.grad = piece.to(torch.float32, copy=True).mul_(scale)
+            acc = e.low_acc if low else e.master.grad
+            if acc is None:
                 self._fresh.add(id(e))
-                continue
-            if e.master.grad is None:  # the first piece: the others fill the remaining rows
-                e.master.grad = torch.empty_like(e.master)
-                self._fresh.add(id(e))
+                if bucket.rows is None:  # the whole local gradient in one piece
+                    acc = piece.to(torch.float32, copy=True).mul_(scale).to(engine.accum_dtype)
+                    _set_acc(e, acc, low)
+                    continue
+                # the first piece: the others fill the remaining rows
+                acc = torch.empty_like(e.master, dtype=engine.accum_dtype)
+                _set_acc(e, acc, low)
             first, n = local_rows(e, span)
-            rows = e.master.grad[first : first + n]
-            if id(e) in self._fresh:
+            rows = acc[first : first + n]
+            if id(e) in self._fresh and low:
+                rows.copy_(piece.to(torch.float32) * scale)  # one rounding to bf16
+            elif id(e) in self._fresh:
                 rows.copy_(piece).mul_(scale)
             else:
                 rows.add_(piece, alpha=scale)
+
+    def materialize(self) -> None:
+        """Cast the bf16 accumulators (`accum_dtype`) into the fp32 master gradients."""
+        for e in self.engine.sharded:
+            if e.low_acc is None:
+                continue
+            g, e.low_acc = e.low_acc, None
+            if e.master.grad is None:
+                e.master.grad = g.to(torch.float32)
+            else:
+                e.master.grad.add_(g)
+            del g
 
     def _finish(self) -> None:
         """All-reduce the replicated gradients and the gradient flags, then wait for all.
@@ -258,9 +276,20 @@ class Reducer:
             self._retire()
         for e in engine.sharded:
             if id(e) in self._fresh and id(e) not in got:
-                e.master.grad = None  # no rank had a gradient: none, as in one process
+                # no rank had a gradient: none, as in one process
+                _set_acc(e, None, engine.accum_dtype != torch.float32)
         self._contributed.clear()
         self._fresh.clear()
+        if engine.sync:  # the accumulation boundary: activations are gone
+            self.materialize()
+
+
+def _set_acc(e: Entry, acc: torch.Tensor | None, low: bool) -> None:
+    """Store a sharded parameter's accumulated gradient: `low_acc` (bf16) or `master.grad`."""
+    if low:
+        e.low_acc = acc
+    else:
+        e.master.grad = acc
 
 
 def _full_grad(e: Entry) -> torch.Tensor | None:

@@ -100,6 +100,7 @@ def memory_stats(model: nn.Module, optimizer: ZeroOptimizer | None = None) -> di
     masters = _bytes([e.master for e in engine.entries], seen)
     grad_tensors = [e.master.grad for e in engine.entries if e.master.grad is not None]
     grad_tensors += [e.acc for e in engine.entries if e.acc is not None]
+    grad_tensors += [e.low_acc for e in engine.entries if e.low_acc is not None]
     grad_tensors += [p.grad for p in model.parameters() if p.grad is not None]
     grads = _bytes(grad_tensors, seen)
     state_tensors: list[torch.Tensor] = []

@@ -52,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step")
+    p.add_argument(
+        "--accum-dtype",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="shard-zero's sharded gradient accumulator at stages 2-3 (ZeroConfig.accum_dtype)",
+    )
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-fsdp2", action="store_true", help="skip the FSDP2 rows")
     p.add_argument("--replica", action="store_true", help="add a plain replica (DDP's grads)")
@@ -86,6 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             micro_batch=args.micro_batch,
             seq_len=args.seq_len,
             micro_batches=args.micro_batches,
+            accum_dtype=args.accum_dtype,
             activation_checkpointing=args.activation_checkpointing,
             fsdp2=not args.no_fsdp2,
             replica=args.replica,

@@ -55,6 +55,8 @@ class SimConfig:
         micro_batch: sequences per micro-batch and rank.
         seq_len: tokens per sequence.
         micro_batches: micro-batches per step (all but the last without gradient sync).
+        accum_dtype: shard-zero's sharded gradient accumulator at stages 2-3 (`fp32`, or
+            `bf16`: `ZeroConfig.accum_dtype=torch.bfloat16`); FSDP2 rows are unaffected.
         activation_checkpointing: recompute each decoder layer in backward.
         fsdp2: also run FSDP2 with and without resharding after forward.
         replica: also run a plain replica in the compute dtype (the gradients DDP holds).
@@ -72,6 +74,7 @@ class SimConfig:
     micro_batch: int = 1
     seq_len: int = 1024
     micro_batches: int = 1
+    accum_dtype: Literal["fp32", "bf16"] = "fp32"
     activation_checkpointing: bool = False
     fsdp2: bool = True
     replica: bool = False
@@ -86,6 +89,8 @@ class SimConfig:
             raise ValueError(f"`stages` ({self.stages!r}) must be a non-empty tuple of 1, 2, 3")
         if self.param_dtype not in _DTYPES:
             raise ValueError(f"`param_dtype` ({self.param_dtype!r}) must be 'bf16' or 'fp32'")
+        if self.accum_dtype not in _DTYPES:
+            raise ValueError(f"`accum_dtype` ({self.accum_dtype!r}) must be 'bf16' or 'fp32'")
 
 
 @dataclass
@@ -185,7 +190,13 @@ def _runs(
     for stage in config.stages:
 
         def zero(m: nn.Module, s: int = stage) -> Built:
-            return build_shard_zero(m, stage=s, param_dtype=param_dtype, optimizer=optimizer)
+            return build_shard_zero(
+                m,
+                stage=s,
+                param_dtype=param_dtype,
+                optimizer=optimizer,
+                accum_dtype=_DTYPES[config.accum_dtype] if s > 1 else None,
+            )
 
         runs.append((f"shard-zero-{stage}", zero, stage))
     if config.fsdp2:

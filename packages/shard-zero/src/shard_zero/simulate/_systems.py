@@ -90,12 +90,18 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def build_shard_zero(
-    model: nn.Module, *, stage: int, param_dtype: torch.dtype, optimizer: OptimizerFactory
+    model: nn.Module,
+    *,
+    stage: int,
+    param_dtype: torch.dtype,
+    optimizer: OptimizerFactory,
+    accum_dtype: torch.dtype | None = None,
 ) -> Built:
     """shard-zero at `stage` (consistency check off: no host reads on fake tensors)."""
     config = ZeroConfig(
         stage=stage,  # type: ignore[arg-type]
         param_dtype=None if param_dtype == torch.float32 else param_dtype,
+        accum_dtype=accum_dtype,
         check_consistency=False,
     )
     model, opt = prepare(model, optimizer, config)
@@ -108,6 +114,7 @@ def build_shard_zero(
             yield e.master.grad
             yield e.param.grad
             yield e.acc
+            yield e.low_acc
 
     def sync(on: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext() if on else engine.no_sync()
