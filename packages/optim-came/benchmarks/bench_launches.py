@@ -30,6 +30,7 @@ from leanlm_testing import bench, roofline
 from leanlm_testing.launches import count_launches
 from optim_adafactor import _kernels as af_kernels
 from optim_adafactor import _multi as af_multi
+from optim_adafactor import _multi_stats as af_stats
 from optim_adafactor import _multi_tables as mt
 from optim_came import CAME, _kernels, _multi
 
@@ -62,7 +63,7 @@ def measure(shape_list: list[tuple[int, ...]], path: str) -> tuple[int, int]:
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen).to(device, torch.bfloat16)
         with count_launches(
-            [_multi, _kernels, af_multi, af_kernels], execute=device == "cuda"
+            [_multi, _kernels, af_multi, af_stats, af_kernels], execute=device == "cuda"
         ) as seen:
             opt.step()
     return len(seen.launches), len(seen.ops)

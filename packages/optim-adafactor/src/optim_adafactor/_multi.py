@@ -5,7 +5,9 @@
 A batch is every unsharded 2-D parameter of a step on the fused path with the same options,
 step and dtypes (usually all of a param group). Each matrix is a row of the work-item tables of
 `_multi_tables` (device addresses cast to typed pointers in the kernels), so the number of
-launches does not grow with the number of parameters. For a matrix `g` of shape (n, m):
+launches does not grow with the number of parameters. The kernels of steps 1-3 are in
+`_multi_stats` (optim-came's multi-tensor step launches them too). For a matrix `g` of shape
+(n, m):
 
 1. `_mt_stats_kernel`, one program per chunk of rows: sweep 1 reads a block of `SUB` rows and
    gives their row sums of g² (and Σ p²), hence the new row EMA `r_i`, written in place;
@@ -75,157 +77,16 @@ if HAS_TRITON:
     import triton.language as tl
 
     from optim_adafactor._kernels import stochastic_round_bf16
-
-    # addr columns: parameter, exp_avg (or the parameter), row EMA, column EMA
-    _P = tl.constexpr(0)
-    _MOM = tl.constexpr(1)
-    _ROW = tl.constexpr(2)
-    _COL = tl.constexpr(3)
-    _NADDR = tl.constexpr(4)
-    _GEO = tl.constexpr(mt.GEO)
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def _mt_stats_kernel(  # type: ignore[no-untyped-def]
-        addr, geo, gaddr, items, colpart, wpart, rpart, ppart, g0, p0, beta2, eps1,
-        HAS_P: tl.constexpr, ALIGNED: tl.constexpr, SUB: tl.constexpr, BLOCK_M: tl.constexpr,
-        NADDR: tl.constexpr,
-    ):  # fmt: skip
-        """Row EMA `r = β2 r + (1-β2)(mean_j g² + ε1)` in place; column partials of g², g²/r.
-
-        `addr` rows hold NADDR addresses: parameter, momentum, row EMA, column EMA, ...
-        """
-        pid = tl.program_id(0)
-        mat = tl.load(items + pid * 4)
-        r0 = tl.load(items + pid * 4 + 1)
-        r1 = tl.load(items + pid * 4 + 2)
-        poff = tl.load(items + pid * 4 + 3)
-        m = tl.load(geo + mat * _GEO + 1)
-        g_ptr = tl.load(gaddr + mat).to(g0.dtype)
-        p_ptr = tl.load(addr + mat * NADDR + _P).to(p0.dtype)
-        row_ptr = tl.load(addr + mat * NADDR + _ROW).to(tl.pointer_type(tl.float32))
-        if ALIGNED:
-            m = tl.multiple_of(m, 16)
-            g_ptr = tl.multiple_of(g_ptr, 16)
-            p_ptr = tl.multiple_of(p_ptr, 16)
-        m_f = m.to(tl.float32)
-        acc_r = tl.zeros([SUB], dtype=tl.float32)
-        acc_p = tl.zeros([SUB], dtype=tl.float32)
-        for s in range(r0, r1, SUB):
-            rows = s + tl.arange(0, SUB)
-            row_mask = rows < r1
-            rsum = tl.zeros([SUB], dtype=tl.float32)
-            for c0 in range(0, m, BLOCK_M):  # sweep 1: row sums (reads g from DRAM)
-                cols = c0 + tl.arange(0, BLOCK_M)
-                mask = row_mask[:, None] & (cols < m)[None, :]
-                offs = rows[:, None].to(tl.int64) * m + cols[None, :]
-                g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # upcast first
-                rsum += tl.sum(g * g, axis=1)
-                if HAS_P:
-                    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                    acc_p += tl.sum(p * p, axis=1)
-            r_old = tl.load(row_ptr + rows, mask=row_mask, other=1.0)
-            r_new = beta2 * r_old + (1.0 - beta2) * (rsum / m_f + eps1)
-            tl.store(row_ptr + rows, r_new, mask=row_mask)
-            acc_r += tl.where(row_mask, r_new, 0.0)
-            inv_r = tl.where(row_mask, 1.0 / r_new, 0.0)
-            not_first = s > r0
-            for c0 in range(0, m, BLOCK_M):  # sweep 2: the same rows again (L2-resident)
-                cols = c0 + tl.arange(0, BLOCK_M)
-                col_mask = cols < m
-                mask = row_mask[:, None] & col_mask[None, :]
-                offs = rows[:, None].to(tl.int64) * m + cols[None, :]
-                g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                g2 = g * g
-                cpart = tl.sum(g2, axis=0)
-                wsum = tl.sum(g2 * inv_r[:, None], axis=0)
-                pmask = col_mask & not_first  # the first sub-block starts the partials
-                cpart += tl.load(colpart + poff + cols, mask=pmask, other=0.0)
-                wsum += tl.load(wpart + poff + cols, mask=pmask, other=0.0)
-                tl.store(colpart + poff + cols, cpart, mask=col_mask)
-                tl.store(wpart + poff + cols, wsum, mask=col_mask)
-            # The next sub-block reads these partials back, maybe from other threads.
-            tl.debug_barrier()
-        tl.store(rpart + pid, tl.sum(acc_r, axis=0))
-        if HAS_P:
-            tl.store(ppart + pid, tl.sum(acc_p, axis=0))
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def _mt_cols_kernel(  # type: ignore[no-untyped-def]
-        addr, geo, items, colpart, wpart, cfbuf, upart, beta2, eps1, col_mult, cf_scale,
-        BLOCK_C: tl.constexpr, NADDR: tl.constexpr, COL: tl.constexpr, HAS_W: tl.constexpr,
-    ):  # fmt: skip
-        """Column EMA `c = β c + (1-β)(col_mult · mean_i x + ε)` in place, `cf = cf_scale/√c`.
-
-        `x` is g² (Adafactor, CAME's first statistic; `col_mult` = 1) or CAME's `d²`
-        (`col_mult` = β1²); `COL` is the column of `addr` holding the EMA. With `HAS_W`, also
-        the partial `Σ_j W_j cf_j²` of Σu² (W: the column sums of g²/r).
-        """
-        pid = tl.program_id(0)
-        mat = tl.load(items + pid * 2)
-        c0 = tl.load(items + pid * 2 + 1)
-        n = tl.load(geo + mat * _GEO + 0)
-        m = tl.load(geo + mat * _GEO + 1)
-        cf_off = tl.load(geo + mat * _GEO + 2)
-        n_items = tl.load(geo + mat * _GEO + 4)
-        part = tl.load(geo + mat * _GEO + 7)
-        col_ptr = tl.load(addr + mat * NADDR + COL).to(tl.pointer_type(tl.float32))
-        cols = c0 + tl.arange(0, BLOCK_C)
-        col_mask = cols < m
-        csum = tl.zeros([BLOCK_C], dtype=tl.float32)
-        wsum = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for k in range(0, n_items):  # row-chunk partials in a fixed order
-            csum += tl.load(colpart + part + k * m + cols, mask=col_mask, other=0.0)
-            if HAS_W:
-                wsum += tl.load(wpart + part + k * m + cols, mask=col_mask, other=0.0)
-        c_old = tl.load(col_ptr + cols, mask=col_mask, other=1.0)
-        c_new = beta2 * c_old + (1.0 - beta2) * (csum * col_mult / n.to(tl.float32) + eps1)
-        tl.store(col_ptr + cols, c_new, mask=col_mask)
-        cf = cf_scale / tl.sqrt(c_new)
-        tl.store(cfbuf + cf_off + cols, cf, mask=col_mask)
-        if HAS_W:
-            tl.store(upart + pid, tl.sum(tl.where(col_mask, wsum * cf * cf, 0.0), axis=0))
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def _segment_sum(ptr, start, count, BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]
-        """Σ ptr[start : start + count] in fp32, in a fixed order."""
-        acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k in range(0, count, BLOCK_K):
-            idx = k + tl.arange(0, BLOCK_K)
-            acc += tl.load(ptr + start + idx, mask=idx < count, other=0.0)
-        return tl.sum(acc, axis=0)
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def _mt_scalars_kernel(  # type: ignore[no-untyped-def]
-        geo, rpart, ppart, upart, scal, lr_ptr, lr, eps2, clip_threshold, coef, weight_decay,
-        LR_TENSOR: tl.constexpr, HAS_P: tl.constexpr, CLIP: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """Per matrix: `scal = (mean(r), lr_t·clip·coef, wd·lr_t, lr_t)`.
-
-        `lr_t = lr · max(ε2, RMS(p))` with parameter scaling, `clip = 1/max(1, RMS(u)/d)` and
-        `coef` = (1-β1 with momentum) · (-1 when maximizing).
-        """
-        mat = tl.program_id(0)
-        n = tl.load(geo + mat * _GEO + 0)
-        m = tl.load(geo + mat * _GEO + 1)
-        a0 = tl.load(geo + mat * _GEO + 3)
-        na = tl.load(geo + mat * _GEO + 4)
-        b0 = tl.load(geo + mat * _GEO + 5)
-        nb = tl.load(geo + mat * _GEO + 6)
-        numel = (n * m).to(tl.float32)
-        mean_r = _segment_sum(rpart, a0, na, BLOCK_K) / n.to(tl.float32)
-        lr_t = tl.load(lr_ptr).to(tl.float32) if LR_TENSOR else lr
-        if HAS_P:
-            psq = _segment_sum(ppart, a0, na, BLOCK_K)
-            lr_t = lr_t * tl.maximum(tl.sqrt(psq / numel), eps2)
-        scale = lr_t
-        if CLIP:
-            usq = mean_r * _segment_sum(upart, b0, nb, BLOCK_K)
-            scale = scale / tl.maximum(tl.sqrt(usq / numel) / clip_threshold, 1.0)
-        tl.store(scal + mat * 4, mean_r)
-        tl.store(scal + mat * 4 + 1, scale * coef)
-        tl.store(scal + mat * 4 + 2, lr_t * weight_decay)
-        tl.store(scal + mat * 4 + 3, lr_t)
+    from optim_adafactor._multi_stats import (
+        _GEO,
+        _MOM,
+        _NADDR,
+        _P,
+        _ROW,
+        _mt_cols_kernel,
+        _mt_scalars_kernel,
+        _mt_stats_kernel,
+    )
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _mt_apply_kernel(  # type: ignore[no-untyped-def]

@@ -2,17 +2,16 @@
 
 Both optimizers step every parameter through phases (statistics, clip, update) that a
 row-sharded parameter interleaves with bucketed all-reduces, on a PyTorch path or on fused
-Triton kernels. This module holds everything that does not depend on the algorithm:
+Triton kernels. This module and two helpers hold everything that does not depend on the
+algorithm:
 
-- option checks shared by the two `parse_group`s (`check_number`, `check_bool`, `check_lr`);
+- option checks shared by the two `parse_group`s (`_checks`: `check_number`, `check_bool`,
+  `check_lr`);
 - the per-parameter record of a step in flight (`StepWork`), its construction (`_prepare`:
   gradient checks, state creation, compute dtype, row shard, path) and the step loop;
 - the choice between the PyTorch path and the kernels (`backend=`);
-- lossless state: statistics are kept in fp32 (float64 for float64 parameters) and
-  `load_state_dict` restores them bit-exact, undoing `torch.optim.Optimizer`'s cast of every
-  state tensor to the parameter's dtype;
-- the stochastic-rounding randomness (a seed for the kernels and one `torch.Generator` per
-  device for the PyTorch path), saved in and restored from the state dict;
+- lossless state and the stochastic-rounding randomness, saved in and restored from the state
+  dict (`_state.LosslessState`, the base class of `FactoredOptimizer`);
 - the row-sharding registry and the bucketed reduction of named partial sums.
 
 Nothing here synchronises with the host inside `step()`.
@@ -29,59 +28,15 @@ from typing import Any, ClassVar, Literal, cast, get_args
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
 
+from optim_adafactor._checks import Scalar
+from optim_adafactor._state import LosslessState
 from optim_adafactor._stochastic import copy_stochastic_
 from optim_adafactor.dtensor import localize
 from optim_adafactor.sharding import Bucket, RowShard, make_row_shard
 
 Backend = Literal["auto", "torch", "triton"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
-
-#: Top-level state-dict key holding the stochastic-rounding seed and generator states.
-RNG_STATE_KEY = "stochastic_rounding_rng"
-
-Scalar = Tensor | float
-
-
-def check_bool(name: str, value: object) -> bool:
-    """`value` if it is a bool, else a `TypeError` naming `name`."""
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a bool, got {value!r} ({type(value).__name__})")
-    return value
-
-
-def check_number(name: str, value: object) -> float:
-    """`value` as a finite float, else a `TypeError`/`ValueError` naming `name`."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a real number, got {value!r} ({type(value).__name__})")
-    number = float(value)
-    if not math.isfinite(number):
-        raise ValueError(f"`{name}` ({number}) must be finite")
-    return number
-
-
-def check_lr(value: object, *, check_value: bool) -> Scalar:
-    """A learning rate: a non-negative real number or a one-element floating-point tensor.
-
-    A tensor is used as is (on its device, no host sync in `step()`); its value is checked only
-    when `check_value` (at construction), because reading it synchronises with the device.
-    """
-    if isinstance(value, Tensor):
-        if value.numel() != 1 or not value.is_floating_point():
-            raise TypeError(
-                f"`lr` as a tensor must hold one floating-point value, got shape "
-                f"{tuple(value.shape)} and dtype {value.dtype}"
-            )
-        if check_value:
-            number = float(value.detach().cpu().reshape(()).item())
-            if not math.isfinite(number) or number < 0:
-                raise ValueError(f"`lr` ({number}) must be finite and >= 0")
-        return value.reshape(())
-    lr = check_number("lr", value)
-    if lr < 0:
-        raise ValueError(f"`lr` ({lr}) must be >= 0")
-    return lr
 
 
 def stat_dtype(param: Tensor) -> torch.dtype:
@@ -133,7 +88,7 @@ class StepWork:
         return self.shard is not None and self.factored and self.param.dim() == 2
 
 
-class FactoredOptimizer(Optimizer):
+class FactoredOptimizer(LosslessState):
     """Base class of `Adafactor` and `CAME`: everything but the algorithm's phases.
 
     Subclasses set `_torch_path` (the module of their PyTorch phases) and `_kernels_module` (the
@@ -249,64 +204,6 @@ class FactoredOptimizer(Optimizer):
             param, global_shape=global_shape, row_offset=row_offset, group=group
         )
 
-    # ------------------------------------------------------------------ state dicts
-    def state_dict(self) -> dict[str, Any]:
-        """Torch's state dict plus the stochastic-rounding seed and generator states."""
-        sd = super().state_dict()
-        sd[RNG_STATE_KEY] = {
-            "seed": self._sr_seed,
-            "generators": {str(d): g.get_state() for d, g in self._generators.items()},
-        }
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict without losing precision.
-
-        `torch.optim.Optimizer.load_state_dict` casts every state tensor to its parameter's
-        dtype (bf16/fp16 state loses bits; fp16 can flush small statistics to zero). The state
-        tensors are therefore taken from `state_dict` as saved and converted once, to the
-        dtypes `step()` keeps them in. The stochastic-rounding randomness is restored when the
-        state dict carries it.
-        """
-        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
-        saved_state = state_dict["state"]
-        raw = {pid: dict(saved_state[pid]) for pid in saved_ids if pid in saved_state}
-        super().load_state_dict(state_dict)  # validates the groups, fills self.state
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(saved_ids, params, strict=True):
-            if pid in raw:
-                state = self.state[p]
-                for key, value in raw[pid].items():
-                    if isinstance(value, Tensor) and key != "step":
-                        state[key] = value  # as saved: converted below, exactly once
-        self._normalise_state()
-        self._load_rng(state_dict.get(RNG_STATE_KEY))
-
-    def _normalise_state(self) -> None:
-        for group in self.param_groups:
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
-            opts = self._parse_group(group)
-            for p in group["params"]:
-                state = self.state.get(p)
-                if not state:
-                    continue
-                self._convert_loaded_state(state)
-                step = state.get("step", 0)
-                state["step"] = int(step.item()) if isinstance(step, Tensor) else int(step)
-                for key, value in state.items():
-                    if isinstance(value, Tensor) and key != "step":
-                        dtype = self._state_dtype(key, p, opts)
-                        state[key] = value.to(device=p.device, dtype=dtype)
-
-    def _load_rng(self, saved: dict[str, Any] | None) -> None:
-        self._generators = {}
-        if saved is None:
-            return
-        self._sr_seed = int(saved["seed"])
-        for name, rng_state in saved.get("generators", {}).items():
-            self._generator(torch.device(name)).set_state(rng_state.cpu())
-
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_row_shards", {})
@@ -318,15 +215,6 @@ class FactoredOptimizer(Optimizer):
         self.__dict__.setdefault("_sr_seed", 0)
 
     # ------------------------------------------------------------------ resources
-    def _generator(self, device: torch.device) -> torch.Generator:
-        """This optimizer's generator for stochastic rounding on `device` (seeded lazily)."""
-        gen = self._generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(self._sr_seed)
-            self._generators[device] = gen
-        return gen
-
     def _kernel_seed(self, w: StepWork) -> int:
         """Seed of the kernels' stochastic rounding for `w` (a function of seed, step, index)."""
         return (self._sr_seed + 1_000_003 * w.step + 7919 * w.index) % (2**31 - 1)

@@ -6,7 +6,8 @@ The batch and its tables are optim-adafactor's (`optim_adafactor._multi_tables`;
 hold the parameter, `exp_avg`, the row and column EMAs of g², and the row and column EMAs of
 the instability). For a matrix `g` of shape (n, m):
 
-1. optim-adafactor's `_mt_stats_kernel`: row EMA `r` and the column partials of g² and g²/r;
+1. optim-adafactor's `_mt_stats_kernel` (in `optim_adafactor._multi_stats`, as are those of 2
+   and 3): row EMA `r` and the column partials of g² and g²/r;
 2. its `_mt_cols_kernel`: column EMA `c`, `cf` and partials of Σu² (the mat-vec fold);
 3. its `_mt_scalars_kernel` (lr = 1, clip on): `mean(r)` and the clip `1/max(1, RMS(u)/d)`;
 4. `_mt_momentum_kernel`, one program per chunk of rows: `d = m - g·rs_i·cf_j` (`rs` = clip
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor
 
 from optim_adafactor import _multi as af
+from optim_adafactor import _multi_stats as st
 from optim_adafactor import _multi_tables as mt
 from optim_adafactor import _multi_vec as vec
 
@@ -236,7 +238,7 @@ if HAS_TRITON:
                         "wpart": f32, "rpart": f32, "ppart": f32, "g0": dtype, "p0": dtype,
                         "beta2": 0.999, "eps1": 1e-30, "HAS_P": False, "NADDR": NADDR,
                         **tile}  # fmt: skip
-                launches.append({"kernel": af._mt_stats_kernel, "args": args, "options": opts})
+                launches.append({"kernel": st._mt_stats_kernel, "args": args, "options": opts})
                 sub, bm, warps = launch_config(aligned)
                 opts = {"num_warps": warps}
                 tile = {"ALIGNED": aligned, "SUB": sub, "BLOCK_M": bm}
@@ -270,7 +272,7 @@ if HAS_TRITON:
                     "cfbuf": f32, "upart": f32, "beta2": 0.999, "eps1": 1e-30,
                     "col_mult": 0.81, "cf_scale": 1.0, "BLOCK_C": BLOCK_C, "NADDR": NADDR,
                     "COL": col, "HAS_W": has_w}  # fmt: skip
-            launches.append({"kernel": af._mt_cols_kernel, "args": args,
+            launches.append({"kernel": st._mt_cols_kernel, "args": args,
                              "options": {"num_warps": 4}})  # fmt: skip
         return launches
 
@@ -317,18 +319,18 @@ def step_batch(opt: CAME, works: list[Work], cache: dict[tuple[object, ...], Any
     grid_a, grid_b, grid_c = (len(tables.a_items),), (len(tables.b_items),), (tables.n_mats,)
     tile = {"ALIGNED": is_aligned, "SUB": sub, "BLOCK_M": bm, "num_warps": warps}
     _, stats_bm, stats_warps = launch_config(is_aligned, stats=True)
-    af._mt_stats_kernel[grid_a](
+    st._mt_stats_kernel[grid_a](
         tables.addr, tables.geo, gaddr, tables.a_items, buf["colpart"], buf["wpart"],
         buf["rpart"], buf["ppart"], g0, p0, o.beta2, o.eps1, HAS_P=False, NADDR=NADDR,
         ALIGNED=is_aligned, SUB=sub, BLOCK_M=stats_bm, num_warps=stats_warps,
     )  # fmt: skip
     corr2 = math.sqrt(o.second_moment_correction(step))  # rsqrt(c / (1-β2^t))
-    af._mt_cols_kernel[grid_b](
+    st._mt_cols_kernel[grid_b](
         tables.addr, tables.geo, tables.b_items, buf["colpart"], buf["wpart"], buf["cf"],
         buf["upart"], o.beta2, o.eps1, 1.0, corr2, BLOCK_C=BLOCK_C, NADDR=NADDR, COL=3,
         HAS_W=True, num_warps=4,
     )  # fmt: skip
-    af._mt_scalars_kernel[grid_c](
+    st._mt_scalars_kernel[grid_c](
         tables.geo, buf["rpart"], buf["ppart"], buf["upart"], buf["scal"], buf["scal"], 1.0,
         0.0, o.clip_threshold, 1.0, 0.0, LR_TENSOR=False, HAS_P=False, CLIP=True,
         BLOCK_K=BLOCK_K, num_warps=4,
@@ -338,13 +340,13 @@ def step_batch(opt: CAME, works: list[Work], cache: dict[tuple[object, ...], Any
         buf["colpart"], buf["rpart"], g0, m0, o.beta1, o.beta3, o.eps2, **tile,
     )  # fmt: skip
     corr3 = math.sqrt(o.instability_correction(step))
-    af._mt_cols_kernel[grid_b](
+    st._mt_cols_kernel[grid_b](
         tables.addr, tables.geo, tables.b_items, buf["colpart"], buf["wpart"], buf["cf"],
         buf["upart"], o.beta3, o.eps2, o.beta1 * o.beta1, corr3, BLOCK_C=BLOCK_C,
         NADDR=NADDR, COL=RES_COL, HAS_W=False, num_warps=4,
     )  # fmt: skip
     lr_tensor = isinstance(o.lr, Tensor)
-    af._mt_scalars_kernel[grid_c](
+    st._mt_scalars_kernel[grid_c](
         tables.geo, buf["rpart"], buf["ppart"], buf["upart"], buf["scal"],
         o.lr if lr_tensor else buf["scal"], 0.0 if lr_tensor else float(o.lr), 0.0, 1.0, 1.0,
         o.weight_decay, LR_TENSOR=lr_tensor, HAS_P=False, CLIP=False, BLOCK_K=BLOCK_K,

@@ -1,0 +1,53 @@
+"""Option checks shared by the `parse_group`s of `Adafactor` and optim-came's `CAME`.
+
+Each returns the checked value or raises a `TypeError`/`ValueError` naming the option.
+`Scalar` is the type of a checked learning rate: a float or a 0-dim tensor (kept on its device).
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+Scalar = Tensor | float
+
+
+def check_bool(name: str, value: object) -> bool:
+    """`value` if it is a bool, else a `TypeError` naming `name`."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def check_number(name: str, value: object) -> float:
+    """`value` as a finite float, else a `TypeError`/`ValueError` naming `name`."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a real number, got {value!r} ({type(value).__name__})")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"`{name}` ({number}) must be finite")
+    return number
+
+
+def check_lr(value: object, *, check_value: bool) -> Scalar:
+    """A learning rate: a non-negative real number or a one-element floating-point tensor.
+
+    A tensor is used as is (on its device, no host sync in `step()`); its value is checked only
+    when `check_value` (at construction), because reading it synchronises with the device.
+    """
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or not value.is_floating_point():
+            raise TypeError(
+                f"`lr` as a tensor must hold one floating-point value, got shape "
+                f"{tuple(value.shape)} and dtype {value.dtype}"
+            )
+        if check_value:
+            number = float(value.detach().cpu().reshape(()).item())
+            if not math.isfinite(number) or number < 0:
+                raise ValueError(f"`lr` ({number}) must be finite and >= 0")
+        return value.reshape(())
+    lr = check_number("lr", value)
+    if lr < 0:
+        raise ValueError(f"`lr` ({lr}) must be >= 0")
+    return lr

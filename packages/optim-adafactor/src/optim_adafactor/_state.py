@@ -1,0 +1,106 @@
+"""Lossless state dicts and the stochastic-rounding randomness of `base.FactoredOptimizer`.
+
+`LosslessState` is the part of `FactoredOptimizer` (its base class) that saves and restores:
+
+- statistics are kept in fp32 (float64 for float64 parameters) and `load_state_dict` restores
+  them bit-exact, undoing `torch.optim.Optimizer`'s cast of every state tensor to the
+  parameter's dtype;
+- the stochastic-rounding randomness (a seed for the kernels and one `torch.Generator` per
+  device for the PyTorch path) is saved in and restored from the state dict.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+#: Top-level state-dict key holding the stochastic-rounding seed and generator states.
+RNG_STATE_KEY = "stochastic_rounding_rng"
+
+
+class LosslessState(Optimizer):
+    """State dicts without precision loss, and the per-device stochastic-rounding generators.
+
+    `FactoredOptimizer` sets `_sr_seed` and `_generators` in its constructor and provides the
+    hooks `_parse_group`, `_state_dtype` and `_convert_loaded_state`.
+    """
+
+    _sr_seed: int
+    _generators: dict[torch.device, torch.Generator]
+
+    if TYPE_CHECKING:
+
+        def _parse_group(self, group: dict[str, Any], *, first: bool = False) -> Any: ...
+
+        def _state_dtype(self, key: str, p: Tensor, opts: Any) -> torch.dtype: ...
+
+        def _convert_loaded_state(self, state: dict[str, Any]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's state dict plus the stochastic-rounding seed and generator states."""
+        sd = super().state_dict()
+        sd[RNG_STATE_KEY] = {
+            "seed": self._sr_seed,
+            "generators": {str(d): g.get_state() for d, g in self._generators.items()},
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict without losing precision.
+
+        `torch.optim.Optimizer.load_state_dict` casts every state tensor to its parameter's
+        dtype (bf16/fp16 state loses bits; fp16 can flush small statistics to zero). The state
+        tensors are therefore taken from `state_dict` as saved and converted once, to the
+        dtypes `step()` keeps them in. The stochastic-rounding randomness is restored when the
+        state dict carries it.
+        """
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        saved_state = state_dict["state"]
+        raw = {pid: dict(saved_state[pid]) for pid in saved_ids if pid in saved_state}
+        super().load_state_dict(state_dict)  # validates the groups, fills self.state
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params, strict=True):
+            if pid in raw:
+                state = self.state[p]
+                for key, value in raw[pid].items():
+                    if isinstance(value, Tensor) and key != "step":
+                        state[key] = value  # as saved: converted below, exactly once
+        self._normalise_state()
+        self._load_rng(state_dict.get(RNG_STATE_KEY))
+
+    def _normalise_state(self) -> None:
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            opts = self._parse_group(group)
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state:
+                    continue
+                self._convert_loaded_state(state)
+                step = state.get("step", 0)
+                state["step"] = int(step.item()) if isinstance(step, Tensor) else int(step)
+                for key, value in state.items():
+                    if isinstance(value, Tensor) and key != "step":
+                        dtype = self._state_dtype(key, p, opts)
+                        state[key] = value.to(device=p.device, dtype=dtype)
+
+    def _load_rng(self, saved: dict[str, Any] | None) -> None:
+        self._generators = {}
+        if saved is None:
+            return
+        self._sr_seed = int(saved["seed"])
+        for name, rng_state in saved.get("generators", {}).items():
+            self._generator(torch.device(name)).set_state(rng_state.cpu())
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """This optimizer's generator for stochastic rounding on `device` (seeded lazily)."""
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self._sr_seed)
+            self._generators[device] = gen
+        return gen
