@@ -1,7 +1,7 @@
 """GPU benchmark points of bench_sparse.py and their predicted roofline times.
 
 For each point the FLOPs and the bytes every kernel moves are counted from its launch
-configuration (`sparse_kernels._bsr_kernels.kernel_config` / `sdd_splits`, the same functions
+configuration (`sparse_kernels._bsr_launch.kernel_config` / `sdd_splits`, the same functions
 the launchers use), and the predicted time is `max(FLOPs / peak, bytes / bandwidth)`, printed
 beside the measured time so the first GPU run is checked against a prediction.
 
@@ -98,7 +98,7 @@ def dense_cost(pt: GpuPoint) -> tuple[float, float]:
 def block_cost(pt: GpuPoint, nnzb: int, sms: int) -> tuple[float, float]:
     """(FLOPs, bytes) of the Triton block-sparse kernels at this point's configuration."""
     # imported here: bench_sparse sets TRITON_INTERPRET (dry run) before sparse_kernels loads
-    from sparse_kernels._bsr_kernels import kernel_config, sdd_splits
+    from sparse_kernels._bsr_launch import kernel_config, sdd_splits
 
     m, b, n, k = pt.tokens, pt.block, pt.out_f, pt.in_f
     flops = 2.0 * m * nnzb * b * b

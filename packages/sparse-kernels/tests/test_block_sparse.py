@@ -13,6 +13,7 @@ from leanlm_testing import assert_verbose_allclose
 from sparse_kernels import BlockSparseLinear
 from sparse_kernels import _bsr_kernels as K
 from sparse_kernels import _bsr_torch as T
+from sparse_kernels._bsr_launch import kernel_config
 from sparse_kernels.block_sparse import block_sparse_linear
 from sparse_kernels.layout import BlockLayout, blocks_to_dense, dense_to_blocks
 
@@ -203,7 +204,7 @@ def test_triton_kernels_at_gpu_tiles_fp32(block):
     dy = torch.randn(M, N, generator=gen).to(dev)
     bias = torch.randn(N, generator=gen).to(dev)
     atol, rtol = 1e-4, 1e-5  # fp32, sums of up to 2·block products of unit-variance terms
-    cfg = {k: K.kernel_config(k, block, torch.float32) for k in ("dsd", "dsdt", "sdd")}
+    cfg = {k: kernel_config(k, block, torch.float32) for k in ("dsd", "dsdt", "sdd")}
     assert cfg["dsd"]["BLOCK_M"] == 64
     assert cfg["dsd"]["BK"] < block  # the tile is reduced in chunks
     y = K.dsd_triton(x, values, layout, bias, config=cfg["dsd"])

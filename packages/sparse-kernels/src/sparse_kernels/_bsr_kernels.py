@@ -14,7 +14,8 @@ fp32 accumulator) and casts once on store. Loads are upcast to fp32 when UPCAST 
 under TRITON_INTERPRET=1, where bf16 arithmetic is wrong); on a GPU bf16/fp16 operands go to
 the tensor cores as they are, and fp32 operands use TF32 (Triton's default). dW splits the token
 sum over programs when there are few tiles: fp32 partials, summed in split order (deterministic).
-Launch configurations: `kernel_config` (also compiled for sm_80/sm_90 by tools/gpu_compile.py).
+Launch configurations: `_bsr_launch.kernel_config` (also compiled for sm_80/sm_90 by
+tools/gpu_compile.py).
 
 The PyTorch paths (`*_torch`, the CPU implementation) and the dense references the kernel tests
 compare against (`*_dense_reference`) are in `_bsr_torch`.
@@ -29,43 +30,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sparse_kernels._bsr_launch import BLOCK_SIZES, aligned, kernel_config, sdd_splits, sm_count
 from sparse_kernels.layout import BlockLayout
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-BLOCK_SIZES = (16, 32, 64, 128)
-"""Tile edges the kernels take (power of two; 128 is the largest whose dW tile fits registers)."""
-_SHARED_BUDGET = 160 * 1024  # bytes of shared memory a config may plan for (A100: 163 KB)
 _INTERPRET_BLOCK_M = 16  # the interpreter pays ~0.5 ms per program and per op: small tiles
-
-
-def kernel_config(kernel: str, block_size: int, dtype: torch.dtype) -> dict[str, int]:
-    """GPU launch configuration of `kernel` ("dsd" | "dsdt" | "sdd") for b x b tiles of `dtype`.
-
-    `BLOCK_M` is the token tile (the rows of X/dY a program owns; for "sdd" the token step of its
-    reduction loop), `BK` the reduction chunk of a tile per loop step ("dsd"/"dsdt"), and
-    `num_warps`/`num_stages` go to the launch. The launchers use exactly these, and
-    `gpu_launch_configs()` lists them for `tools/gpu_compile.py`, which checks on sm_80/sm_90
-    that they compile without spills, within shared memory, onto tensor cores, pipelined.
-
-    * "dsd"/"dsdt" loop over (tile, chunk of BK) pairs; `num_stages` = 3 gives 2 operand
-      buffers on sm_80 and 3 on sm_90 (the tile indices are prefetched one step ahead).
-    * "sdd" holds a (b, b) fp32 accumulator: 8 warps at b = 128 keep it at 64 registers per
-      thread, and a 32-token step keeps the operand buffers small.
-    """
-    if kernel not in ("dsd", "dsdt", "sdd"):
-        raise ValueError(f"`kernel` ({kernel!r}) must be 'dsd', 'dsdt' or 'sdd'")
-    if block_size not in BLOCK_SIZES:
-        raise ValueError(f"the Triton kernels take `block_size` in {BLOCK_SIZES}, got {block_size}")
-    elt = torch.empty(0, dtype=dtype).element_size()
-    warps = 8 if block_size == 128 else 4
-    if kernel == "sdd":
-        block_m = 32 if block_size == 128 else 64
-        return {"BLOCK_M": block_m, "BK": block_size, "num_warps": warps, "num_stages": 3}
-    bk = min(block_size, 64 if elt <= 2 else 32)
-    per_stage = (64 * bk + block_size * bk) * elt
-    stages = 3 if 3 * per_stage <= _SHARED_BUDGET else 2
-    return {"BLOCK_M": 64, "BK": bk, "num_warps": warps, "num_stages": stages}
 
 
 def _launch_config(kernel: str, block_size: int, dtype: torch.dtype) -> dict[str, int]:
@@ -73,16 +43,6 @@ def _launch_config(kernel: str, block_size: int, dtype: torch.dtype) -> dict[str
     if _INTERPRET:
         config["BLOCK_M"] = _INTERPRET_BLOCK_M
     return config
-
-
-def sdd_splits(nnzb: int, tokens: int, block_m: int, programs: int) -> int:
-    """Token splits of the dW kernel.
-
-    Enough programs (`nnzb · splits` >= `programs`, about two waves of SMs), each with at least
-    4 token steps, at most 16 partial sums.
-    """
-    want = -(-programs // max(nnzb, 1))
-    return max(1, min(want, tokens // (4 * block_m), 16))
 
 
 def available(device: torch.device) -> bool:
@@ -329,16 +289,6 @@ def _check(x: Tensor, values: Tensor, layout: BlockLayout, features: int, what: 
         raise ValueError(f"the Triton kernels need `block_size` in {BLOCK_SIZES}, got {b}")
 
 
-def _aligned(t: Tensor) -> Tensor:
-    """`t` contiguous, its columns zero-padded to a multiple of 16 (one copy if odd).
-
-    Rows are then 16-byte aligned and the mask bound a multiple of 16, so the kernels' loads
-    vectorize and pipeline.
-    """
-    pad = -t.shape[1] % 16
-    return torch.nn.functional.pad(t, (0, pad)) if pad else t.contiguous()
-
-
 def dsd_triton(
     x: Tensor,
     values: Tensor,
@@ -352,7 +302,7 @@ def dsd_triton(
     `config` overrides `kernel_config("dsd", ...)` (tests run the interpreter at GPU tiles).
     """
     _check(x, values, layout, layout.in_features, "x")
-    x = _aligned(x)
+    x = aligned(x)
     values = values.contiguous()
     cfg = config or _launch_config("dsd", layout.block_size, x.dtype)
     M = x.shape[0]
@@ -372,7 +322,7 @@ def dsdt_triton(
 ) -> Tensor:
     """DX = dY·W with the Triton kernel; dy (M, N) -> (M, K)."""
     _check(dy, values, layout, layout.out_features, "dy")
-    dy = _aligned(dy)
+    dy = aligned(dy)
     values = values.contiguous()
     cfg = config or _launch_config("dsdt", layout.block_size, dy.dtype)
     M = dy.shape[0]
@@ -407,13 +357,13 @@ def sdd_triton(
         raise ValueError(f"`dy` has {dy.shape[0]} rows but `x` has {x.shape[0]}")
     if splits is not None and splits < 1:
         raise ValueError(f"`splits` ({splits}) must be >= 1")
-    dy, x = _aligned(dy), _aligned(x)
+    dy, x = aligned(dy), aligned(x)
     cfg = config or _launch_config("sdd", layout.block_size, x.dtype)
     M, nnzb, b = x.shape[0], layout.nnzb, layout.block_size
     if nnzb == 0 or M == 0:
         return torch.zeros_like(values)
     if splits is None:
-        sms = 4 if x.device.type == "cpu" else _sm_count(x.device)
+        sms = 4 if x.device.type == "cpu" else sm_count(x.device)
         splits = sdd_splits(nnzb, M, cfg["BLOCK_M"], 2 * sms)
     per = triton.cdiv(triton.cdiv(M, splits), cfg["BLOCK_M"]) * cfg["BLOCK_M"]
     splits = triton.cdiv(M, per)
@@ -426,7 +376,3 @@ def sdd_triton(
         BLOCK_M=cfg["BLOCK_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out if splits == 1 else out.sum(0).to(values.dtype)
-
-
-def _sm_count(device: torch.device) -> int:
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)

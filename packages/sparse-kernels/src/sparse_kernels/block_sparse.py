@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from sparse_kernels import _bsr_kernels as K
 from sparse_kernels import _bsr_torch as T
+from sparse_kernels._bsr_launch import BLOCK_SIZES
 from sparse_kernels.layout import BlockLayout, blocks_to_dense, dense_to_blocks
 from sparse_kernels.masks import block_scores
 
@@ -37,7 +38,7 @@ def resolve_backend(backend: str, device: torch.device, block_size: int) -> str:
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"`backend` ({backend!r}) must be 'auto', 'torch' or 'triton'")
-    kernel_ok = block_size in K.BLOCK_SIZES
+    kernel_ok = block_size in BLOCK_SIZES
     if backend == "auto":
         return "triton" if device.type == "cuda" and K.HAS_TRITON and kernel_ok else "torch"
     if backend == "triton":
@@ -48,7 +49,7 @@ def resolve_backend(backend: str, device: torch.device, block_size: int) -> str:
             )
         if not kernel_ok:
             raise ValueError(
-                f"backend 'triton' needs `block_size` in {K.BLOCK_SIZES}, got {block_size}"
+                f"backend 'triton' needs `block_size` in {BLOCK_SIZES}, got {block_size}"
             )
     return backend
 

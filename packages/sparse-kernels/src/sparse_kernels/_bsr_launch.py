@@ -1,0 +1,70 @@
+"""Launch configurations and operand layout of the block-sparse kernels in `_bsr_kernels`.
+
+Plain torch, no Triton: the tile edges the kernels take (`BLOCK_SIZES`), the GPU launch
+configuration of each kernel (`kernel_config`, which the launchers use and `tools/gpu_compile.py`
+compiles for sm_80/sm_90 through `_bsr_kernels.gpu_launch_configs`), the token splits of the dW
+kernel (`sdd_splits`, `sm_count`) and the 16-column padding of the operands (`aligned`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+BLOCK_SIZES = (16, 32, 64, 128)
+"""Tile edges the kernels take (power of two; 128 is the largest whose dW tile fits registers)."""
+_SHARED_BUDGET = 160 * 1024  # bytes of shared memory a config may plan for (A100: 163 KB)
+
+
+def kernel_config(kernel: str, block_size: int, dtype: torch.dtype) -> dict[str, int]:
+    """GPU launch configuration of `kernel` ("dsd" | "dsdt" | "sdd") for b x b tiles of `dtype`.
+
+    `BLOCK_M` is the token tile (the rows of X/dY a program owns; for "sdd" the token step of its
+    reduction loop), `BK` the reduction chunk of a tile per loop step ("dsd"/"dsdt"), and
+    `num_warps`/`num_stages` go to the launch. The launchers use exactly these, and
+    `gpu_launch_configs()` lists them for `tools/gpu_compile.py`, which checks on sm_80/sm_90
+    that they compile without spills, within shared memory, onto tensor cores, pipelined.
+
+    * "dsd"/"dsdt" loop over (tile, chunk of BK) pairs; `num_stages` = 3 gives 2 operand
+      buffers on sm_80 and 3 on sm_90 (the tile indices are prefetched one step ahead).
+    * "sdd" holds a (b, b) fp32 accumulator: 8 warps at b = 128 keep it at 64 registers per
+      thread, and a 32-token step keeps the operand buffers small.
+    """
+    if kernel not in ("dsd", "dsdt", "sdd"):
+        raise ValueError(f"`kernel` ({kernel!r}) must be 'dsd', 'dsdt' or 'sdd'")
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"the Triton kernels take `block_size` in {BLOCK_SIZES}, got {block_size}")
+    elt = torch.empty(0, dtype=dtype).element_size()
+    warps = 8 if block_size == 128 else 4
+    if kernel == "sdd":
+        block_m = 32 if block_size == 128 else 64
+        return {"BLOCK_M": block_m, "BK": block_size, "num_warps": warps, "num_stages": 3}
+    bk = min(block_size, 64 if elt <= 2 else 32)
+    per_stage = (64 * bk + block_size * bk) * elt
+    stages = 3 if 3 * per_stage <= _SHARED_BUDGET else 2
+    return {"BLOCK_M": 64, "BK": bk, "num_warps": warps, "num_stages": stages}
+
+
+def sdd_splits(nnzb: int, tokens: int, block_m: int, programs: int) -> int:
+    """Token splits of the dW kernel.
+
+    Enough programs (`nnzb · splits` >= `programs`, about two waves of SMs), each with at least
+    4 token steps, at most 16 partial sums.
+    """
+    want = -(-programs // max(nnzb, 1))
+    return max(1, min(want, tokens // (4 * block_m), 16))
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA `device` (the waves `sdd_splits` aims at)."""
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def aligned(t: Tensor) -> Tensor:
+    """`t` contiguous, its columns zero-padded to a multiple of 16 (one copy if odd).
+
+    Rows are then 16-byte aligned and the mask bound a multiple of 16, so the kernels' loads
+    vectorize and pipeline.
+    """
+    pad = -t.shape[1] % 16
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t.contiguous()
