@@ -32,7 +32,7 @@ from optim_adafactor import _kernels as af_kernels
 from optim_adafactor import _multi as af_multi
 from optim_adafactor import _multi_stats as af_stats
 from optim_adafactor import _multi_tables as mt
-from optim_came import CAME, _kernels, _multi
+from optim_came import CAME, _kernels, _multi, _multi_vec
 
 MODELS = {
     "48 matrices": Config(hidden=1024, intermediate=2816, layers=0, vocab=32000),
@@ -63,7 +63,7 @@ def measure(shape_list: list[tuple[int, ...]], path: str) -> tuple[int, int]:
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen).to(device, torch.bfloat16)
         with count_launches(
-            [_multi, _kernels, af_multi, af_stats, af_kernels], execute=device == "cuda"
+            [_multi, _multi_vec, _kernels, af_multi, af_stats, af_kernels], execute=device == "cuda"
         ) as seen:
             opt.step()
     return len(seen.launches), len(seen.ops)

@@ -87,7 +87,7 @@ def test_launches_do_not_grow_with_matrices() -> None:
     from optim_adafactor import _kernels as af_kernels
     from optim_adafactor import _multi as af_multi
     from optim_adafactor import _multi_stats as af_stats
-    from optim_came import _multi
+    from optim_came import _multi, _multi_vec
 
     def counts(n_mats: int) -> list[tuple[int, int]]:
         gen = torch.Generator().manual_seed(n_mats)
@@ -99,7 +99,9 @@ def test_launches_do_not_grow_with_matrices() -> None:
         for _ in range(3):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=gen)
-            with count_launches([_multi, af_multi, af_stats, af_kernels, _kernels]) as seen:
+            with count_launches(
+                [_multi, _multi_vec, af_multi, af_stats, af_kernels, _kernels]
+            ) as seen:
                 opt.step()
             result.append((len(seen.launches), len(seen.ops)))
         return result
