@@ -246,6 +246,15 @@ def test_bad_starts_then_the_corrected_rerun(tmp_path, tiny_config, capsys, monk
         assert len(_messages(err)) == 1, err
         assert says in _messages(err)[0]
         assert "Traceback" not in err
+        assert full or _messages(err)[0].endswith("(--debug shows the traceback)")
+    # --debug: the same one line, plus the traceback that led to it
+    monkeypatch.setattr(leanlm.cli, "disk_full", lambda _: False)
+    assert main(["run", str(path), "--out", str(out), "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert len(_messages(err)) == 1, err
+    assert "Traceback (most recent call last)" in err
+    assert 'raise RuntimeError("[enforce fail' in err  # the frame that raised
+    assert "--debug shows the traceback" not in err
     monkeypatch.undo()
 
     # the corrected run, into the same directory, over a lock left by a killed run
