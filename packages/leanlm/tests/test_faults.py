@@ -115,6 +115,40 @@ def test_sigterm_stops_every_process_then_resume_equals_uninterrupted(
     assert _loss_rows(full) == _loss_rows(killed)
 
 
+@pytest.mark.distributed
+def test_ctrl_c_to_the_process_group_stops_every_process_quietly(tmp_path, tiny_config):
+    """Ctrl-C in a terminal: SIGINT reaches the launcher, torchrun and every worker at once."""
+    config = tiny_config(pretrain={"steps": 100, "checkpoint_every": 10, "eval_every": 50})
+    path, run = tmp_path / "run.toml", tmp_path / "run"
+    path.write_text(dumps_toml(config))
+    launcher = subprocess.Popen(
+        _leanlm("run", path, "--out", run, "--processes", "2"),
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        start_new_session=True,  # its own process group, as a shell's foreground job
+    )
+    target = run / "pretrain" / "checkpoints" / "step-00000010"
+    deadline = time.monotonic() + 240
+    while not target.exists() and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    run_tree = [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(True)]
+    os.killpg(launcher.pid, signal.SIGINT)
+    signalled = time.monotonic()
+    _, stderr = launcher.communicate(timeout=60)
+    _gone, alive = psutil.wait_procs(run_tree, timeout=max(0.0, signalled + 30 - time.monotonic()))
+    assert not alive, f"still running 30 s after Ctrl-C: {alive}"
+    assert len(run_tree) >= 4  # launcher, torchrun, 2 workers
+    assert launcher.returncode == 128 + signal.SIGINT
+    assert "Traceback" not in stderr, stderr
+    assert "KeyboardInterrupt" not in stderr, stderr
+    assert len(_messages(stderr)) == 1, stderr
+    assert "interrupted at step " in _messages(stderr)[0]
+    stopped_at = int(_messages(stderr)[0].split("interrupted at step ")[1].split(";")[0])
+    assert (run / "pretrain" / "checkpoints" / f"step-{stopped_at:08d}").is_dir()
+    assert not (run / rundir.LOCK_FILE).exists()
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_worker_error_is_printed_once_then_the_corrected_rerun(tmp_path, tiny_config):
