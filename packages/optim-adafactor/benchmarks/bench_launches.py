@@ -18,20 +18,21 @@ kernels at the full sizes (not measured), and the A100/H100 step times are predi
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 
 if not torch.cuda.is_available():  # before the kernels' modules read it
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dataclasses import dataclass
-
 from bench_adafactor import Config
 
 from leanlm_testing import bench, roofline
-from leanlm_testing.launches import count_launches
+from leanlm_testing.launches import step_counts
 from optim_adafactor import Adafactor, _kernels, _multi, _multi_vec
 from optim_adafactor import _multi_tables as mt
+
+MODULES = [_multi, _multi_vec, _kernels]  # whose Triton launches count
 
 #: (name, Adafactor kwargs): defaults (parameter scaling, no momentum) and momentum settings.
 SETTINGS = {
@@ -62,30 +63,6 @@ def shapes(name: str) -> list[tuple[int, ...]]:
         ][2:9]
         return [layer[i % 7] for i in range(48)]
     return cfg.shapes()
-
-
-@dataclass(frozen=True, kw_only=True)
-class Count:
-    """Triton launches and torch ops of one step."""
-
-    launches: int
-    ops: int
-
-
-def measure(shape_list: list[tuple[int, ...]], kw: dict[str, object], path: str) -> Count:
-    """Launches and torch ops of the third step (bf16 parameters and gradients)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(0)
-    small = [tuple(min(d, 64) for d in s) for s in shape_list] if device == "cpu" else shape_list
-    params = [torch.randn(s, generator=gen).to(device, torch.bfloat16) for s in small]
-    opt = Adafactor(params, backend="torch" if path == "torch" else "triton", **kw)  # type: ignore[arg-type]
-    opt.multi_tensor = path == "multi"
-    for _ in range(3):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen).to(device, torch.bfloat16)
-        with count_launches([_multi, _multi_vec, _kernels], execute=device == "cuda") as seen:
-            opt.step()
-    return Count(launches=len(seen.launches), ops=len(seen.ops))
 
 
 def traffic(
@@ -141,25 +118,20 @@ def main() -> None:
             momentum, scale = "beta1" in kw, kw.get("scale_parameter", True) is not False
             floor = 2 + 2 * 2 + (8 if momentum else 0)  # read g, read/write p (and m)
             for path in ("torch", "per-tensor", "multi"):
-                count = measure(shape_list, kw, path)
+                launches, ops = step_counts(partial(Adafactor, **kw), shape_list, MODULES, path)
                 cells = ["-"] * 5
                 if path != "torch":
-                    times = []
-                    for gpu in roofline.GPUS:
-                        per_kernel, n_el = traffic(
+                    bpe, times = roofline.predict_on_gpus(
+                        partial(
+                            traffic,
                             shape_list,
                             momentum=momentum,
                             scale=scale,
-                            gpu=gpu,
                             multi=path == "multi",
-                        )
-                        total = sum(per_kernel.values())
-                        times.append(
-                            roofline.predict_seconds(
-                                gpu, dram_bytes=total, launches=count.launches, torch_ops=count.ops
-                            )
-                        )
-                    bpe = total / n_el
+                        ),
+                        launches=launches,
+                        torch_ops=ops,
+                    )
                     cells = [
                         f"{bpe:.2f}",
                         f"{floor}",
@@ -168,7 +140,7 @@ def main() -> None:
                         f"{times[1] * 1e3:.2f}",
                     ]
                 print(
-                    f"| {model} | {setting} | {path} | {count.launches} | {count.ops} | "
+                    f"| {model} | {setting} | {path} | {launches} | {ops} | "
                     + " | ".join(cells)
                     + " |"
                 )

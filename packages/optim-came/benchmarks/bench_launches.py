@@ -18,6 +18,7 @@ kernels at the full sizes (not measured), and the A100/H100 step times are predi
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 
@@ -27,12 +28,15 @@ if not torch.cuda.is_available():  # before the kernels' modules read it
 from bench_came import Config
 
 from leanlm_testing import bench, roofline
-from leanlm_testing.launches import count_launches
+from leanlm_testing.launches import step_counts
 from optim_adafactor import _kernels as af_kernels
 from optim_adafactor import _multi as af_multi
 from optim_adafactor import _multi_stats as af_stats
 from optim_adafactor import _multi_tables as mt
 from optim_came import CAME, _kernels, _multi, _multi_vec
+
+MODULES = [_multi, _multi_vec, _kernels, af_multi, af_stats, af_kernels]  # whose launches count
+OPTIMIZER = partial(CAME, lr=1e-4, weight_decay=0.01)
 
 MODELS = {
     "48 matrices": Config(hidden=1024, intermediate=2816, layers=0, vocab=32000),
@@ -49,24 +53,6 @@ def shapes(name: str) -> list[tuple[int, ...]]:
         ][2:9]
         return [layer[i % 7] for i in range(48)]
     return MODELS[name].shapes()
-
-
-def measure(shape_list: list[tuple[int, ...]], path: str) -> tuple[int, int]:
-    """(Triton launches, torch ops) of the third step (bf16 parameters and gradients)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(0)
-    small = [tuple(min(d, 64) for d in s) for s in shape_list] if device == "cpu" else shape_list
-    params = [torch.randn(s, generator=gen).to(device, torch.bfloat16) for s in small]
-    opt = CAME(params, lr=1e-4, weight_decay=0.01, backend="torch" if path == "torch" else "triton")
-    opt.multi_tensor = path == "multi"
-    for _ in range(3):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen).to(device, torch.bfloat16)
-        with count_launches(
-            [_multi, _multi_vec, _kernels, af_multi, af_stats, af_kernels], execute=device == "cuda"
-        ) as seen:
-            opt.step()
-    return len(seen.launches), len(seen.ops)
 
 
 def traffic(
@@ -118,19 +104,14 @@ def main() -> None:
     for model in MODELS:
         shape_list = shapes(model)
         for path in ("torch", "per-tensor", "multi"):
-            launches, ops = measure(shape_list, path)
+            launches, ops = step_counts(OPTIMIZER, shape_list, MODULES, path)
             cells = ["-"] * 4
             if path != "torch":
-                times = []
-                for gpu in roofline.GPUS:
-                    per_kernel, n_el = traffic(shape_list, gpu=gpu, multi=path == "multi")
-                    total = sum(per_kernel.values())
-                    times.append(
-                        roofline.predict_seconds(
-                            gpu, dram_bytes=total, launches=launches, torch_ops=ops
-                        )
-                    )
-                bpe = total / n_el
+                bpe, times = roofline.predict_on_gpus(
+                    partial(traffic, shape_list, multi=path == "multi"),
+                    launches=launches,
+                    torch_ops=ops,
+                )
                 cells = [
                     f"{bpe:.2f}",
                     f"{bpe / floor:.2f}",

@@ -9,12 +9,13 @@ but not run (fast counting of host code without data-dependent branches; results
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -81,3 +82,32 @@ def count_launches(modules: Sequence[ModuleType], *, execute: bool = True) -> It
     finally:
         for module, name, fn in reversed(saved):
             setattr(module, name, fn)
+
+
+def step_counts(
+    optimizer: Callable[..., Any],
+    shapes: Sequence[tuple[int, ...]],
+    modules: Sequence[ModuleType],
+    path: str,
+    *,
+    steps: int = 3,
+) -> tuple[int, int]:
+    """(Triton launches, torch ops) of the last of `steps` optimizer steps, for benchmarks.
+
+    `optimizer(params, backend=...)` steps bf16 parameters of `shapes` with fresh bf16
+    gradients; `path` is "torch" (`backend="torch"`), "per-tensor" (`backend="triton"`,
+    `multi_tensor = False`) or "multi" (`multi_tensor = True`). Without CUDA every dim is
+    shrunk to <= 64 and the kernels of `modules` are recorded, not executed.
+    """
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    small = [tuple(min(d, 64) for d in s) for s in shapes] if device == "cpu" else list(shapes)
+    params = [torch.randn(s, generator=gen).to(device, torch.bfloat16) for s in small]
+    opt = optimizer(params, backend="torch" if path == "torch" else "triton")
+    opt.multi_tensor = path == "multi"
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(device, torch.bfloat16)
+        with count_launches(modules, execute=device == "cuda") as seen:
+            opt.step()
+    return len(seen.launches), len(seen.ops)

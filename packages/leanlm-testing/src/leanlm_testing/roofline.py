@@ -9,6 +9,7 @@ a stated assumption, printed next to any number made with it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -56,3 +57,19 @@ def assumptions() -> str:
         f"device gap per launch/op; host {HOST_TRITON_LAUNCH_S * 1e6:.0f} us per Triton launch, "
         f"{HOST_TORCH_OP_S * 1e6:.0f} us per torch op; step = max(device, host)"
     )
+
+
+def predict_on_gpus(
+    traffic: Callable[..., tuple[dict[str, float], int]], *, launches: int, torch_ops: int
+) -> tuple[float, list[float]]:
+    """DRAM bytes per element and the predicted step seconds on each of `GPUS`, in order.
+
+    `traffic(gpu=gpu)` gives a step's DRAM bytes per kernel and its element count (it may depend
+    on the GPU, e.g. through its SM count); the bytes per element are the last GPU's.
+    """
+    times = []
+    for gpu in GPUS:
+        per_kernel, n_el = traffic(gpu=gpu)
+        total = sum(per_kernel.values())
+        times.append(predict_seconds(gpu, dram_bytes=total, launches=launches, torch_ops=torch_ops))
+    return total / n_el, times
