@@ -4,19 +4,17 @@ gloo on CPU, world 2 and 4, rows that do not divide the world size (a rank with 
 world 4), odd column counts, a vector and a 3-D parameter; HSDP on a (2, 2) mesh; Replicate.
 """
 
-from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
-from unittest.mock import patch
 
 import pytest
 
 from leanlm_testing import spawn
 from leanlm_testing.fsdp import (
-    check_update_errors,
     fsdp_parity_worker,
-    fsdp_update_errors,
+    fused_fsdp_worker,
     hsdp_parity_worker,
+    no_column_reduction,
 )
 from optim_adafactor import Adafactor
 from optim_adafactor.base import StepWork
@@ -26,11 +24,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "momentum_wd": {"lr": 1e-2, "relative_step": False, "beta1": 0.9, "weight_decay": 0.1},
 }
 OPTIMIZER = partial(Adafactor, backend="torch")
-
-
-def _lazy() -> AbstractContextManager[object]:
-    """The lazy mutant: column statistics from the local rows only (no all-reduce)."""
-    return patch.object(StepWork, "reduce_factors", property(lambda self: False))
+_lazy = partial(no_column_reduction, StepWork)  # column statistics from the local rows only
 
 
 @pytest.mark.distributed
@@ -53,14 +47,9 @@ def test_fully_shard_world4_all_configs_and_hsdp(tmp_path: Any) -> None:
     spawn(hsdp_parity_worker, OPTIMIZER, CONFIGS, world_size=4, tmp_path=tmp_path)
 
 
-def _triton_worker(rank: int, world_size: int) -> None:
-    make = partial(Adafactor, beta1=0.9, backend="triton")
-    errors = fsdp_update_errors(rank, world_size, make, steps=3, resume_at=2)
-    check_update_errors(errors, "fused kernels, Shard(0)")
-
-
 @pytest.mark.distributed
 @pytest.mark.interpreter
 @pytest.mark.slow  # the Triton interpreter in 2 processes
 def test_fully_shard_fused_kernels_world2(tmp_path: Any) -> None:
-    spawn(_triton_worker, world_size=2, tmp_path=tmp_path)
+    make = partial(Adafactor, beta1=0.9, backend="triton")
+    spawn(fused_fsdp_worker, make, world_size=2, tmp_path=tmp_path)

@@ -18,28 +18,13 @@ import pytest
 import torch
 
 from leanlm_testing import assert_verbose_allclose
-from leanlm_testing.launches import count_launches
-from leanlm_testing.multi_tensor import (
-    assert_fp32_matches,
-    check_resume_equals_uninterrupted,
-    device,
-    run_multi,
-)
+from leanlm_testing import multi_tensor as mt
+from leanlm_testing.kernels import fused_kernel_marks
 from optim_adafactor import Adafactor, _kernels
 
-pytestmark = [
-    pytest.mark.interpreter,
-    pytest.mark.skipif(not _kernels.HAS_TRITON, reason="triton is not installed"),
-]
+pytestmark = fused_kernel_marks(_kernels, mt.device())
 
-
-@pytest.fixture(autouse=True)
-def _need_backend() -> None:
-    if not _kernels.available(device()):
-        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
-
-
-_run = partial(run_multi, Adafactor)
+_run = partial(mt.run_multi, Adafactor)
 
 
 _NO_SCALE = {"lr": 1e-2, "relative_step": False, "scale_parameter": False}
@@ -54,10 +39,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_fp32_matches_torch_path(config: str) -> None:
-    steps = 4
-    ref, ref_opt = _run("torch", [torch.float32], steps, **CONFIGS[config])
-    out, opt = _run("triton", [torch.float32], steps, **CONFIGS[config])
-    assert_fp32_matches(ref, ref_opt, out, opt, config)
+    ref, ref_opt, out, opt = mt.check_fp32_matches_torch_path(Adafactor, CONFIGS[config], config)
     group, state = opt.param_groups[0], opt.state[out[0]]
     assert opt._get_lr(group, state) == pytest.approx(
         ref_opt._get_lr(ref_opt.param_groups[0], ref_opt.state[ref[0]]), rel=1e-5
@@ -89,35 +71,19 @@ def test_resume_equals_uninterrupted() -> None:
     """Save after 2 steps, load into a new optimizer (new state tensors, so new tables), step:
     equal bit for bit to 3 uninterrupted steps (the kernels are deterministic)."""
     kw: dict[str, Any] = {"beta1": 0.9, "weight_decay": 0.01}
-    check_resume_equals_uninterrupted(Adafactor, **kw)
+    mt.check_resume_equals_uninterrupted(Adafactor, **kw)
 
 
 @pytest.mark.parametrize("momentum", [False, True])
 def test_launches_do_not_grow_with_matrices(momentum: bool) -> None:
     from optim_adafactor import _multi, _multi_vec
 
-    def counts(n_mats: int) -> list[tuple[int, int]]:
-        gen = torch.Generator().manual_seed(n_mats)
-        shapes = [(3 + i % 5, 16 * (1 + i % 3)) for i in range(n_mats)]
-        shapes += [(5 + i,) for i in range(n_mats // 3)]  # vectors: one more launch
-        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
-        opt = Adafactor(params, backend="triton", beta1=0.9 if momentum else None)
-        result = []
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen)
-            with count_launches([_multi, _multi_vec, _kernels]) as seen:
-                opt.step()
-            result.append((len(seen.launches), len(seen.ops)))
-        return result
-
-    few, many = counts(3), counts(12)
-    # matrices 4 launches, vectors 1, in every step, whatever the number of tensors
-    assert [launches for launches, _ in few] == [launches for launches, _ in many] == [5, 5, 5]
-    # the first step creates each tensor's state (matrices: 2 factors, vectors: 1; exp_avg)
-    # and builds the tables; later steps only rebuild the two gradient-address tables (the
-    # gradients moved): fixed counts
-    created = (2 + momentum) * (12 - 3) + (1 + momentum) * (4 - 1)
-    assert many[0][1] - few[0][1] == created, (few, many)
-    assert few[1:] == many[1:], (few, many)
-    assert all(ops <= 8 for _, ops in many[1:]), many
+    # matrices 4 launches, vectors 1, in every step, whatever the number of tensors; the first
+    # step creates each tensor's state (matrices: 2 factors, vectors: 1; exp_avg)
+    mt.check_launches_do_not_grow(
+        lambda params: Adafactor(params, backend="triton", beta1=0.9 if momentum else None),
+        [_multi, _multi_vec, _kernels],
+        launches=5,
+        state_per_matrix=2 + momentum,
+        state_per_vector=1 + momentum,
+    )

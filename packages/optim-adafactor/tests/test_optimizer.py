@@ -8,74 +8,37 @@ import transformers.optimization as hf_optimization
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from leanlm_testing import optim_basics as basics
 from leanlm_testing.optim import assert_within_reference_error
 from optim_adafactor import Adafactor
 
-SHAPES = [(10, 6), (6,), (2, 3, 4), ()]
-
 
 def _params():
-    return [torch.randn(s).requires_grad_() for s in SHAPES]
-
-
-def _grads(seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=gen) for s in SHAPES]
-
-
-def _run(opt, params, seeds):
-    for seed in seeds:
-        for p, g in zip(params, _grads(seed), strict=True):
-            p.grad = g.to(p.dtype)
-        opt.step()
-
-
-def _clone(params, dtype=None):
-    return [p.detach().to(dtype).clone().requires_grad_() for p in params]
-
-
-def _float64_copy(cls, params, state_dict, **kw):
-    """`cls` on float64 copies of `params`, loaded from `state_dict` (its state up-cast exactly)."""
-    params64 = _clone(params, torch.float64)
-    opt = cls(params64, **kw)
-    opt.load_state_dict(copy.deepcopy(state_dict))
-    return opt, params64
+    return [torch.randn(s).requires_grad_() for s in basics.SHAPES]
 
 
 @pytest.mark.parametrize(
     "kw", [{}, {"beta1": 0.9, "weight_decay": 0.1}, {"lr": 1e-2, "relative_step": False}]
 )
 def test_state_dict_round_trip_continues_identically(kw) -> None:
-    params = _params()
-    opt = Adafactor(params, **kw)
-    _run(opt, params, range(10))
-    saved = copy.deepcopy(opt.state_dict())
-    resumed_params = _clone(params)
-    resumed = Adafactor(resumed_params, **kw)
-    resumed.load_state_dict(saved)
-    _run(opt, params, range(10, 25))
-    _run(resumed, resumed_params, range(10, 25))
-    for a, b in zip(params, resumed_params, strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(params, resumed_params, strict=True):
-        for key, value in opt.state[a].items():
-            other = resumed.state[b][key]
-            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+    basics.check_round_trip_continues_identically(lambda params: Adafactor(params, **kw), _params())
 
 
 def test_loads_transformers_state_dict() -> None:
     kw = {"beta1": 0.9, "weight_decay": 0.01}
     hf_params = _params()
     hf = hf_optimization.Adafactor(hf_params, **kw)
-    _run(hf, hf_params, range(10))
-    ours_params = _clone(hf_params)
+    basics.run_seeded(hf, hf_params, range(10))
+    ours_params = basics.clone_leaves(hf_params)
     ours = Adafactor(ours_params, **kw)
     ours.load_state_dict(copy.deepcopy(hf.state_dict()))
     assert "RMS" not in ours.state[ours_params[0]]
     # yardstick: HF in float64 from the same point (weights and state up-cast exactly)
-    truth, truth_params = _float64_copy(hf_optimization.Adafactor, hf_params, hf.state_dict(), **kw)
+    truth, truth_params = basics.float64_copy(
+        hf_optimization.Adafactor, hf_params, hf.state_dict(), **kw
+    )
     for opt, params in [(hf, hf_params), (ours, ours_params), (truth, truth_params)]:
-        _run(opt, params, range(10, 40))
+        basics.run_seeded(opt, params, range(10, 40))
     for a, b, c in zip(ours_params, hf_params, truth_params, strict=True):
         assert_within_reference_error(a.detach(), b.detach(), c.detach())
 
@@ -85,22 +48,22 @@ def test_loads_torch_state_dict_into_torch_preset() -> None:
     ref = torch.optim.Adafactor(ref_params, lr=5e-3, weight_decay=0.1)
     seeds = range(8)
     for seed in seeds:
-        for p, g in zip(ref_params, _grads(seed), strict=False):
+        for p, g in zip(ref_params, basics.shape_grads(seed), strict=False):
             p.grad = g
         ref.step()
-    ours_params = _clone(ref_params)
+    ours_params = basics.clone_leaves(ref_params)
     ours = Adafactor.from_torch_args(ours_params, lr=5e-3, weight_decay=0.1)
     ours.load_state_dict(copy.deepcopy(ref.state_dict()))
     assert isinstance(ours.state[ours_params[0]]["step"], int)
     # yardstick: torch in float64 from the same point, with the fp32 ε1 (its default is
     # finfo(param dtype).eps: the float64 run would otherwise compute another function)
-    truth, truth_params = _float64_copy(
+    truth, truth_params = basics.float64_copy(
         torch.optim.Adafactor, ref_params, ref.state_dict(), lr=5e-3, weight_decay=0.1
     )
     truth.param_groups[0]["eps"] = (torch.finfo(torch.float32).eps, 1e-3)
     for seed in range(8, 30):
         for params in (ref_params, ours_params, truth_params):
-            for p, g in zip(params, _grads(seed), strict=False):
+            for p, g in zip(params, basics.shape_grads(seed), strict=False):
                 p.grad = g.to(p.dtype)
         ref.step()
         ours.step()
@@ -123,30 +86,12 @@ def test_load_keeps_fp32_state_for_bf16_params() -> None:
 
 def test_no_state_buffers_alias() -> None:
     params = _params()
-    opt = Adafactor(params, beta1=0.9)
-    _run(opt, params, range(3))
-    ptrs = [
-        v.untyped_storage().data_ptr()
-        for s in opt.state.values()
-        for v in s.values()
-        if isinstance(v, torch.Tensor)
-    ]
-    ptrs += [p.untyped_storage().data_ptr() for p in params]
-    assert len(ptrs) == len(set(ptrs))
+    basics.check_no_state_buffers_alias(Adafactor(params, beta1=0.9), params)
 
 
 def test_params_without_grads_are_skipped() -> None:
     params = _params()
-    frozen = params[0]
-    before = frozen.detach().clone()
-    opt = Adafactor(params)
-    for seed in range(3):
-        for p, g in zip(params[1:], _grads(seed)[1:], strict=True):
-            p.grad = g
-        opt.step()
-    assert frozen not in opt.state or len(opt.state[frozen]) == 0
-    assert torch.equal(frozen, before)
-    assert opt.state[params[1]]["step"] == 3
+    basics.check_params_without_grads_are_skipped(Adafactor(params), params)
 
 
 def test_momentum_enabled_later_in_a_group_creates_state() -> None:
@@ -162,32 +107,13 @@ def test_momentum_enabled_later_in_a_group_creates_state() -> None:
 def test_step_makes_no_host_sync(monkeypatch) -> None:
     """Every host-sync entry point of a tensor raises inside step()."""
     params = _params()
-    opt = Adafactor(params, beta1=0.9, weight_decay=0.1)
-    for p, g in zip(params, _grads(0), strict=True):
-        p.grad = g
-
-    def boom(*args, **kwargs):
-        raise AssertionError("host sync in step()")
-
-    for name in ("item", "__bool__", "__float__", "__int__", "tolist", "numpy"):
-        monkeypatch.setattr(torch.Tensor, name, boom)
-    opt.step()
-    opt.step()
+    basics.check_step_makes_no_host_sync(
+        Adafactor(params, beta1=0.9, weight_decay=0.1), params, monkeypatch
+    )
 
 
 def test_closure_is_called_with_grad_enabled() -> None:
-    p = torch.randn(3, 3, requires_grad=True)
-    opt = Adafactor([p])
-
-    def closure():
-        opt.zero_grad()
-        loss = (p**2).sum()
-        loss.backward()
-        return loss
-
-    loss = opt.step(closure)
-    assert loss is not None
-    assert p.grad is not None
+    basics.check_closure_is_called_with_grad_enabled(Adafactor)
 
 
 BAD_ARGS = [
@@ -236,12 +162,7 @@ def test_complex_params_rejected() -> None:
 
 
 def test_empty_and_zero_dim_params() -> None:
-    params = [torch.zeros(0, 4, requires_grad=True), torch.tensor(1.5, requires_grad=True)]
-    opt = Adafactor(params)
-    params[0].grad = torch.zeros(0, 4)
-    params[1].grad = torch.tensor(0.3)
-    opt.step()
-    assert params[1].item() < 1.5
+    basics.check_empty_and_zero_dim_params(Adafactor)
 
 
 shape_strategy = st.lists(st.integers(1, 9), min_size=0, max_size=3).map(tuple)

@@ -13,35 +13,26 @@ the PyTorch path is the reference.
 import pytest
 import torch
 
-from leanlm_testing.kernels import (
-    assert_tiles_span_several,
-    check_fused_matches_torch_multi,
-    shipped_launch_configs,
-)
+from leanlm_testing import kernels as kt
 from optim_adafactor import Adafactor, _kernels
 
-pytestmark = [
-    pytest.mark.interpreter,
-    pytest.mark.skipif(
-        not _kernels.available(torch.device("cpu")), reason="needs triton and TRITON_INTERPRET=1"
-    ),
-]
+pytestmark = kt.fused_kernel_marks(_kernels, torch.device("cpu"))
 
-SHAPES = [(17, 256), (3, 400), (5, 257), (3, 513), (2, 5, 300)]
+SHAPES = kt.SHIPPED_TILE_SHAPES
 MODULES = [m for m in (Adafactor._kernels_module, Adafactor._multi_module) if m is not None]
 MULTI = [False, True] if Adafactor._multi_module is not None else [False]
 
 
 @pytest.fixture
 def gpu_tiles():
-    with shipped_launch_configs(MODULES) as copies:
+    with kt.shipped_launch_configs(MODULES) as copies:
         yield copies
 
 
 def test_tiles_are_the_shipped_ones_and_span_several(gpu_tiles) -> None:
     """The patched tiles are the GPU's, and the widths above run the multi-tile column loop."""
     gpu = gpu_tiles[Adafactor._kernels_module]
-    assert_tiles_span_several(_kernels, gpu, SHAPES)
+    kt.assert_tiles_span_several(_kernels, gpu, SHAPES)
     for name, copy in gpu_tiles.items():  # every module's launch_config now returns the GPU's
         live = __import__(name, fromlist=["launch_config"])
         for arg in (True, False) if name == Adafactor._multi_module else (256, 300):
@@ -62,6 +53,6 @@ CONFIGS = {
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_matches_torch_path_at_shipped_tiles(gpu_tiles, dtype, config, multi_tensor):
-    check_fused_matches_torch_multi(
+    kt.check_fused_matches_torch_multi(
         Adafactor, CONFIGS[config], SHAPES, dtype, multi_tensor=multi_tensor
     )

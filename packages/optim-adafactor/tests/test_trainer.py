@@ -5,57 +5,16 @@ import torch
 
 from optim_adafactor import Adafactor
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-
-
-def _dataset(vocab: int, n: int = 8, seq: int = 16) -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for _ in range(n):
-        ids = torch.randint(0, vocab, (seq,), generator=gen)
-        rows.append({"input_ids": ids, "labels": ids.clone()})
-    return rows
-
-
-def _args(tmp_path) -> "transformers.TrainingArguments":
-    return transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=4,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        logging_steps=1,
-        disable_tqdm=True,
-    )
 
 
 @pytest.mark.parametrize("how", ["optimizers", "optimizer_cls_and_kwargs"])
 def test_trainer_trains_with_adafactor(how: str, tmp_path) -> None:
-    from leanlm_testing.models import tiny_llama
+    from leanlm_testing.hf_trainer import check_trainer_trains
 
-    model = tiny_llama().train()
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     kwargs = {"lr": 1e-3, "relative_step": False, "scale_parameter": False, "beta1": 0.9}
-    extra = {}
-    if how == "optimizers":
-        extra["optimizers"] = (Adafactor(model.parameters(), **kwargs), None)
-    else:
-        extra["optimizer_cls_and_kwargs"] = (Adafactor, kwargs)
-    trainer = transformers.Trainer(
-        model=model, args=_args(tmp_path), train_dataset=_dataset(model.config.vocab_size), **extra
-    )
-    result = trainer.train()
-    assert isinstance(trainer.optimizer.optimizer, Adafactor) or isinstance(
-        trainer.optimizer, Adafactor
-    )
-    assert torch.isfinite(torch.tensor(result.training_loss))
-    changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
-    assert len(changed) == len(before)
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert len(losses) == 4
+    check_trainer_trains(Adafactor, kwargs, how, tmp_path)
 
 
 RESUME_CONFIGS = {

@@ -16,28 +16,13 @@ import pytest
 import torch
 
 from leanlm_testing import assert_verbose_allclose
-from leanlm_testing.launches import count_launches
-from leanlm_testing.multi_tensor import (
-    assert_fp32_matches,
-    check_resume_equals_uninterrupted,
-    device,
-    run_multi,
-)
+from leanlm_testing import multi_tensor as mt
+from leanlm_testing.kernels import fused_kernel_marks
 from optim_came import CAME, _kernels
 
-pytestmark = [
-    pytest.mark.interpreter,
-    pytest.mark.skipif(not _kernels.HAS_TRITON, reason="triton is not installed"),
-]
+pytestmark = fused_kernel_marks(_kernels, mt.device())
 
-
-@pytest.fixture(autouse=True)
-def _need_backend() -> None:
-    if not _kernels.available(device()):
-        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
-
-
-_run = partial(run_multi, CAME)
+_run = partial(mt.run_multi, CAME)
 
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -49,9 +34,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_fp32_matches_torch_path(config: str) -> None:
-    ref, ref_opt = _run("torch", [torch.float32], 4, **CONFIGS[config])
-    out, opt = _run("triton", [torch.float32], 4, **CONFIGS[config])
-    assert_fp32_matches(ref, ref_opt, out, opt, config)
+    mt.check_fp32_matches_torch_path(CAME, CONFIGS[config], config)
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
@@ -80,7 +63,7 @@ def test_bf16_matches_per_tensor_kernels(state_dtype: torch.dtype) -> None:
 def test_resume_equals_uninterrupted() -> None:
     """Save after 2 steps, load into a new optimizer (new tables), step: bit for bit equal."""
     kw: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.01}
-    check_resume_equals_uninterrupted(CAME, **kw)
+    mt.check_resume_equals_uninterrupted(CAME, **kw)
 
 
 def test_launches_do_not_grow_with_matrices() -> None:
@@ -89,27 +72,11 @@ def test_launches_do_not_grow_with_matrices() -> None:
     from optim_adafactor import _multi_stats as af_stats
     from optim_came import _multi, _multi_vec
 
-    def counts(n_mats: int) -> list[tuple[int, int]]:
-        gen = torch.Generator().manual_seed(n_mats)
-        shapes = [(3 + i % 5, 16 * (1 + i % 3)) for i in range(n_mats)]
-        shapes += [(5 + i,) for i in range(n_mats // 3)]  # vectors: one more launch
-        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
-        opt = CAME(params, lr=1e-3, backend="triton")
-        result = []
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen)
-            with count_launches(
-                [_multi, _multi_vec, af_multi, af_stats, af_kernels, _kernels]
-            ) as seen:
-                opt.step()
-            result.append((len(seen.launches), len(seen.ops)))
-        return result
-
-    few, many = counts(3), counts(12)
-    assert [n for n, _ in few] == [n for n, _ in many] == [8, 8, 8], (few, many)
-    # first step: 5 state tensors per matrix, 2 per vector; then fixed counts (the two
-    # gradient-address tables)
-    assert many[0][1] - few[0][1] == 5 * (12 - 3) + 2 * (4 - 1), (few, many)
-    assert few[1:] == many[1:], (few, many)
-    assert all(ops <= 8 for _, ops in many[1:]), many
+    # first step: 5 state tensors per matrix, 2 per vector
+    mt.check_launches_do_not_grow(
+        lambda params: CAME(params, lr=1e-3, backend="triton"),
+        [_multi, _multi_vec, af_multi, af_stats, af_kernels, _kernels],
+        launches=8,
+        state_per_matrix=5,
+        state_per_vector=2,
+    )

@@ -2,55 +2,29 @@
 param groups, argument validation, host syncs, bf16 first moment and stochastic rounding."""
 
 import copy
+from functools import partial
 
 import pytest
 import torch
 
 from leanlm_testing import assert_verbose_allclose
+from leanlm_testing import optim_basics as basics
 from leanlm_testing.optim import assert_within_reference_error
 from optim_came import CAME
 
 came_pytorch = pytest.importorskip("came_pytorch")
 
-SHAPES = [(10, 6), (6,), (2, 3, 4), ()]
 KW = {"lr": 1e-2, "weight_decay": 0.1}
 
 
 def _params(dtype=torch.float32):
     gen = torch.Generator().manual_seed(0)
-    return [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in SHAPES]
-
-
-def _grads(seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=gen) for s in SHAPES]
-
-
-def _run(opt, params, seeds):
-    for seed in seeds:
-        for p, g in zip(params, _grads(seed), strict=True):
-            p.grad = g.to(p.dtype)
-        opt.step()
-
-
-def _clone(params, dtype=None):
-    return [p.detach().to(dtype).clone().requires_grad_() for p in params]
+    return [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in basics.SHAPES]
 
 
 def _came_pytorch_float64(params, state_dict):
     """came-pytorch on float64 copies of `params`, loaded from `state_dict` (state up-cast)."""
-    params64 = _clone(params, torch.float64)
-    opt = came_pytorch.CAME(params64, **KW)
-    opt.load_state_dict(copy.deepcopy(state_dict))
-    return opt, params64
-
-
-def _assert_same_state(a_opt, a_params, b_opt, b_params) -> None:
-    for a, b in zip(a_params, b_params, strict=True):
-        assert torch.equal(a, b)
-        for key, value in a_opt.state[a].items():
-            other = b_opt.state[b][key]
-            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+    return basics.float64_copy(came_pytorch.CAME, params, state_dict, **KW)
 
 
 @pytest.mark.parametrize(
@@ -64,23 +38,15 @@ def _assert_same_state(a_opt, a_params, b_opt, b_params) -> None:
 )
 def test_state_dict_round_trip_continues_identically(kw) -> None:
     params = _params()
-    opt = CAME(params, **kw)
-    _run(opt, params, range(10))
-    saved = copy.deepcopy(opt.state_dict())
-    resumed_params = _clone(params)
-    resumed = CAME(resumed_params, **kw)
-    resumed.load_state_dict(saved)
-    _run(opt, params, range(10, 25))
-    _run(resumed, resumed_params, range(10, 25))
-    _assert_same_state(opt, params, resumed, resumed_params)
+    opt = basics.check_round_trip_continues_identically(lambda ps: CAME(ps, **kw), params)
     assert opt.state[params[0]]["exp_avg"].dtype == kw.get("state_dtype", torch.float32)
 
 
 def test_loads_came_pytorch_state_dict_and_continues_like_it() -> None:
     theirs_params = _params()
     theirs = came_pytorch.CAME(theirs_params, **KW)
-    _run(theirs, theirs_params, range(10))
-    ours_params = _clone(theirs_params)
+    basics.run_seeded(theirs, theirs_params, range(10))
+    ours_params = basics.clone_leaves(theirs_params)
     ours = CAME(ours_params, **KW)
     ours.load_state_dict(copy.deepcopy(theirs.state_dict()))
     assert "RMS" not in ours.state[ours_params[0]]
@@ -88,7 +54,7 @@ def test_loads_came_pytorch_state_dict_and_continues_like_it() -> None:
     # yardstick: came-pytorch in float64 from the same point (weights and state up-cast exactly)
     truth, truth_params = _came_pytorch_float64(theirs_params, theirs.state_dict())
     for opt, params in [(theirs, theirs_params), (ours, ours_params), (truth, truth_params)]:
-        _run(opt, params, range(10, 40))
+        basics.run_seeded(opt, params, range(10, 40))
     for a, b, c in zip(ours_params, theirs_params, truth_params, strict=True):
         assert_within_reference_error(a.detach(), b.detach(), c.detach())
 
@@ -96,13 +62,13 @@ def test_loads_came_pytorch_state_dict_and_continues_like_it() -> None:
 def test_came_pytorch_loads_our_state_dict_and_continues_like_us() -> None:
     ours_params = _params()
     ours = CAME(ours_params, **KW)
-    _run(ours, ours_params, range(10))
-    theirs_params = _clone(ours_params)
+    basics.run_seeded(ours, ours_params, range(10))
+    theirs_params = basics.clone_leaves(ours_params)
     theirs = came_pytorch.CAME(theirs_params, **KW)
     theirs.load_state_dict(copy.deepcopy(ours.state_dict()))
     truth, truth_params = _came_pytorch_float64(ours_params, ours.state_dict())
     for opt, params in [(theirs, theirs_params), (ours, ours_params), (truth, truth_params)]:
-        _run(opt, params, range(10, 40))
+        basics.run_seeded(opt, params, range(10, 40))
     for a, b, c in zip(ours_params, theirs_params, truth_params, strict=True):
         assert_within_reference_error(a.detach(), b.detach(), c.detach())
 
@@ -110,8 +76,8 @@ def test_came_pytorch_loads_our_state_dict_and_continues_like_us() -> None:
 def test_load_keeps_fp32_statistics_for_bf16_params() -> None:
     params = _params(torch.bfloat16)
     opt = CAME(params, lr=1e-3)
-    _run(opt, params, range(2))
-    other = CAME(_clone(params), lr=1e-3)
+    basics.run_seeded(opt, params, range(2))
+    other = CAME(basics.clone_leaves(params), lr=1e-3)
     other.load_state_dict(opt.state_dict())  # torch's default would cast the state to bf16
     for state in other.state.values():
         for value in state.values():
@@ -123,10 +89,7 @@ def test_no_state_buffers_alias() -> None:
     """ColossalAI's DistributedCAME aliases exp_avg_res_* to exp_avg_sq_* from step 2 on."""
     params = _params()
     opt = CAME(params, **KW)
-    _run(opt, params, range(3))
-    tensors = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    ptrs = [t.untyped_storage().data_ptr() for t in tensors + params]
-    assert len(ptrs) == len(set(ptrs))
+    basics.check_no_state_buffers_alias(opt, params)
     state = opt.state[params[0]]
     assert not torch.equal(state["exp_avg_res_row"], state["exp_avg_sq_row"])
 
@@ -154,26 +117,17 @@ def test_vector_step_keeps_momentum_unscaled() -> None:
 
 def test_params_without_grads_are_skipped() -> None:
     params = _params()
-    frozen = params[0]
-    before = frozen.detach().clone()
-    opt = CAME(params, **KW)
-    for seed in range(3):
-        for p, g in zip(params[1:], _grads(seed)[1:], strict=True):
-            p.grad = g
-        opt.step()
-    assert frozen not in opt.state or len(opt.state[frozen]) == 0
-    assert torch.equal(frozen, before)
-    assert opt.state[params[1]]["step"] == 3
+    basics.check_params_without_grads_are_skipped(CAME(params, **KW), params)
 
 
 def test_param_groups_use_their_own_options() -> None:
     a, b = _params()[:2]
-    ref_a, ref_b = _clone([a, b])
+    ref_a, ref_b = basics.clone_leaves([a, b])
     opt = CAME([{"params": [a], "lr": 1e-3}, {"params": [b], "weight_decay": 0.5}], lr=2e-2)
     single_a = CAME([ref_a], lr=1e-3)
     single_b = CAME([ref_b], lr=2e-2, weight_decay=0.5)
     for seed in range(5):
-        g = _grads(seed)
+        g = basics.shape_grads(seed)
         a.grad, ref_a.grad, b.grad, ref_b.grad = g[0], g[0].clone(), g[1], g[1].clone()
         opt.step()
         single_a.step()
@@ -200,39 +154,15 @@ def test_step_makes_no_host_sync(monkeypatch) -> None:
     """Every host-sync entry point of a tensor raises inside step()."""
     params = _params()
     opt = CAME(params, **KW, bias_correction=True, state_dtype=torch.bfloat16)
-    for p, g in zip(params, _grads(0), strict=True):
-        p.grad = g
-
-    def boom(*args, **kwargs):
-        raise AssertionError("host sync in step()")
-
-    for name in ("item", "__bool__", "__float__", "__int__", "tolist", "numpy"):
-        monkeypatch.setattr(torch.Tensor, name, boom)
-    opt.step()
-    opt.step()
+    basics.check_step_makes_no_host_sync(opt, params, monkeypatch)
 
 
 def test_closure_is_called_with_grad_enabled() -> None:
-    p = torch.randn(3, 3, requires_grad=True)
-    opt = CAME([p], lr=1e-3)
-
-    def closure():
-        opt.zero_grad()
-        loss = (p**2).sum()
-        loss.backward()
-        return loss
-
-    assert opt.step(closure) is not None
-    assert p.grad is not None
+    basics.check_closure_is_called_with_grad_enabled(partial(CAME, lr=1e-3))
 
 
 def test_empty_and_zero_dim_params() -> None:
-    params = [torch.zeros(0, 4, requires_grad=True), torch.tensor(1.5, requires_grad=True)]
-    opt = CAME(params, lr=1e-2)
-    params[0].grad = torch.zeros(0, 4)
-    params[1].grad = torch.tensor(0.3)
-    opt.step()
-    assert params[1].item() < 1.5
+    basics.check_empty_and_zero_dim_params(partial(CAME, lr=1e-2))
 
 
 def test_zero_gradients_give_no_nan() -> None:
@@ -295,8 +225,8 @@ def test_bf16_first_moment_halves_its_bytes_and_tracks_fp32() -> None:
     ref_params, params = _params(), _params()
     ref = CAME(ref_params, lr=1e-2)
     opt = CAME(params, lr=1e-2, state_dtype=torch.bfloat16)
-    _run(ref, ref_params, range(30))
-    _run(opt, params, range(30))
+    basics.run_seeded(ref, ref_params, range(30))
+    basics.run_seeded(opt, params, range(30))
     for p in params:
         state = opt.state[p]
         assert state["exp_avg"].dtype == torch.bfloat16

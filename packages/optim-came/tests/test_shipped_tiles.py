@@ -15,21 +15,12 @@ import importlib.util
 import pytest
 import torch
 
-from leanlm_testing.kernels import (
-    assert_tiles_span_several,
-    check_fused_matches_torch_multi,
-    shipped_launch_configs,
-)
+from leanlm_testing import kernels as kt
 from optim_came import CAME, _kernels
 
-pytestmark = [
-    pytest.mark.interpreter,
-    pytest.mark.skipif(
-        not _kernels.available(torch.device("cpu")), reason="needs triton and TRITON_INTERPRET=1"
-    ),
-]
+pytestmark = kt.fused_kernel_marks(_kernels, torch.device("cpu"))
 
-SHAPES = [(17, 256), (3, 400), (5, 257), (3, 513), (2, 5, 300)]
+SHAPES = kt.SHIPPED_TILE_SHAPES
 # dependencies first: optim-came's multi-tensor step takes optim-adafactor's tile constants
 MODULES = [
     m
@@ -46,13 +37,13 @@ MULTI = [False, True] if getattr(CAME, "_multi_module", None) is not None else [
 
 @pytest.fixture
 def gpu_tiles():
-    with shipped_launch_configs(MODULES) as copies:
+    with kt.shipped_launch_configs(MODULES) as copies:
         yield copies
 
 
 def test_tiles_are_the_shipped_ones_and_span_several(gpu_tiles) -> None:
     gpu = gpu_tiles[CAME._kernels_module]
-    assert_tiles_span_several(_kernels, gpu, SHAPES)
+    kt.assert_tiles_span_several(_kernels, gpu, SHAPES)
 
 
 CONFIGS = {
@@ -70,4 +61,6 @@ CONFIGS = {
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_matches_torch_path_at_shipped_tiles(gpu_tiles, dtype, config, multi_tensor):
-    check_fused_matches_torch_multi(CAME, CONFIGS[config], SHAPES, dtype, multi_tensor=multi_tensor)
+    kt.check_fused_matches_torch_multi(
+        CAME, CONFIGS[config], SHAPES, dtype, multi_tensor=multi_tensor
+    )

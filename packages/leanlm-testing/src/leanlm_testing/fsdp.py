@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
@@ -215,3 +216,21 @@ def hsdp_parity_worker(
         make = partial(optimizer, **kw)
         errors = fsdp_update_errors(rank, world_size, make, steps=STEPS, mesh_shape=(2, 2))
         check_update_errors(errors, f"{name}, HSDP (Replicate, Shard(0))")
+
+
+def no_column_reduction(step_work: type) -> AbstractContextManager[object]:
+    """The lazy mutant of an optimizer whose steps run on `step_work` (optim-adafactor's StepWork).
+
+    Under it `reduce_factors` reads False: column statistics from the local rows only (no
+    all-reduce). Pass `partial(no_column_reduction, StepWork)` as `fsdp_parity_worker`'s `lazy`.
+    """
+    return patch.object(step_work, "reduce_factors", property(lambda self: False))
+
+
+def fused_fsdp_worker(rank: int, world_size: int, make_optimizer: MakeOptimizer) -> None:
+    """`spawn` worker: 3 `Shard(0)` steps of `make_optimizer` (the fused kernels), within `TOL`.
+
+    The sharded optimizer goes through a `state_dict` round trip before step 3.
+    """
+    errors = fsdp_update_errors(rank, world_size, make_optimizer, steps=3, resume_at=2)
+    check_update_errors(errors, "fused kernels, Shard(0)")

@@ -1,4 +1,6 @@
-"""HF `Trainer` checks for optimizers: a run that saves, stops and resumes equals one that did not.
+"""HF `Trainer` checks for optimizers: a short run moves every weight; a resumed run is exact.
+
+A run that saves, stops and resumes must equal one that did not.
 
 Everything is built locally (a tiny Llama from a config, random token ids): no download.
 """
@@ -87,6 +89,54 @@ def _train(
     )
     trainer.train(resume_from_checkpoint=resume_from)
     opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    return TrainerRun(trainer=trainer, model=model, optimizer=opt)
+
+
+def check_trainer_trains(
+    optimizer: type[torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+    how: str,
+    tmp_path: os.PathLike[str] | str,
+    *,
+    args_overrides: dict[str, Any] | None = None,
+) -> TrainerRun:
+    """4 `Trainer` steps of a tiny Llama with `optimizer(params, **kwargs)`; every weight moves.
+
+    `how` is how the Trainer gets the optimizer: "optimizers" (an instance, the Trainer's own
+    scheduler) or "optimizer_cls_and_kwargs" (the class and `kwargs`). The Trainer must use
+    that optimizer, the loss must be finite and 4 losses logged. Returns the run.
+    """
+    import transformers
+
+    model = tiny_llama().train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    extra: dict[str, Any] = {}
+    if how == "optimizers":
+        extra["optimizers"] = (optimizer(model.parameters(), **kwargs), None)
+    else:
+        extra["optimizer_cls_and_kwargs"] = (optimizer, kwargs)
+    args = transformers.TrainingArguments(
+        output_dir=os.fspath(tmp_path),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        logging_steps=1,
+        disable_tqdm=True,
+        **(args_overrides or {}),
+    )
+    dataset = token_dataset(model.config.vocab_size, rows=8)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, **extra)
+    result = trainer.train()
+    opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    assert isinstance(opt, optimizer), type(opt)
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) == len(before)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 4
     return TrainerRun(trainer=trainer, model=model, optimizer=opt)
 
 

@@ -17,7 +17,30 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, cast
 
+import pytest
 import torch
+
+#: Shapes that run the GPU tiles every way: one full 256-column tile (17 x 256, a partial last
+#: 16-row block), a full and a partial tile (400), odd widths over several 64-column tiles
+#: (257, 513) and a 3-D tensor (300 wide). See `assert_tiles_span_several`.
+SHIPPED_TILE_SHAPES: list[tuple[int, ...]] = [(17, 256), (3, 400), (5, 257), (3, 513), (2, 5, 300)]
+
+
+def fused_kernel_marks(kernels: ModuleType, device: torch.device) -> list[pytest.MarkDecorator]:
+    """`pytestmark` for a module of fused-kernel tests on `device`: marked `interpreter`.
+
+    `kernels` is an optimizer package's `_kernels` module (`HAS_TRITON`, `available(device)`);
+    the tests are skipped without Triton, or where its kernels cannot run on `device` (CUDA, or
+    the CPU under `TRITON_INTERPRET=1`).
+    """
+    return [
+        pytest.mark.interpreter,
+        pytest.mark.skipif(not kernels.HAS_TRITON, reason="triton is not installed"),
+        pytest.mark.skipif(
+            not kernels.available(device),
+            reason=f"the Triton kernels cannot run on {device.type} (CPU: TRITON_INTERPRET=1)",
+        ),
+    ]
 
 
 def import_as_on_gpu(module_names: Sequence[str]) -> dict[str, ModuleType]:

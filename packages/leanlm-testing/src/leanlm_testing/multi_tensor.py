@@ -7,11 +7,13 @@ has a `multi_tensor` switch and a `_sr_seed` (the stochastic-rounding seed).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from leanlm_testing.asserts import assert_verbose_allclose
+from leanlm_testing.launches import count_launches
 
 # odd rows/cols, one row, more than 256 columns (several tiles at any BLOCK_M), a 3-D tensor
 # (per-tensor fallback) and a vector (PyTorch path)
@@ -71,6 +73,20 @@ def assert_fp32_matches(
                 assert_verbose_allclose(got, value, atol=1e-7, rtol=1e-5, name=f"{name} {key}")
 
 
+def check_fp32_matches_torch_path(
+    optimizer: MakeOptimizer, kw: dict[str, Any], config: str, steps: int = 4
+) -> tuple[list[torch.nn.Parameter], Any, list[torch.nn.Parameter], Any]:
+    """`steps` fused fp32 steps (`backend="triton"`) close to those of the PyTorch path.
+
+    Both are `run_multi` runs with `kw`, compared by `assert_fp32_matches`. Returns the
+    reference parameters and optimizer, then the fused ones.
+    """
+    ref, ref_opt = run_multi(optimizer, "torch", [torch.float32], steps, **kw)
+    out, opt = run_multi(optimizer, "triton", [torch.float32], steps, **kw)
+    assert_fp32_matches(ref, ref_opt, out, opt, config)
+    return ref, ref_opt, out, opt
+
+
 def check_resume_equals_uninterrupted(optimizer: MakeOptimizer, **kw: Any) -> None:
     """Resumed fused (`backend="triton"`) steps equal uninterrupted ones bit for bit.
 
@@ -98,3 +114,51 @@ def check_resume_equals_uninterrupted(optimizer: MakeOptimizer, **kw: Any) -> No
     steps(opt2, resumed, range(2, 3))
     for p, q in zip(full, resumed, strict=True):
         assert torch.equal(p, q), tuple(p.shape)
+
+
+def launch_counts(
+    make_opt: Callable[[list[torch.nn.Parameter]], Any],
+    modules: Sequence[ModuleType],
+    n_mats: int,
+) -> list[tuple[int, int]]:
+    """(Triton launches, torch ops) of 3 steps over `n_mats` matrices and `n_mats // 3` vectors.
+
+    The matrices have 3 to 7 rows and 16, 32 or 48 columns; `modules` are those whose Triton
+    kernels count (see `leanlm_testing.launches.count_launches`). Fresh gradients every step.
+    """
+    gen = torch.Generator().manual_seed(n_mats)
+    shapes: list[tuple[int, ...]] = [(3 + i % 5, 16 * (1 + i % 3)) for i in range(n_mats)]
+    shapes += [(5 + i,) for i in range(n_mats // 3)]  # vectors: one more launch
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    opt = make_opt(params)
+    result = []
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        with count_launches(modules) as seen:
+            opt.step()
+        result.append((len(seen.launches), len(seen.ops)))
+    return result
+
+
+def check_launches_do_not_grow(
+    make_opt: Callable[[list[torch.nn.Parameter]], Any],
+    modules: Sequence[ModuleType],
+    *,
+    launches: int,
+    state_per_matrix: int,
+    state_per_vector: int,
+) -> None:
+    """Launches and torch ops per step do not grow from 3 to 12 matrices (1 to 4 vectors).
+
+    Every step makes `launches` Triton launches with either. The first step's extra torch ops
+    are the new state tensors (`state_per_matrix` per matrix, `state_per_vector` per vector);
+    later steps only rebuild the two gradient-address tables (the gradients moved): the same
+    counts with either, at most 8 torch ops.
+    """
+    few, many = launch_counts(make_opt, modules, 3), launch_counts(make_opt, modules, 12)
+    assert [n for n, _ in few] == [n for n, _ in many] == [launches] * 3, (few, many)
+    created = state_per_matrix * (12 - 3) + state_per_vector * (4 - 1)
+    assert many[0][1] - few[0][1] == created, (few, many)
+    assert few[1:] == many[1:], (few, many)
+    assert all(ops <= 8 for _, ops in many[1:]), many

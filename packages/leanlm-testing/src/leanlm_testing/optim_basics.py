@@ -1,0 +1,150 @@
+"""Behaviours every optimizer of the workspace must have, checked the same way for each.
+
+Seeded runs over a fixed set of shapes (`SHAPES`: matrix, vector, 3-D tensor, scalar), state-dict
+round trips, state buffers that alias nothing, parameters without gradients left alone, a step
+without host syncs, closures, empty and 0-dim parameters. The optimizer packages pass their
+optimizer (or a function that builds it) and its parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from leanlm_testing.optim import LOSSLESS_SHAPES
+
+SHAPES = LOSSLESS_SHAPES
+
+
+def shape_grads(seed: int) -> list[torch.Tensor]:
+    """Seeded fp32 gradients, one per entry of `SHAPES`."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen) for s in SHAPES]
+
+
+def run_seeded(
+    opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], seeds: Iterable[int]
+) -> None:
+    """One step per seed, with `shape_grads(seed)` (in each parameter's dtype) as gradients."""
+    for seed in seeds:
+        for p, g in zip(params, shape_grads(seed), strict=True):
+            p.grad = g.to(p.dtype)
+        opt.step()
+
+
+def clone_leaves(
+    params: Sequence[torch.Tensor], dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """Leaf copies of `params` that require grads, converted to `dtype` if given."""
+    return [p.detach().to(dtype).clone().requires_grad_() for p in params]
+
+
+def float64_copy(
+    optimizer: Callable[..., Any],
+    params: Sequence[torch.Tensor],
+    state_dict: dict[str, Any],
+    **kw: Any,
+) -> tuple[Any, list[torch.Tensor]]:
+    """`optimizer` on float64 copies of `params`, loaded from `state_dict` (state up-cast exactly).
+
+    Returns the optimizer and its parameters: the float64 yardstick that continues a run.
+    """
+    params64 = clone_leaves(params, torch.float64)
+    opt = optimizer(params64, **kw)
+    opt.load_state_dict(copy.deepcopy(state_dict))
+    return opt, params64
+
+
+def check_round_trip_continues_identically(
+    make_opt: Callable[[list[torch.Tensor]], Any], params: list[torch.Tensor]
+) -> Any:
+    """10 steps, save the state dict, load it into a fresh optimizer; 15 more steps on each.
+
+    Both runs' parameters and every state entry must then be equal (bit for bit). Returns the
+    uninterrupted optimizer (stepping `params`).
+    """
+    opt = make_opt(params)
+    run_seeded(opt, params, range(10))
+    saved = copy.deepcopy(opt.state_dict())
+    resumed_params = clone_leaves(params)
+    resumed = make_opt(resumed_params)
+    resumed.load_state_dict(saved)
+    run_seeded(opt, params, range(10, 25))
+    run_seeded(resumed, resumed_params, range(10, 25))
+    for a, b in zip(params, resumed_params, strict=True):
+        assert torch.equal(a, b)
+        for key, value in opt.state[a].items():
+            other = resumed.state[b][key]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+    return opt
+
+
+def check_no_state_buffers_alias(opt: Any, params: list[torch.Tensor]) -> None:
+    """After 3 steps no two state tensors (nor a state tensor and a parameter) share storage."""
+    run_seeded(opt, params, range(3))
+    tensors = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    ptrs = [t.untyped_storage().data_ptr() for t in tensors + params]
+    assert len(ptrs) == len(set(ptrs))
+
+
+def check_params_without_grads_are_skipped(opt: Any, params: list[torch.Tensor]) -> None:
+    """`params[0]` never gets a gradient: 3 steps leave it unchanged and without state.
+
+    The other parameters step (their state counts 3 steps).
+    """
+    frozen = params[0]
+    before = frozen.detach().clone()
+    for seed in range(3):
+        for p, g in zip(params[1:], shape_grads(seed)[1:], strict=True):
+            p.grad = g
+        opt.step()
+    assert frozen not in opt.state or len(opt.state[frozen]) == 0
+    assert torch.equal(frozen, before)
+    assert opt.state[params[1]]["step"] == 3
+
+
+def check_step_makes_no_host_sync(
+    opt: Any, params: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every host-sync entry point of a tensor raises inside two `step()`s."""
+    for p, g in zip(params, shape_grads(0), strict=True):
+        p.grad = g
+
+    def boom(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("host sync in step()")
+
+    for name in ("item", "__bool__", "__float__", "__int__", "tolist", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    opt.step()
+    opt.step()
+
+
+def check_closure_is_called_with_grad_enabled(
+    make_opt: Callable[[list[torch.Tensor]], Any],
+) -> None:
+    """`step(closure)` runs a closure that calls `backward()` and returns its loss."""
+    p = torch.randn(3, 3, requires_grad=True)
+    opt = make_opt([p])
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (p**2).sum()
+        loss.backward()  # type: ignore[no-untyped-call]
+        return loss
+
+    assert opt.step(closure) is not None
+    assert p.grad is not None
+
+
+def check_empty_and_zero_dim_params(make_opt: Callable[[list[torch.Tensor]], Any]) -> None:
+    """A (0, 4) parameter and a 0-dim one step; the 0-dim one moves against its gradient."""
+    params = [torch.zeros(0, 4, requires_grad=True), torch.tensor(1.5, requires_grad=True)]
+    opt = make_opt(params)
+    params[0].grad = torch.zeros(0, 4)
+    params[1].grad = torch.tensor(0.3)
+    opt.step()
+    assert params[1].item() < 1.5
