@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from leanlm_testing import spawn
+from leanlm_testing.asserts import update_error
 from leanlm_testing.models import random_batches, tiny_llama
 from shard_zero import ZeroConfig, full_state_dict, memory_stats, prepare
 from shard_zero._api import engine_of
@@ -49,15 +50,6 @@ def _close_in_bf16(got: torch.Tensor, ref: torch.Tensor, roundings: int) -> None
         assert bool(((got.double() - ref.double()).abs() <= bound).all())
     err = float((got.double() - ref.double()).norm())
     assert err <= roundings * BF16_EPS * float(ref.double().norm()), (err, roundings)
-
-
-def _update_error(init: dict[str, Any], ref: dict[str, Any], got: dict[str, Any]) -> float:
-    worst = 0.0
-    for key, final in ref.items():
-        d_ref = (final - init[key]).double()
-        d_got = (got[key].to(final.dtype) - init[key]).double()
-        worst = max(worst, float((d_got - d_ref).norm() / d_ref.norm().clamp_min(1e-12)))
-    return worst
 
 
 def _reference() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -119,7 +111,7 @@ def _run(rank: int, world: int) -> None:
             for _, opt in runs.values():
                 opt.step()
                 opt.zero_grad()
-        err = {low: _update_error(init, ref, full_state_dict(m)) for low, (m, _) in runs.items()}
+        err = {low: update_error(init, ref, full_state_dict(m)) for low, (m, _) in runs.items()}
         assert err[False] < 1e-4, (stage, err)
         assert err[False] < err[True] < 5e-2, (stage, err)
 

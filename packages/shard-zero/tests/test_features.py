@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from leanlm_testing import spawn
+from leanlm_testing.asserts import update_error
 from leanlm_testing.models import random_batches, tiny_llama
 from optim_adafactor import Adafactor
 from shard_zero import (
@@ -39,15 +40,6 @@ def _batches(n: int, seed: int = 3) -> list[dict[str, torch.Tensor]]:
 
 def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
-
-
-def _update_error(init: dict[str, Any], ref: dict[str, Any], got: dict[str, Any]) -> float:
-    worst = 0.0
-    for key, final in ref.items():
-        d_ref = (final - init[key]).double()
-        d_got = (got[key].to(final.dtype) - init[key]).double()
-        worst = max(worst, float((d_got - d_ref).norm() / d_ref.norm().clamp_min(1e-12)))
-    return worst
 
 
 def _reference(steps: int, clip: float | None = None) -> tuple[dict[str, Any], ...]:
@@ -81,7 +73,7 @@ def _accumulation_and_clip(rank: int, world: int) -> None:
             (_loss(model, ids[half:]) / 2).backward()
             opt.step()
             opt.zero_grad()
-        err = _update_error(init, ref, full_state_dict(model))
+        err = update_error(init, ref, full_state_dict(model))
         assert err < 1e-4, f"stage {stage} no_sync accumulation: update error {err:.3g}"
         # global-norm clipping == torch.nn.utils.clip_grad_norm_ on the unsharded model
         model, opt = prepare(tiny_llama(seed=0), _adamw, config)
@@ -96,7 +88,7 @@ def _accumulation_and_clip(rank: int, world: int) -> None:
             )
             opt.step()
             opt.zero_grad()
-        err = _update_error(init, ref_clip, full_state_dict(model))
+        err = update_error(init, ref_clip, full_state_dict(model))
         assert err < 1e-4, f"stage {stage} clipped: update error {err:.3g}"
 
 

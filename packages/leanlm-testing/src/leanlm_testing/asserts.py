@@ -46,3 +46,20 @@ def assert_verbose_allclose(
         f"atol={atol}, rtol={rtol}; max abs err {diff[bad].max().item():.3g}, "
         f"max rel err {rel[bad].max().item():.3g}\n" + "\n".join(lines)
     )
+
+
+def update_error(
+    init: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]
+) -> float:
+    """The worst norm-relative error of the training update over every tensor of a state dict.
+
+    For each key: `‖(got - init) - (ref - init)‖ / ‖ref - init‖` in fp64 (`got` cast to `ref`'s
+    dtype first), so the error is measured on what training changed, not on the weights, whose
+    size would hide it. Returns the largest over the keys of `ref`.
+    """
+    worst = 0.0
+    for key, final in ref.items():
+        d_ref = (final - init[key]).double()
+        d_got = (got[key].to(final.dtype) - init[key]).double()
+        worst = max(worst, float((d_got - d_ref).norm() / d_ref.norm().clamp_min(1e-12)))
+    return worst
