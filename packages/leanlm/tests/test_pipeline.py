@@ -11,33 +11,17 @@ from leanlm.stages import StageResult
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, cache_dir):
+def finished_run(tmp_path_factory, tiny_config):
     import dataclasses
 
-    from leanlm.config import DataConfig, ModelConfig, PretrainConfig, RunConfig, TokenizerConfig
-
-    config = RunConfig(
-        name="tiny",
-        cache_dir=str(cache_dir),
-        data=DataConfig(max_bytes=400_000, seq_len=32, eval_windows=8),
-        tokenizer=TokenizerConfig(vocab_size=512),
-        model=ModelConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        ),
-        pretrain=PretrainConfig(
-            steps=30,
-            micro_batch_size=4,
-            grad_accum_steps=2,
-            warmup_steps=3,
-            eval_every=10,
-            checkpoint_every=10,
-            eval_batch_size=4,
-        ),
+    config = tiny_config(
+        pretrain={
+            "steps": 30,
+            "grad_accum_steps": 2,
+            "warmup_steps": 3,
+            "eval_every": 10,
+            "checkpoint_every": 10,
+        }
     )
     out = tmp_path_factory.mktemp("run")
     results = run_pipeline(config, out)
