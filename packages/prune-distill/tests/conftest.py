@@ -214,6 +214,44 @@ def batches(n: int = 2, batch_size: int = 2, seq_len: int = 12, seed: int = 0) -
     ]
 
 
+def _cloned_state(model: Any) -> dict[str, torch.Tensor]:
+    """A copy of `model.state_dict()` (every tensor cloned)."""
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _capture_activations(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Independently capture the tensors each importance score is defined on (test-side hooks).
+
+    One `model(**batch)` under `no_grad` of a Llama-like model; per decoder layer, in order:
+    "o_in" / "down_in" (inputs of `o_proj` / `down_proj`), "norms" (outputs of both norms),
+    "layer_in" / "layer_out" (the layer's input and output); "final" (the final norm's output)
+    and "logits".
+    """
+    keys = ("o_in", "down_in", "norms", "final", "layer_in", "layer_out")
+    got: dict[str, Any] = {key: [] for key in keys}
+    hs = []
+    for layer in model.model.layers:
+        hs.append(
+            layer.self_attn.o_proj.register_forward_pre_hook(lambda m, a: got["o_in"].append(a[0]))
+        )
+        hs.append(
+            layer.mlp.down_proj.register_forward_pre_hook(lambda m, a: got["down_in"].append(a[0]))
+        )
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            hs.append(norm.register_forward_hook(lambda m, a, o: got["norms"].append(o)))
+        hs.append(
+            layer.register_forward_hook(
+                lambda m, a, o: got["layer_in"].append(a[0]) or got["layer_out"].append(o)
+            )
+        )
+    hs.append(model.model.norm.register_forward_hook(lambda m, a, o: got["final"].append(o)))
+    with torch.no_grad():
+        got["logits"] = model(**batch).logits
+    for h in hs:
+        h.remove()
+    return got
+
+
 ARCHS = [
     "llama",
     "mistral",
@@ -249,3 +287,15 @@ def data() -> Callable[..., list[dict]]:
 def targets() -> dict[str, PruneTarget]:
     """A width + depth target per family."""
     return TARGETS
+
+
+@pytest.fixture(scope="session")
+def cloned_state() -> Callable[[Any], dict[str, torch.Tensor]]:
+    """`cloned_state(model)`: a copy of the model's state dict, to check it is left alone."""
+    return _cloned_state
+
+
+@pytest.fixture(scope="session")
+def capture() -> Callable[..., dict[str, Any]]:
+    """`capture(model, batch)`: the activations importance scores are defined on (see there)."""
+    return _capture_activations

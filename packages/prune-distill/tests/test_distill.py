@@ -19,10 +19,6 @@ from prune_distill import (
 )
 
 
-def _state(model: Any) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in model.state_dict().items()}
-
-
 def test_student_equal_to_teacher_has_zero_loss(make, data):
     teacher = make("llama")
     student = copy.deepcopy(teacher)
@@ -33,9 +29,9 @@ def test_student_equal_to_teacher_has_zero_loss(make, data):
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gpt2"])
-def test_distillation_lowers_heldout_kl_and_leaves_teacher_alone(arch, make, data):
+def test_distillation_lowers_heldout_kl_and_leaves_teacher_alone(arch, make, data, cloned_state):
     teacher = make(arch, initializer_range=0.1).train()  # peaked enough to have a real KL
-    before = _state(teacher)
+    before = cloned_state(teacher)
     student = prune(
         teacher,
         collect_importance(teacher, data(2), layer_loss=False),

@@ -23,10 +23,6 @@ from prune_distill import (
 )
 
 
-def _state(model: Any) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in model.state_dict().items()}
-
-
 def _pattern_batches(n: int, seed: int, vocab: int = 128) -> list[dict[str, torch.Tensor]]:
     """Learnable sequences: arithmetic progressions mod vocab with a per-sequence stride."""
     gen = torch.Generator().manual_seed(seed)
@@ -67,10 +63,10 @@ def _width_and_depth_students(make, data) -> dict[str, tuple[Any, Any, dict[int,
 
 
 @pytest.mark.parametrize("shape", ["width", "depth"])
-def test_hidden_loss_decreases_while_distilling(make, data, shape):
+def test_hidden_loss_decreases_while_distilling(make, data, cloned_state, shape):
     torch.manual_seed(0)
     teacher, student, _ = _width_and_depth_students(make, data)[shape]
-    before = _state(teacher)
+    before = cloned_state(teacher)
     # The hidden term alone (default even map: depth 2 of 4 -> {0: 1, 1: 3}), so its decrease
     # is not masked by the KL pulling the other way on a random teacher; two batches seen ten
     # times each (on fresh random tokens 20 steps do not generalise).
@@ -162,7 +158,7 @@ def test_seeded_projection_does_not_depend_on_the_global_rng():
     assert not torch.equal(projection(6, None), expected)
 
 
-def test_distill_with_a_projection_seed_is_reproducible(make, data):
+def test_distill_with_a_projection_seed_is_reproducible(make, data, cloned_state):
     torch.manual_seed(0)
     teacher, student, _ = _width_and_depth_students(make, data)["width"]
     batches = data(3)
@@ -173,7 +169,7 @@ def test_distill_with_a_projection_seed_is_reproducible(make, data):
         cfg = DistillConfig(lr=1e-2, hidden_loss_weight=1.0, hidden_projection_seed=seed)
         result = distill(copy_, teacher, batches, cfg)
         assert result.projection is not None
-        return result, {**_state(copy_), "projection": result.projection.weight.detach()}
+        return result, {**cloned_state(copy_), "projection": result.projection.weight.detach()}
 
     first, first_state = run(0, seed=7)
     second, second_state = run(1, seed=7)
@@ -252,10 +248,10 @@ def _lm_loss(model: Any, batches: list[dict[str, torch.Tensor]]) -> float:
     return float(torch.stack(losses).mean())
 
 
-def test_teacher_correction_lowers_lm_loss_and_leaves_the_input_alone(make):
+def test_teacher_correction_lowers_lm_loss_and_leaves_the_input_alone(make, cloned_state):
     torch.manual_seed(0)
     teacher = make("llama").train().requires_grad_(False)  # frozen, as a distillation teacher
-    before = _state(teacher)
+    before = cloned_state(teacher)
     batches = _pattern_batches(12, seed=0)
     corrected = correct_teacher(teacher, batches, steps=12, lr=3e-3)
     assert corrected is not teacher

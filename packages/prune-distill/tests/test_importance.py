@@ -10,37 +10,11 @@ import torch.nn.functional as F
 from prune_distill import ImportanceScores, collect_importance
 
 
-def _capture(model: Any, ids: torch.Tensor) -> dict[str, Any]:
-    """Independently capture the tensors each score is defined on (test-side hooks)."""
-    got: dict[str, Any] = {"o_in": [], "down_in": [], "norms": [], "layer_in": [], "layer_out": []}
-    hs = []
-    for layer in model.model.layers:
-        hs.append(
-            layer.self_attn.o_proj.register_forward_pre_hook(lambda m, a: got["o_in"].append(a[0]))
-        )
-        hs.append(
-            layer.mlp.down_proj.register_forward_pre_hook(lambda m, a: got["down_in"].append(a[0]))
-        )
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            hs.append(norm.register_forward_hook(lambda m, a, o: got["norms"].append(o)))
-        hs.append(
-            layer.register_forward_hook(
-                lambda m, a, o: got["layer_in"].append(a[0]) or got["layer_out"].append(o)
-            )
-        )
-    hs.append(model.model.norm.register_forward_hook(lambda m, a, o: got["norms"].append(o)))
-    with torch.no_grad():
-        got["logits"] = model(input_ids=ids).logits
-    for h in hs:
-        h.remove()
-    return got
-
-
-def test_single_sequence_matches_formulas(make, data):
+def test_single_sequence_matches_formulas(make, data, capture):
     model = make("llama")
     ids = data(1, batch_size=1)[0]["input_ids"]
     scores = collect_importance(model, [{"input_ids": ids}])
-    got = _capture(model, ids)
+    got = capture(model, {"input_ids": ids})
     assert scores.num_samples == 1
     assert scores.num_tokens == ids.numel()
     for i in range(3):
@@ -50,7 +24,7 @@ def test_single_sequence_matches_formulas(make, data):
         torch.testing.assert_close(scores.neurons[i], got["down_in"][i][0].abs().mean(0))
         cos = F.cosine_similarity(got["layer_in"][i][0], got["layer_out"][i][0], dim=-1)
         torch.testing.assert_close(scores.block_importance[i], 1 - cos.mean(), atol=1e-6, rtol=0)
-    hidden = sum(o[0].abs().mean(0) for o in got["norms"])
+    hidden = sum(o[0].abs().mean(0) for o in [*got["norms"], *got["final"]])
     torch.testing.assert_close(scores.hidden, hidden)
 
 

@@ -4,7 +4,6 @@ blocks and the architecture search."""
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 import torch
@@ -20,28 +19,6 @@ from prune_distill import (
     validation_loss,
 )
 from prune_distill.search import candidates, count_params
-
-
-def _capture(model: Any, batch: dict) -> dict[str, list]:
-    got: dict[str, list] = {"o_in": [], "down_in": [], "norms": []}
-    hs = []
-    for layer in model.model.layers:
-        hs.append(
-            layer.self_attn.o_proj.register_forward_pre_hook(lambda m, a: got["o_in"].append(a[0]))
-        )
-        hs.append(
-            layer.mlp.down_proj.register_forward_pre_hook(lambda m, a: got["down_in"].append(a[0]))
-        )
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            hs.append(norm.register_forward_hook(lambda m, a, o: got["norms"].append(o)))
-    final = model.model.norm.register_forward_hook(lambda m, a, o: got["final"].append(o))
-    got["final"] = []
-    with torch.no_grad():
-        model(**batch)
-    for h in [*hs, final]:
-        h.remove()
-    return got
-
 
 SEQ = {
     "mean": lambda x, m: (x * m).sum(1) / m.sum(1),
@@ -59,7 +36,7 @@ BATCH = {
 
 @pytest.mark.parametrize("seq", ["mean", "l2", "var"])
 @pytest.mark.parametrize("batch_agg", ["l2", "mean", "var"])
-def test_aggregation_options_match_their_formulas(make, seq, batch_agg):
+def test_aggregation_options_match_their_formulas(make, capture, seq, batch_agg):
     """Three samples, the last one partly padding (padding must not count anywhere)."""
     model = make("llama")
     gen = torch.Generator().manual_seed(4)
@@ -70,7 +47,7 @@ def test_aggregation_options_match_their_formulas(make, seq, batch_agg):
     scores = collect_importance(
         model, [batch], layer_loss=False, seq_aggregation=seq, batch_aggregation=batch_agg
     )
-    got = _capture(model, batch)
+    got = capture(model, batch)
     m = mask.double().unsqueeze(-1)
 
     def agg(x: torch.Tensor) -> torch.Tensor:
@@ -86,14 +63,14 @@ def test_aggregation_options_match_their_formulas(make, seq, batch_agg):
     torch.testing.assert_close(scores.hidden, hidden, rtol=1e-4, atol=1e-6)
 
 
-def test_modelopt_head_order_and_final_norm_option(make, data):
+def test_modelopt_head_order_and_final_norm_option(make, data, capture):
     model = make("llama")
     batch = data(1, batch_size=3, seq_len=7)[0]
     paper = collect_importance(model, [batch], layer_loss=False)
     mo = collect_importance(
         model, [batch], layer_loss=False, head_order="modelopt", final_norm=False
     )
-    got = _capture(model, batch)
+    got = capture(model, batch)
     for i in range(3):
         x = got["o_in"][i].abs().double()  # (B, S, heads * head_dim)
         per_channel = x.mean(1).pow(2).sum(0).sqrt()  # channel first: seq mean, batch L2
