@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 import shard_zero._deferred as deferred_module
 from leanlm_testing import spawn
 from leanlm_testing.models import random_batches, tiny_llama_config
+from leanlm_testing.reshard import recording_safe_open
 from shard_zero import ZeroConfig, full_state_dict, prepare
 
 LAYERS = 6  # one decoder layer is ~1/7 of the model: room to see "never the whole model"
@@ -138,55 +139,14 @@ def test_meta_model_with_init_equals_the_normally_built_one(tmp_path: Path) -> N
 
 def _from_checkpoint(rank: int, world: int, folder: str) -> None:
     want = _reference().state_dict()
-    real = deferred_module.safe_open
-    reads: list[tuple[str, tuple[int, int] | None]] = []
-
-    def recording(path: Any, **kwargs: Any) -> Any:
-        handle = real(path, **kwargs)
-
-        class Slice:
-            def __init__(self, key: str) -> None:
-                self.key, self.inner = key, handle.get_slice(key)
-
-            def get_shape(self) -> Any:
-                return self.inner.get_shape()
-
-            def __getitem__(self, index: slice) -> torch.Tensor:
-                reads.append((self.key, (index.start, index.stop)))
-                return self.inner[index]  # type: ignore[no-any-return]
-
-        class Handle:
-            def __enter__(self) -> Handle:
-                handle.__enter__()
-                return self
-
-            def __exit__(self, *exc: Any) -> None:
-                handle.__exit__(*exc)
-
-            def keys(self) -> Any:
-                return handle.keys()
-
-            def get_slice(self, key: str) -> Slice:
-                return Slice(key)
-
-            def get_tensor(self, key: str) -> torch.Tensor:
-                reads.append((key, None))
-                return handle.get_tensor(key)  # type: ignore[no-any-return]
-
-        return Handle()
-
     for stage in (3, 1):
-        reads.clear()
-        deferred_module.safe_open = recording  # type: ignore[assignment]
-        try:
+        with recording_safe_open(deferred_module) as reads:
             config = ZeroConfig(stage=stage, min_shard_numel=100)  # type: ignore[arg-type]
             model, _ = prepare(_meta_model(), _adamw, config, checkpoint=folder, device="cpu")
-        finally:
-            deferred_module.safe_open = real
         _equal(full_state_dict(model), want, f"stage {stage} from the checkpoint")
         engine = model._shard_zero_engine  # type: ignore[attr-defined]
         for e in engine.entries:
-            mine = [rows for key, rows in reads if key == e.name]
+            mine = [rows for _, key, rows, _ in reads if key == e.name]
             assert mine == ([(e.start, e.end)] if e.sharded else [None]), (e.name, mine)
 
 

@@ -8,12 +8,18 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
+import shard_zero
 from leanlm_testing import spawn
 from leanlm_testing.models import random_batches, tiny_llama
+from leanlm_testing.reshard import (
+    assert_like_one_process,
+    reshard_phase,
+    spawn_chain,
+    train_rank_share,
+)
 from optim_adafactor import Adafactor
-from shard_zero import ZeroConfig, full_state_dict, load_checkpoint, prepare, save_checkpoint
+from shard_zero import ZeroConfig, full_state_dict, prepare
 
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
@@ -27,50 +33,19 @@ def _batches() -> list[dict[str, torch.Tensor]]:
     return random_batches(256, batches=3 * PHASES, batch_size=8, seq_len=16, seed=5)
 
 
-def _train(model: nn.Module, opt: Any, rank: int, world: int, batches: list[Any]) -> None:
-    per = 8 // world
-    for batch in batches:
-        ids = batch["input_ids"][rank * per : (rank + 1) * per]
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-
 def _phase(rank: int, world: int, phase: int, stage: int, tmp: str) -> None:
-    for name, make in OPTIMIZERS.items():
-        config = ZeroConfig(stage=stage, min_shard_numel=100)  # type: ignore[arg-type]
-        model, opt = prepare(tiny_llama(seed=phase), make, config)
-        ckpt = Path(tmp) / f"{name}-{phase - 1}"
-        if phase > 0:
-            load_checkpoint(ckpt, model, opt)
-            expected = torch.load(Path(tmp) / f"{name}-{phase - 1}.sd", weights_only=True)
-            loaded = full_state_dict(model)
-            for key, value in expected.items():
-                assert torch.equal(loaded[key], value), f"{name}: {key} changed in the reload"
-        _train(model, opt, rank, world, _batches()[phase * PHASES : (phase + 1) * PHASES])
-        save_checkpoint(Path(tmp) / f"{name}-{phase}", model, opt)
-        final = full_state_dict(model)
-        if rank == 0:
-            torch.save(final, Path(tmp) / f"{name}-{phase}.sd")
+    batches = _batches()[phase * PHASES : (phase + 1) * PHASES]
+    reshard_phase(
+        shard_zero, rank, world, phase, stage, tmp=tmp, optimizers=OPTIMIZERS, batches=batches
+    )
 
 
 @pytest.mark.distributed
 def test_checkpoint_reshards_across_world_sizes(tmp_path: Path) -> None:
-    for phase, (world, stage) in enumerate([(2, 2), (4, 3), (1, 1)]):
-        spawn(_phase, phase, stage, str(tmp_path), world_size=world, tmp_path=tmp_path)
-    for name, make in OPTIMIZERS.items():
-        model = tiny_llama(seed=0)
-        init = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        opt = make(list(model.parameters()))
-        for batch in _batches():
-            model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        got = torch.load(tmp_path / f"{name}-2.sd", weights_only=True)
-        for key, final in model.state_dict().items():
-            d_ref = (final - init[key]).double()
-            err = (got[key].double() - init[key].double() - d_ref).norm() / d_ref.norm()
-            assert err < 1e-4, f"{name}: {key}: update error {err:.3g} after 2 -> 4 -> 1 ranks"
+    spawn_chain(_phase, [(2, 2), (4, 3), (1, 1)], tmp_path)
+    assert_like_one_process(
+        OPTIMIZERS, _batches(), lambda name: tmp_path / f"{name}-2.sd", "2 -> 4 -> 1 ranks"
+    )
 
 
 def _single_process(dtype: torch.dtype, batches: list[Any]) -> dict[str, torch.Tensor]:
@@ -116,12 +91,12 @@ def _mixed(rank: int, world: int, tmp: str) -> None:
                 min_shard_numel=100,
             )
             model, opt = prepare(tiny_llama(seed=0), OPTIMIZERS["adamw"], config)
-            _train(model, opt, rank, world, batches[:1])
+            train_rank_share(model, opt, rank, world, batches[:1])
             assert all(p.dtype == torch.bfloat16 for p in model.parameters())
             for p in opt.param_groups[0]["params"]:
                 assert p.dtype == torch.float32
                 assert p.grad is None or p.grad.dtype == torch.float32
-            _train(model, opt, rank, world, batches[1:])
+            train_rank_share(model, opt, rank, world, batches[1:])
             got = full_state_dict(model)
             errors[stage, reduce_dtype] = (_worst(init, ref16, got), _worst(init, ref32, got))
     floor = _worst(init, ref32, ref16)  # what bf16 compute alone costs, in one process
