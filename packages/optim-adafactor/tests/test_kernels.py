@@ -8,29 +8,20 @@ import pytest
 import torch
 
 from leanlm_testing import assert_verbose_allclose
+from leanlm_testing.kernels import KERNEL_SHAPES, device_or_skip
 from optim_adafactor import Adafactor, _kernels
 from optim_adafactor._kernel_references import apply_reference, stats_reference, sumsq_reference
 
 pytestmark = pytest.mark.skipif(not _kernels.HAS_TRITON, reason="triton is not installed")
 
-SHAPES = {"pow2": (16, 64), "odd": (13, 7), "tail_batch": (3, 37, 50), "tiny": (1, 1)}
-
-
-def _device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _skip_without_backend() -> None:
-    if not _kernels.available(torch.device(_device())):
-        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+SHAPES = KERNEL_SHAPES
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 def test_stats_and_sumsq_kernels_match_reference(shape_name: str, dtype: torch.dtype) -> None:
-    _skip_without_backend()
-    dev = _device()
+    dev = device_or_skip(_kernels)
     g = torch.randn(SHAPES[shape_name], device=dev).to(dtype)
     p = torch.randn(SHAPES[shape_name], device=dev).to(dtype)
     g3, p3 = _kernels._as_3d(g), _kernels._as_3d(p)
@@ -62,8 +53,7 @@ def test_stats_and_sumsq_kernels_match_reference(shape_name: str, dtype: torch.d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 def test_apply_kernel_matches_reference(shape_name: str, dtype: torch.dtype, momentum: bool):
-    _skip_without_backend()
-    dev = _device()
+    dev = device_or_skip(_kernels)
     shape = SHAPES[shape_name]
     g = torch.randn(shape, device=dev).to(dtype)
     p = torch.randn(shape, device=dev).to(dtype)
@@ -101,8 +91,7 @@ FUSED_COMBOS = {
 @pytest.mark.interpreter
 @pytest.mark.parametrize("combo", list(FUSED_COMBOS))
 def test_fused_optimizer_matches_torch_path(combo: str) -> None:
-    _skip_without_backend()
-    dev = _device()
+    dev = device_or_skip(_kernels)
     kw = FUSED_COMBOS[combo]
     shapes = [(13, 7), (3, 9, 20), (11,)]
     p0 = [torch.randn(s, device=dev) for s in shapes]
@@ -126,8 +115,7 @@ def test_fused_optimizer_matches_torch_path(combo: str) -> None:
 
 @pytest.mark.interpreter
 def test_fused_bf16_params_follow_torch_path() -> None:
-    _skip_without_backend()
-    dev = _device()
+    dev = device_or_skip(_kernels)
     p0 = torch.randn(20, 24, device=dev).bfloat16()
     a, b = p0.clone().requires_grad_(), p0.clone().requires_grad_()
     oa, ob = Adafactor([a], backend="torch"), Adafactor([b], backend="triton")
@@ -147,8 +135,7 @@ def test_fused_bf16_params_follow_torch_path() -> None:
 @pytest.mark.interpreter
 def test_fused_stochastic_rounding_is_unbiased() -> None:
     """A constant sub-ulp update on bf16: the mean over many elements matches fp32."""
-    _skip_without_backend()
-    dev = _device()
+    dev = device_or_skip(_kernels)
     n, m = 32, 64
     p = torch.ones(n, m, device=dev, dtype=torch.bfloat16)
     g = torch.ones(1, 1, n, m, device=dev)

@@ -9,20 +9,12 @@ import pytest
 import torch
 
 from leanlm_testing import assert_verbose_allclose
+from leanlm_testing.kernels import KERNEL_SHAPES, device_or_skip
 from optim_came import CAME, _kernels
 
 pytestmark = pytest.mark.skipif(not _kernels.HAS_TRITON, reason="triton is not installed")
 
-SHAPES = {"pow2": (16, 64), "odd": (13, 7), "tail_batch": (3, 37, 50), "tiny": (1, 1)}
-
-
-def _device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _skip_without_backend() -> None:
-    if not _kernels.available(torch.device(_device())):
-        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+SHAPES = KERNEL_SHAPES
 
 
 def _as_3d(t: torch.Tensor) -> torch.Tensor:
@@ -34,8 +26,7 @@ def _as_3d(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 def test_momentum_kernel_matches_reference(shape_name, dtype, m_dtype) -> None:
-    _skip_without_backend()
-    dev = _device()
+    dev = device_or_skip(_kernels)
     g3 = _as_3d(torch.randn(SHAPES[shape_name], device=dev).to(dtype))
     b, n, m = g3.shape
     blocks = -(-n // _kernels.BLOCK_N)
@@ -61,8 +52,7 @@ def test_momentum_kernel_matches_reference(shape_name, dtype, m_dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 def test_apply_kernel_matches_reference(shape_name, dtype, wd_lr) -> None:
-    _skip_without_backend()
-    dev = _device()
+    dev = device_or_skip(_kernels)
     p3 = _as_3d(torch.randn(SHAPES[shape_name], device=dev).to(dtype))
     b, n, m = p3.shape
     blocks = -(-n // _kernels.BLOCK_N)
@@ -80,8 +70,7 @@ def test_apply_kernel_matches_reference(shape_name, dtype, wd_lr) -> None:
 
 @pytest.mark.interpreter
 def test_apply_kernel_stochastic_rounding_is_unbiased() -> None:
-    _skip_without_backend()
-    dev = _device()
+    dev = device_or_skip(_kernels)
     n, m = 64, 64
     p = torch.ones(1, n, m, device=dev, dtype=torch.bfloat16)  # ulp above 1.0: 2^-7
     mom = torch.ones(1, n, m, device=dev)
@@ -107,8 +96,7 @@ CONFIGS = {
 @pytest.mark.interpreter
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_fused_optimizer_matches_torch_path(config: str) -> None:
-    _skip_without_backend()
-    dev = _device()
+    dev = device_or_skip(_kernels)
     shapes = [(13, 7), (2, 17, 9), (5,)]
     gen = torch.Generator().manual_seed(0)
     init = [torch.randn(s, generator=gen).to(dev) for s in shapes]
@@ -138,8 +126,7 @@ def test_fused_optimizer_matches_torch_path(config: str) -> None:
 
 @pytest.mark.interpreter
 def test_fused_bf16_params_with_stochastic_rounding_stay_close() -> None:
-    _skip_without_backend()
-    dev = _device()
+    dev = device_or_skip(_kernels)
     gen = torch.Generator().manual_seed(0)
     init = torch.randn(16, 24, generator=gen).to(dev)
     fused = init.bfloat16().requires_grad_()

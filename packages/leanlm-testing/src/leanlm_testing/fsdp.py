@@ -12,15 +12,18 @@ import copy
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 from unittest.mock import patch
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+
+from leanlm_testing.distributed import spawn
 
 MakeOptimizer = Callable[[Iterable[Tensor]], torch.optim.Optimizer]
 
@@ -234,3 +237,48 @@ def fused_fsdp_worker(rank: int, world_size: int, make_optimizer: MakeOptimizer)
     """
     errors = fsdp_update_errors(rank, world_size, make_optimizer, steps=3, resume_at=2)
     check_update_errors(errors, "fused kernels, Shard(0)")
+
+
+class FsdpParityTests:
+    """An optimizer package's FSDP2 tests: subclass it as `TestFsdp2` and set the attributes.
+
+    `optimizer`: the optimizer on its PyTorch path (e.g. `partial(CAME, backend="torch")`);
+    `configs`: named keyword arguments for it; `world4`: the config run alone at world size 4;
+    `lazy`: the lazy mutant (see `fsdp_parity_worker`); `fused`: the optimizer on its fused
+    kernels. All go to `spawn`ed workers: picklable `functools.partial`s.
+    """
+
+    # partials, not functions: a function would be bound as a method
+    optimizer: ClassVar[partial[torch.optim.Optimizer]]
+    configs: ClassVar[dict[str, dict[str, Any]]]
+    world4: ClassVar[str]
+    lazy: ClassVar[partial[AbstractContextManager[object]]]
+    fused: ClassVar[partial[torch.optim.Optimizer]]
+
+    @pytest.mark.distributed
+    def test_fully_shard_and_replicate_world2(self, tmp_path: Any) -> None:
+        """Every config under `Shard(0)` and `Replicate`; the lazy mutant is caught."""
+        args = (self.optimizer, self.configs, self.lazy)
+        spawn(fsdp_parity_worker, *args, world_size=2, tmp_path=tmp_path)
+
+    @pytest.mark.distributed
+    @pytest.mark.slow  # ~30 s: 4 processes on the 2-core CI machine
+    def test_fully_shard_world4(self, tmp_path: Any) -> None:
+        """3 rows on 4 ranks: one rank holds none of `lin3.weight`, still joins the reductions."""
+        world4 = {self.world4: self.configs[self.world4]}
+        spawn(fsdp_parity_worker, self.optimizer, world4, None, world_size=4, tmp_path=tmp_path)
+
+    @pytest.mark.distributed
+    @pytest.mark.slow
+    def test_fully_shard_world4_all_configs_and_hsdp(self, tmp_path: Any) -> None:
+        """Every config at world 4 (with the lazy mutant), then under HSDP on a (2, 2) mesh."""
+        args = (self.optimizer, self.configs, self.lazy)
+        spawn(fsdp_parity_worker, *args, world_size=4, tmp_path=tmp_path)
+        spawn(hsdp_parity_worker, self.optimizer, self.configs, world_size=4, tmp_path=tmp_path)
+
+    @pytest.mark.distributed
+    @pytest.mark.interpreter
+    @pytest.mark.slow  # the Triton interpreter in 2 processes
+    def test_fully_shard_fused_kernels_world2(self, tmp_path: Any) -> None:
+        """The fused kernels under `Shard(0)`, with a `state_dict` round trip."""
+        spawn(fused_fsdp_worker, self.fused, world_size=2, tmp_path=tmp_path)

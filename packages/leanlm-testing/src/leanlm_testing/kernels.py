@@ -26,6 +26,22 @@ import torch
 SHIPPED_TILE_SHAPES: list[tuple[int, ...]] = [(17, 256), (3, 400), (5, 257), (3, 513), (2, 5, 300)]
 
 
+#: Shapes of kernel-vs-reference tests: power of two, odd, a batch with a partial tile, 1 x 1.
+KERNEL_SHAPES = {"pow2": (16, 64), "odd": (13, 7), "tail_batch": (3, 37, 50), "tiny": (1, 1)}
+
+
+def device_or_skip(kernels: ModuleType) -> str:
+    """The device to test on ("cuda" with CUDA, else "cpu"); skips where `kernels` cannot run.
+
+    `kernels` is an optimizer package's `_kernels` module (`available(device)`): on the CPU its
+    kernels need the Triton interpreter (`TRITON_INTERPRET=1`).
+    """
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if not kernels.available(torch.device(dev)):
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    return dev
+
+
 def fused_kernel_marks(kernels: ModuleType, device: torch.device) -> list[pytest.MarkDecorator]:
     """`pytestmark` for a module of fused-kernel tests on `device`: marked `interpreter`.
 
