@@ -26,32 +26,7 @@ import torch
 from leanlm_testing import bench
 from optim_adafactor import Adafactor
 
-
-@dataclass(frozen=True, kw_only=True)
-class Config:
-    """A Llama-shaped parameter set (untied embeddings, no biases)."""
-
-    hidden: int = 512
-    intermediate: int = 1408
-    layers: int = 8
-    vocab: int = 24000
-    kv_hidden: int = 512
-
-    def shapes(self) -> list[tuple[int, ...]]:
-        """Parameter shapes: two embeddings and a final norm, then the per-layer tensors."""
-        per_layer = [
-            (self.hidden, self.hidden),  # q
-            (self.kv_hidden, self.hidden),  # k
-            (self.kv_hidden, self.hidden),  # v
-            (self.hidden, self.hidden),  # o
-            (self.intermediate, self.hidden),  # gate
-            (self.intermediate, self.hidden),  # up
-            (self.hidden, self.intermediate),  # down
-            (self.hidden,),  # input norm
-            (self.hidden,),  # post-attention norm
-        ]
-        embed = [(self.vocab, self.hidden), (self.vocab, self.hidden), (self.hidden,)]
-        return embed + per_layer * self.layers
+Config = bench.LlamaShapes  # also what bench_launches.py imports
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -43,21 +43,7 @@ Kind = Literal["came", "adamw"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-@dataclass(frozen=True, kw_only=True)
-class Config:
-    """A Llama-shaped parameter set (untied embeddings, no biases): 50.3M parameters by default."""
-
-    hidden: int = 512
-    intermediate: int = 1408
-    layers: int = 8
-    vocab: int = 24000
-
-    def shapes(self) -> list[tuple[int, ...]]:
-        """Embeddings and final norm, then q, k, v, o, gate, up, down and two norms per layer."""
-        h, i = self.hidden, self.intermediate
-        per_layer = [(h, h)] * 4 + [(i, h), (i, h), (h, i), (h,), (h,)]
-        return [(self.vocab, h), (self.vocab, h), (h,)] + per_layer * self.layers
-
+Config = bench.LlamaShapes  # also what bench_launches.py imports
 
 # The CUDA default: large enough (333M parameters) that the step is bandwidth-bound, small
 # enough that every case's parameters, gradients and state fit together in ~30 GB.

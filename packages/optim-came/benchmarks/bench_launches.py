@@ -5,14 +5,10 @@ Command (from the repository root; RESULTS.md was made with it):
 
     python packages/optim-came/benchmarks/bench_launches.py
 
-Launches and torch ops are counted (`leanlm_testing.launches`) during the third step of
-`backend="triton"` on Llama-shaped parameter sets: the per-tensor kernels (`multi_tensor =
-False`) against the multi-tensor step, and the PyTorch path's op count. Without a GPU the
-kernels are recorded but not executed (`count_launches(execute=False)`; the host code has no
-data-dependent branch, so the counts are those of a real step) and every dim is shrunk to
-<= 64 (the counts do not depend on the sizes). DRAM bytes per element are computed from the
-kernels at the full sizes (not measured), and the A100/H100 step times are predictions of
-`leanlm_testing.roofline` (a stated model, not measurements).
+Counts: `leanlm_testing.launches.step_counts` (see there) on Llama-shaped parameter sets, for
+the per-tensor kernels, the multi-tensor step and the PyTorch path. DRAM bytes per element:
+computed from the kernels at the full sizes. A100/H100 times: `leanlm_testing.roofline`
+predictions (a stated model, not measurements).
 """
 
 from __future__ import annotations

@@ -14,11 +14,13 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 __all__ = [
+    "LlamaShapes",
     "cpu_name",
     "device_name",
     "environment",
@@ -32,6 +34,27 @@ __all__ = [
     "synchronizer",
     "version",
 ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaShapes:
+    """A Llama-shaped parameter set (untied embeddings, no biases): 50.3M parameters by default.
+
+    `kv_hidden` is the rows of k and v (grouped-query attention); None: `hidden`.
+    """
+
+    hidden: int = 512
+    intermediate: int = 1408
+    layers: int = 8
+    vocab: int = 24000
+    kv_hidden: int | None = None
+
+    def shapes(self) -> list[tuple[int, ...]]:
+        """Embeddings and final norm, then q, k, v, o, gate, up, down and two norms per layer."""
+        h, i = self.hidden, self.intermediate
+        kv = h if self.kv_hidden is None else self.kv_hidden
+        per_layer = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i), (h,), (h,)]
+        return [(self.vocab, h), (self.vocab, h), (h,)] + per_layer * self.layers
 
 
 def git_revision(where: str | Path | None = None) -> str:

@@ -95,9 +95,11 @@ def step_counts(
     """(Triton launches, torch ops) of the last of `steps` optimizer steps, for benchmarks.
 
     `optimizer(params, backend=...)` steps bf16 parameters of `shapes` with fresh bf16
-    gradients; `path` is "torch" (`backend="torch"`), "per-tensor" (`backend="triton"`,
-    `multi_tensor = False`) or "multi" (`multi_tensor = True`). Without CUDA every dim is
-    shrunk to <= 64 and the kernels of `modules` are recorded, not executed.
+    gradients; `path` is "torch" (`backend="torch"`: its op count), "per-tensor"
+    (`backend="triton"`, `multi_tensor = False`) or "multi" (`multi_tensor = True`). Without
+    CUDA the kernels of `modules` are recorded, not executed (`count_launches(execute=False)`;
+    the host code has no data-dependent branch, so the counts are those of a real step), and
+    every dim is shrunk to <= 64 (the counts do not depend on the sizes).
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
