@@ -25,22 +25,14 @@ def test_state_dict_round_trip_continues_identically(kw) -> None:
 
 
 def test_loads_transformers_state_dict() -> None:
+    def on_load(ours, ours_params):
+        assert "RMS" not in ours.state[ours_params[0]]
+
     kw = {"beta1": 0.9, "weight_decay": 0.01}
-    hf_params = _params()
-    hf = hf_optimization.Adafactor(hf_params, **kw)
-    basics.run_seeded(hf, hf_params, range(10))
-    ours_params = basics.clone_leaves(hf_params)
-    ours = Adafactor(ours_params, **kw)
-    ours.load_state_dict(copy.deepcopy(hf.state_dict()))
-    assert "RMS" not in ours.state[ours_params[0]]
     # yardstick: HF in float64 from the same point (weights and state up-cast exactly)
-    truth, truth_params = basics.float64_copy(
-        hf_optimization.Adafactor, hf_params, hf.state_dict(), **kw
+    basics.check_state_dict_handover(
+        Adafactor, hf_optimization.Adafactor, _params(), ours_first=False, on_load=on_load, **kw
     )
-    for opt, params in [(hf, hf_params), (ours, ours_params), (truth, truth_params)]:
-        basics.run_seeded(opt, params, range(10, 40))
-    for a, b, c in zip(ours_params, hf_params, truth_params, strict=True):
-        assert_within_reference_error(a.detach(), b.detach(), c.detach())
 
 
 def test_loads_torch_state_dict_into_torch_preset() -> None:

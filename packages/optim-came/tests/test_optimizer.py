@@ -1,7 +1,6 @@
 """State dicts (ours and came-pytorch's), aliasing and the research-note §3 bugs, skipped params,
 param groups, argument validation, host syncs, bf16 first moment and stochastic rounding."""
 
-import copy
 from functools import partial
 
 import pytest
@@ -9,7 +8,6 @@ import torch
 
 from leanlm_testing import assert_verbose_allclose
 from leanlm_testing import optim_basics as basics
-from leanlm_testing.optim import assert_within_reference_error
 from optim_came import CAME
 
 came_pytorch = pytest.importorskip("came_pytorch")
@@ -20,11 +18,6 @@ KW = {"lr": 1e-2, "weight_decay": 0.1}
 def _params(dtype=torch.float32):
     gen = torch.Generator().manual_seed(0)
     return [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in basics.SHAPES]
-
-
-def _came_pytorch_float64(params, state_dict):
-    """came-pytorch on float64 copies of `params`, loaded from `state_dict` (state up-cast)."""
-    return basics.float64_copy(came_pytorch.CAME, params, state_dict, **KW)
 
 
 @pytest.mark.parametrize(
@@ -43,34 +36,18 @@ def test_state_dict_round_trip_continues_identically(kw) -> None:
 
 
 def test_loads_came_pytorch_state_dict_and_continues_like_it() -> None:
-    theirs_params = _params()
-    theirs = came_pytorch.CAME(theirs_params, **KW)
-    basics.run_seeded(theirs, theirs_params, range(10))
-    ours_params = basics.clone_leaves(theirs_params)
-    ours = CAME(ours_params, **KW)
-    ours.load_state_dict(copy.deepcopy(theirs.state_dict()))
-    assert "RMS" not in ours.state[ours_params[0]]
-    assert ours.param_groups[0]["bias_correction"] is False  # defaults filled in
+    def on_load(ours, ours_params):
+        assert "RMS" not in ours.state[ours_params[0]]
+        assert ours.param_groups[0]["bias_correction"] is False  # defaults filled in
+
     # yardstick: came-pytorch in float64 from the same point (weights and state up-cast exactly)
-    truth, truth_params = _came_pytorch_float64(theirs_params, theirs.state_dict())
-    for opt, params in [(theirs, theirs_params), (ours, ours_params), (truth, truth_params)]:
-        basics.run_seeded(opt, params, range(10, 40))
-    for a, b, c in zip(ours_params, theirs_params, truth_params, strict=True):
-        assert_within_reference_error(a.detach(), b.detach(), c.detach())
+    basics.check_state_dict_handover(
+        CAME, came_pytorch.CAME, _params(), ours_first=False, on_load=on_load, **KW
+    )
 
 
 def test_came_pytorch_loads_our_state_dict_and_continues_like_us() -> None:
-    ours_params = _params()
-    ours = CAME(ours_params, **KW)
-    basics.run_seeded(ours, ours_params, range(10))
-    theirs_params = basics.clone_leaves(ours_params)
-    theirs = came_pytorch.CAME(theirs_params, **KW)
-    theirs.load_state_dict(copy.deepcopy(ours.state_dict()))
-    truth, truth_params = _came_pytorch_float64(ours_params, ours.state_dict())
-    for opt, params in [(theirs, theirs_params), (ours, ours_params), (truth, truth_params)]:
-        basics.run_seeded(opt, params, range(10, 40))
-    for a, b, c in zip(ours_params, theirs_params, truth_params, strict=True):
-        assert_within_reference_error(a.detach(), b.detach(), c.detach())
+    basics.check_state_dict_handover(CAME, came_pytorch.CAME, _params(), ours_first=True, **KW)
 
 
 def test_load_keeps_fp32_statistics_for_bf16_params() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from leanlm_testing.optim import LOSSLESS_SHAPES
+from leanlm_testing.optim import LOSSLESS_SHAPES, assert_within_reference_error
 
 SHAPES = LOSSLESS_SHAPES
 
@@ -57,6 +57,39 @@ def float64_copy(
     opt = optimizer(params64, **kw)
     opt.load_state_dict(copy.deepcopy(state_dict))
     return opt, params64
+
+
+def check_state_dict_handover(
+    ours: Callable[..., Any],
+    theirs: Callable[..., Any],
+    params: list[torch.Tensor],
+    *,
+    ours_first: bool,
+    on_load: Callable[[Any, list[torch.Tensor]], None] | None = None,
+    **kw: Any,
+) -> None:
+    """One implementation steps 10 times, the other loads its state dict and both go on.
+
+    With `ours_first` ours steps `params` first and `theirs(copies, **kw)` loads its state
+    dict, else the other way round; `on_load(opt, params)` may check the loading optimizer
+    right after the load. Then both, and `theirs` in float64 from the same point (the
+    yardstick), step 30 more times: ours must err at most 2x theirs
+    (`assert_within_reference_error`).
+    """
+    first_cls, second_cls = (ours, theirs) if ours_first else (theirs, ours)
+    first = first_cls(params, **kw)
+    run_seeded(first, params, range(10))
+    second_params = clone_leaves(params)
+    second = second_cls(second_params, **kw)
+    second.load_state_dict(copy.deepcopy(first.state_dict()))
+    if on_load is not None:
+        on_load(second, second_params)
+    truth, truth_params = float64_copy(theirs, params, first.state_dict(), **kw)
+    for opt, ps in [(first, params), (second, second_params), (truth, truth_params)]:
+        run_seeded(opt, ps, range(10, 40))
+    ours_params, theirs_params = (params, second_params) if ours_first else (second_params, params)
+    for a, b, c in zip(ours_params, theirs_params, truth_params, strict=True):
+        assert_within_reference_error(a.detach(), b.detach(), c.detach())
 
 
 def check_round_trip_continues_identically(
