@@ -35,11 +35,11 @@ class SparsifyConfig(TrainConfig):
     `sparsity` and `block_size` (`sparsity_config`, which checks them); the fine-tune (next-token
     loss) keeps the masks fixed; `steps` = 0 skips it.
 
-    The fine-tune may be sharded with ZeRO-1/2 (the masks hold, and the updates equal the
-    replicated run's; ZeRO-3 is not supported here yet). The output folder holds the
-    dense-format model with zeros baked in (loads with `AutoModelForCausalLM`) plus its masks;
-    `compressed.safetensors` next to it is the compact format (2:4 values + metadata, or
-    bitmask + kept values).
+    The fine-tune may be sharded with ZeRO-1/2 or FSDP2 (the masks hold, and the updates equal
+    the replicated run's; ZeRO-3 is not supported here yet); under FSDP2 the output is written
+    from the gathered weights. The output folder holds the dense-format model with zeros baked
+    in (loads with `AutoModelForCausalLM`) plus its masks; `compressed.safetensors` next to it
+    is the compact format (2:4 values + metadata, or bitmask + kept values).
     """
 
     pattern: str = "2:4"
@@ -69,12 +69,6 @@ class SparsifyConfig(TrainConfig):
                 "(3) is not supported for sparse fine-tuning yet (ZeRO-3 frees the masked "
                 "weights between uses and the sparse export reads them); use 0, 1 or 2",
             )
-        if self.engine == "fsdp2":
-            raise ConfigError(
-                "engine",
-                '("fsdp2") is not supported for sparse fine-tuning yet (FSDP2 shards the masked '
-                'weights and the sparse export reads them whole); use "ddp" or "zero"',
-            )
         with library_errors(self, keys={"n": "pattern", "m": "pattern"}):
             self.sparsity_config  # noqa: B018  (sparse-kernels checks the pruning settings)
 
@@ -92,9 +86,45 @@ class SparsifyConfig(TrainConfig):
 def _save_sparse(
     model: torch.nn.Module, folder: Path, state_dict: dict[str, torch.Tensor] | None
 ) -> None:
+    """`save_pretrained_sparse` of the trained model (of a gathered copy when it is sharded)."""
     from sparse_kernels import save_pretrained_sparse
 
+    if state_dict is not None:  # FSDP2: `model` holds this process's shards only
+        model = _unsharded_copy(model, state_dict)
     save_pretrained_sparse(model, folder)
+
+
+def _unsharded_copy(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> Any:
+    """A plain CPU model of `model`'s architecture and masks holding the gathered `state_dict`.
+
+    The masks (buffers, which FSDP2 leaves whole on every process) are attached first so that
+    the copy has the same parametrized keys (`...parametrizations.weight.original`); a tied
+    weight comes once in `state_dict` and reaches its other name through the tie.
+
+    Raises:
+        RuntimeError: `state_dict` does not cover the copy (a key missing that no tie explains,
+            or one the copy does not have).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sparse_kernels import apply_mask_, masks
+
+    config: Any = model.config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.generation_config = model.generation_config
+    for name, mask in masks(model).items():
+        apply_mask_(plain.get_submodule(name), mask.cpu())
+    missing, unexpected = plain.load_state_dict(state_dict, strict=False)
+    params = dict(plain.named_parameters(remove_duplicate=False))
+    loaded = {id(p) for name, p in params.items() if name in state_dict}
+    untied = [name for name in missing if name not in params or id(params[name]) not in loaded]
+    if untied or unexpected:
+        raise RuntimeError(
+            f"the gathered state does not match the model: missing {untied}, unexpected "
+            f"{unexpected}"
+        )
+    return plain
 
 
 @register_stage
