@@ -219,6 +219,19 @@ def _cloned_state(model: Any) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def _pattern_batches(
+    n: int, seed: int, *, batch_size: int, seq_len: int, vocab: int = VOCAB
+) -> list[dict[str, torch.Tensor]]:
+    """Learnable sequences: arithmetic progressions mod vocab with a per-sequence stride."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        start = torch.randint(0, vocab, (batch_size, 1), generator=gen)
+        stride = torch.randint(1, 4, (batch_size, 1), generator=gen)
+        out.append({"input_ids": (start + stride * torch.arange(seq_len)) % vocab})
+    return out
+
+
 def _capture_activations(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Independently capture the tensors each importance score is defined on (test-side hooks).
 
@@ -299,3 +312,9 @@ def cloned_state() -> Callable[[Any], dict[str, torch.Tensor]]:
 def capture() -> Callable[..., dict[str, Any]]:
     """`capture(model, batch)`: the activations importance scores are defined on (see there)."""
     return _capture_activations
+
+
+@pytest.fixture(scope="session")
+def patterns() -> Callable[..., list[dict[str, torch.Tensor]]]:
+    """`patterns(n, seed, batch_size=, seq_len=)`: `n` batches of learnable sequences."""
+    return _pattern_batches

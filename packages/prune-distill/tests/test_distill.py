@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from functools import partial
 from typing import Any
 
 import pytest
@@ -117,29 +118,19 @@ def test_config_validation():
         DistillConfig(grad_accumulation_steps=0)
 
 
-def _pattern_batches(n: int, seed: int, vocab: int = 128) -> list[dict[str, torch.Tensor]]:
-    """Learnable sequences: arithmetic progressions mod vocab with a per-sequence stride."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        start = torch.randint(0, vocab, (8, 1), generator=gen)
-        stride = torch.randint(1, 4, (8, 1), generator=gen)
-        out.append({"input_ids": (start + stride * torch.arange(24)) % vocab})
-    return out
-
-
-def test_end_to_end_train_prune_distill(make):
+def test_end_to_end_train_prune_distill(make, patterns):
+    learnable = partial(patterns, batch_size=8, seq_len=24)
     torch.manual_seed(0)
     teacher = make("llama", num_hidden_layers=4)
     opt = torch.optim.AdamW(teacher.parameters(), lr=3e-3)
     teacher.train()
-    for batch in _pattern_batches(40, seed=0):  # a few steps: the teacher learns the pattern
+    for batch in learnable(40, seed=0):  # a few steps: the teacher learns the pattern
         loss = teacher(**batch, labels=batch["input_ids"], use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
     teacher.eval()
-    heldout = _pattern_batches(3, seed=123)
+    heldout = learnable(3, seed=123)
     with torch.no_grad():
         ce = F.cross_entropy(
             teacher(**heldout[0]).logits[:, :-1].reshape(-1, 128),
@@ -147,13 +138,13 @@ def test_end_to_end_train_prune_distill(make):
         )
     assert ce < 3.0  # well below log(128) = 4.85: the teacher has learned something
 
-    scores = collect_importance(teacher, _pattern_batches(4, seed=7))
+    scores = collect_importance(teacher, learnable(4, seed=7))
     target = PruneTarget(
         hidden_size=48, intermediate_size=48, num_attention_heads=4, num_hidden_layers=3
     )
     student = prune(teacher, scores, target)
     kl0 = evaluate_kl(student, teacher, heldout)
-    result = distill(student, teacher, _pattern_batches(25, seed=1), DistillConfig(lr=3e-3))
+    result = distill(student, teacher, learnable(25, seed=1), DistillConfig(lr=3e-3))
     kl1 = evaluate_kl(student, teacher, heldout)
     assert result.kl[-1] < result.kl[0]
     assert kl1 < 0.5 * kl0, (kl0, kl1)

@@ -23,17 +23,6 @@ from prune_distill import (
 )
 
 
-def _pattern_batches(n: int, seed: int, vocab: int = 128) -> list[dict[str, torch.Tensor]]:
-    """Learnable sequences: arithmetic progressions mod vocab with a per-sequence stride."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        start = torch.randint(0, vocab, (4, 1), generator=gen)
-        stride = torch.randint(1, 4, (4, 1), generator=gen)
-        out.append({"input_ids": (start + stride * torch.arange(16)) % vocab})
-    return out
-
-
 @pytest.mark.parametrize("kind", ["cosine", "mse"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_hidden_loss_is_zero_for_an_exact_copy(make, data, arch, kind):
@@ -248,11 +237,11 @@ def _lm_loss(model: Any, batches: list[dict[str, torch.Tensor]]) -> float:
     return float(torch.stack(losses).mean())
 
 
-def test_teacher_correction_lowers_lm_loss_and_leaves_the_input_alone(make, cloned_state):
+def test_teacher_correction_lowers_lm_loss_and_leaves_the_input_alone(make, cloned_state, patterns):
     torch.manual_seed(0)
     teacher = make("llama").train().requires_grad_(False)  # frozen, as a distillation teacher
     before = cloned_state(teacher)
-    batches = _pattern_batches(12, seed=0)
+    batches = patterns(12, seed=0, batch_size=4, seq_len=16)
     corrected = correct_teacher(teacher, batches, steps=12, lr=3e-3)
     assert corrected is not teacher
     assert not corrected.training
