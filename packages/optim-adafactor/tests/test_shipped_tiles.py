@@ -23,10 +23,7 @@ MODULES = [m for m in (Adafactor._kernels_module, Adafactor._multi_module) if m 
 MULTI = [False, True] if Adafactor._multi_module is not None else [False]
 
 
-@pytest.fixture
-def gpu_tiles():
-    with kt.shipped_launch_configs(MODULES) as copies:
-        yield copies
+gpu_tiles = kt.shipped_tiles_fixture(MODULES)
 
 
 def test_tiles_are_the_shipped_ones_and_span_several(gpu_tiles) -> None:

@@ -35,10 +35,7 @@ MODULES = [
 MULTI = [False, True] if getattr(CAME, "_multi_module", None) is not None else [False]
 
 
-@pytest.fixture
-def gpu_tiles():
-    with kt.shipped_launch_configs(MODULES) as copies:
-        yield copies
+gpu_tiles = kt.shipped_tiles_fixture(MODULES)
 
 
 def test_tiles_are_the_shipped_ones_and_span_several(gpu_tiles) -> None:

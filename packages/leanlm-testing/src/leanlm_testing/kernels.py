@@ -199,6 +199,20 @@ def check_fused_matches_torch(
     return fused, ref
 
 
+def shipped_tiles_fixture(module_names: Sequence[str]) -> Any:
+    """A pytest fixture `gpu_tiles`: a test runs under `shipped_launch_configs(module_names)`.
+
+    Assign it to `gpu_tiles` in a test module; it yields the GPU copies by module name.
+    """
+
+    @pytest.fixture
+    def gpu_tiles() -> Iterator[dict[str, ModuleType]]:
+        with shipped_launch_configs(module_names) as copies:
+            yield copies
+
+    return gpu_tiles
+
+
 def assert_tiles_span_several(
     live: ModuleType, gpu: ModuleType, shapes: Sequence[tuple[int, ...]]
 ) -> None:
