@@ -146,7 +146,8 @@ def check_out_dir(out_dir: Path) -> None:
         raise ValueError(f"--out {out_dir} is a file, not a directory; choose another --out")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / ".leanlm-write-test"
+        # one probe file per process: the workers of a launch run this check at the same time
+        probe = out_dir / f".leanlm-write-test-{os.getpid()}"
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as err:
