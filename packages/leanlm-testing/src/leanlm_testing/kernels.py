@@ -68,6 +68,11 @@ def import_as_on_gpu(module_names: Sequence[str]) -> dict[str, ModuleType]:
     restored afterwards; the copies are not importable. Their `@triton.jit` kernels cannot run
     on CPU: use them only to read launch configurations.
     """
+    # the live (interpreted) modules first, with everything they import: a module the copies
+    # import as a side effect would otherwise stay in `sys.modules` uninterpreted, and a later
+    # live import would pick up its GPU kernels
+    for name in module_names:
+        importlib.import_module(name)
     copies: dict[str, ModuleType] = {}
     restore: list[tuple[str, ModuleType | None, ModuleType | None, str, object]] = []
     missing = object()
