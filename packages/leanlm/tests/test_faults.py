@@ -53,6 +53,37 @@ def _snapshot(run_dir):
     return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()}
 
 
+def _start_two_process_run(path, out, **popen):
+    """Launch a 2-process run; return it and its process tree once step 10 is checkpointed."""
+    launcher = subprocess.Popen(
+        _leanlm("run", path, "--out", out, "--processes", "2"),
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        **popen,
+    )
+    target = out / "pretrain" / "checkpoints" / "step-00000010"
+    deadline = time.monotonic() + 240
+    while not target.exists() and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return launcher, [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(True)]
+
+
+def _stop(launcher, run_tree, send, sig):
+    """`send()` the stop signal; every process of `run_tree` must be gone within 30 s.
+
+    Returns the launcher's stderr.
+    """
+    send()
+    signalled = time.monotonic()
+    _, stderr = launcher.communicate(timeout=60)
+    _gone, alive = psutil.wait_procs(run_tree, timeout=max(0.0, signalled + 30 - time.monotonic()))
+    assert not alive, f"still running 30 s after {sig.name}: {alive}"
+    assert len(run_tree) >= 4  # launcher, torchrun, 2 workers
+    assert launcher.returncode == 128 + sig
+    return stderr
+
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -68,25 +99,15 @@ def test_sigterm_stops_every_process_then_resume_equals_uninterrupted(
     path.write_text(dumps_toml(config))
     subprocess.run(_leanlm("run", path, "--out", full, *two), check=True, env=ENV, timeout=300)
 
-    launcher = subprocess.Popen(
-        _leanlm("run", path, "--out", killed, *two), stderr=subprocess.PIPE, text=True, env=ENV
-    )
-    target = killed / "pretrain" / "checkpoints" / "step-00000010"
-    deadline = time.monotonic() + 240
-    while not target.exists() and launcher.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    run_tree = [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(True)]
+    launcher, run_tree = _start_two_process_run(path, killed)
     # a second run into the same directory fails at once, naming the running launcher
     assert main(["run", str(path), "--out", str(killed), "--resume"]) == 2
     assert f"in use by a running leanlm (PID {launcher.pid})" in capsys.readouterr().err
 
-    launcher.send_signal(signal.SIGTERM)
-    signalled = time.monotonic()
-    _, stderr = launcher.communicate(timeout=60)
-    _gone, alive = psutil.wait_procs(run_tree, timeout=max(0.0, signalled + 30 - time.monotonic()))
-    assert not alive, f"still running 30 s after SIGTERM: {alive}"
-    assert len(run_tree) >= 4  # launcher, torchrun, 2 workers
-    assert launcher.returncode == 128 + signal.SIGTERM
+    def sigterm():
+        launcher.send_signal(signal.SIGTERM)
+
+    stderr = _stop(launcher, run_tree, sigterm, signal.SIGTERM)
     assert not (killed / "pretrain" / "result.json").exists(), "the run finished before the kill"
     stops = [m for m in _messages(stderr) if "interrupted" in m]
     assert len(stops) == 1, stderr
@@ -122,25 +143,11 @@ def test_ctrl_c_to_the_process_group_stops_every_process_quietly(tmp_path, tiny_
     config = tiny_config(pretrain={"steps": 100, "checkpoint_every": 10, "eval_every": 50})
     path, run = tmp_path / "run.toml", tmp_path / "run"
     path.write_text(dumps_toml(config))
-    launcher = subprocess.Popen(
-        _leanlm("run", path, "--out", run, "--processes", "2"),
-        stderr=subprocess.PIPE,
-        text=True,
-        env=ENV,
-        start_new_session=True,  # its own process group, as a shell's foreground job
+    # its own process group, as a shell's foreground job: Ctrl-C signals the whole group
+    launcher, run_tree = _start_two_process_run(path, run, start_new_session=True)
+    stderr = _stop(
+        launcher, run_tree, lambda: os.killpg(launcher.pid, signal.SIGINT), signal.SIGINT
     )
-    target = run / "pretrain" / "checkpoints" / "step-00000010"
-    deadline = time.monotonic() + 240
-    while not target.exists() and launcher.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    run_tree = [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(True)]
-    os.killpg(launcher.pid, signal.SIGINT)
-    signalled = time.monotonic()
-    _, stderr = launcher.communicate(timeout=60)
-    _gone, alive = psutil.wait_procs(run_tree, timeout=max(0.0, signalled + 30 - time.monotonic()))
-    assert not alive, f"still running 30 s after Ctrl-C: {alive}"
-    assert len(run_tree) >= 4  # launcher, torchrun, 2 workers
-    assert launcher.returncode == 128 + signal.SIGINT
     assert "Traceback" not in stderr, stderr
     assert "KeyboardInterrupt" not in stderr, stderr
     assert len(_messages(stderr)) == 1, stderr
