@@ -47,6 +47,16 @@ def _scenario(tmp_path, scenario, *args, **kwargs):
     return scenario(folder, *args, **kwargs)
 
 
+def _one_then_two(tmp_path, one, two, env):
+    """Run config `one` in 1 process into `one/`, then `two` under FSDP2 in 2 into `two/`."""
+    (tmp_path / "one.toml").write_text(dumps_toml(one))
+    (tmp_path / "two.toml").write_text(dumps_toml(two))
+    _run(["run", tmp_path / "one.toml", "--out", tmp_path / "one"], processes=1, env=env)
+    log = _run(["run", tmp_path / "two.toml", "--out", tmp_path / "two"], processes=2, env=env)
+    assert "on 2 process(es) FSDP2" in log
+    return log
+
+
 def _rows(run_dir):
     path = run_dir / "pretrain" / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -70,12 +80,8 @@ def _one_vs_two_then_resume(tmp_path, tiny_config, optimizer, *, steps, atol, rt
     common |= {"checkpoint_every": every, "eval_every": every}
     one = tiny_config(pretrain={**common, "grad_accum_steps": 2})
     two = tiny_config(pretrain={**common, "grad_accum_steps": 1, "engine": "fsdp2"})
-    (tmp_path / "one.toml").write_text(dumps_toml(one))
-    (tmp_path / "two.toml").write_text(dumps_toml(two))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    _run(["run", tmp_path / "one.toml", "--out", tmp_path / "one"], processes=1, env=env)
-    log = _run(["run", tmp_path / "two.toml", "--out", tmp_path / "two"], processes=2, env=env)
-    assert "on 2 process(es) FSDP2" in log
+    log = _one_then_two(tmp_path, one, two, env)
 
     result = json.loads((tmp_path / "two" / "pretrain" / "result.json").read_text())
     assert result["metrics"]["processes"] == 2
@@ -305,12 +311,8 @@ def _sparse_one_vs_two_then_resume(tmp_path, tiny_config):
         init_model=str(tmp_path / "one" / "pretrain" / "model"),
         sparsify=SparsifyConfig(**train, grad_accum_steps=1, engine="fsdp2"),
     )
-    (tmp_path / "one.toml").write_text(dumps_toml(one))
-    (tmp_path / "two.toml").write_text(dumps_toml(two))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    _run(["run", tmp_path / "one.toml", "--out", tmp_path / "one"], processes=1, env=env)
-    log = _run(["run", tmp_path / "two.toml", "--out", tmp_path / "two"], processes=2, env=env)
-    assert "on 2 process(es) FSDP2" in log
+    log = _one_then_two(tmp_path, one, two, env)
     result = json.loads((tmp_path / "two" / "sparsify" / "result.json").read_text())
     assert result["metrics"]["parallel"] == "FSDP2"
 
