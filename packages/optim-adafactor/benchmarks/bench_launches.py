@@ -25,8 +25,17 @@ from bench_adafactor import Config
 
 from leanlm_testing import bench, roofline
 from leanlm_testing.launches import step_counts
-from optim_adafactor import Adafactor, _kernels, _multi, _multi_vec
+from optim_adafactor import (
+    Adafactor,
+    _kernels,
+)
+from optim_adafactor import (
+    _multi_kernels as _multi,
+)
 from optim_adafactor import _multi_tables as mt
+from optim_adafactor import (
+    _multi_vec_kernels as _multi_vec,
+)
 
 MODULES = [_multi, _multi_vec, _kernels]  # whose Triton launches count
 

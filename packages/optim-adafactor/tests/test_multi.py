@@ -1,4 +1,4 @@
-"""The multi-tensor fused step (`_multi.py`): parity, launch counts, table caching.
+"""The multi-tensor fused step (`_multi_kernels.py`): parity, launch counts, table caching.
 
 Interpreter tests on CPU (TRITON_INTERPRET=1). The batched kernels are compared against the
 PyTorch path (fp32: rtol 1e-5 after several steps; sums run in another order) and, for bf16
@@ -76,7 +76,8 @@ def test_resume_equals_uninterrupted() -> None:
 
 @pytest.mark.parametrize("momentum", [False, True])
 def test_launches_do_not_grow_with_matrices(momentum: bool) -> None:
-    from optim_adafactor import _multi, _multi_vec
+    from optim_adafactor import _multi_kernels as _multi
+    from optim_adafactor import _multi_vec_kernels as _multi_vec
 
     # matrices 4 launches, vectors 1, in every step, whatever the number of tensors; the first
     # step creates each tensor's state (matrices: 2 factors, vectors: 1; exp_avg)

@@ -26,10 +26,12 @@ from bench_came import Config
 from leanlm_testing import bench, roofline
 from leanlm_testing.launches import step_counts
 from optim_adafactor import _kernels as af_kernels
-from optim_adafactor import _multi as af_multi
-from optim_adafactor import _multi_stats as af_stats
+from optim_adafactor import _multi_kernels as af_multi
+from optim_adafactor import _multi_stats_kernels as af_stats
 from optim_adafactor import _multi_tables as mt
-from optim_came import CAME, _kernels, _multi, _multi_vec
+from optim_came import CAME, _kernels
+from optim_came import _multi_kernels as _multi
+from optim_came import _multi_vec_kernels as _multi_vec
 
 MODULES = [_multi, _multi_vec, _kernels, af_multi, af_stats, af_kernels]  # whose launches count
 OPTIMIZER = partial(CAME, lr=1e-4, weight_decay=0.01)

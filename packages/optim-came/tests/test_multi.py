@@ -1,4 +1,4 @@
-"""The multi-tensor fused CAME step (`_multi.py`): parity, launch counts, resume.
+"""The multi-tensor fused CAME step (`_multi_kernels.py`): parity, launch counts, resume.
 
 Interpreter tests on CPU (TRITON_INTERPRET=1). fp32: against the PyTorch path after several
 steps (rtol 1e-5: sums in another order). bf16 parameters and a bf16 `exp_avg`: against the
@@ -68,9 +68,10 @@ def test_resume_equals_uninterrupted() -> None:
 
 def test_launches_do_not_grow_with_matrices() -> None:
     from optim_adafactor import _kernels as af_kernels
-    from optim_adafactor import _multi as af_multi
-    from optim_adafactor import _multi_stats as af_stats
-    from optim_came import _multi, _multi_vec
+    from optim_adafactor import _multi_kernels as af_multi
+    from optim_adafactor import _multi_stats_kernels as af_stats
+    from optim_came import _multi_kernels as _multi
+    from optim_came import _multi_vec_kernels as _multi_vec
 
     # first step: 5 state tensors per matrix, 2 per vector
     mt.check_launches_do_not_grow(

@@ -26,7 +26,7 @@ MODULES = [
     m
     for m in (
         "optim_adafactor._kernels",
-        "optim_adafactor._multi",
+        "optim_adafactor._multi_kernels",
         CAME._kernels_module,
         getattr(CAME, "_multi_module", None),
     )

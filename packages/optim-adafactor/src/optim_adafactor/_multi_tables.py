@@ -1,4 +1,4 @@
-"""Work-item tables of the multi-tensor fused steps (`_multi.py`, optim-came's `_multi.py`).
+"""Work-item tables of the multi-tensor fused steps (`_multi_kernels.py` here and in optim-came).
 
 A multi-tensor kernel steps every matrix of a batch (same options, step and dtypes) in one
 launch, as torch's fused Adam does with its tensor lists. Triton cannot take a list of tensors,

@@ -60,7 +60,7 @@ class Adafactor(FactoredOptimizer):
 
     _torch_path: ClassVar[ModuleType] = _torch_path
     _kernels_module: ClassVar[str] = "optim_adafactor._kernels"
-    _multi_module: ClassVar[str | None] = "optim_adafactor._multi"
+    _multi_module: ClassVar[str | None] = "optim_adafactor._multi_kernels"
 
     def __init__(  # noqa: PLR0917 (HF's positional signature is the anchor)
         self,

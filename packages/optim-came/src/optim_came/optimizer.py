@@ -60,7 +60,7 @@ class CAME(FactoredOptimizer):
 
     _torch_path: ClassVar[ModuleType] = _torch_path
     _kernels_module: ClassVar[str] = "optim_came._kernels"
-    _multi_module: ClassVar[str | None] = "optim_came._multi"
+    _multi_module: ClassVar[str | None] = "optim_came._multi_kernels"
 
     def __init__(  # noqa: PLR0917 (came-pytorch's positional signature is the anchor)
         self,

@@ -6,8 +6,8 @@ The batch and its tables are optim-adafactor's (`optim_adafactor._multi_tables`;
 hold the parameter, `exp_avg`, the row and column EMAs of g², and the row and column EMAs of
 the instability). For a matrix `g` of shape (n, m):
 
-1. optim-adafactor's `_mt_stats_kernel` (in `optim_adafactor._multi_stats`, as are those of 2
-   and 3): row EMA `r` and the column partials of g² and g²/r;
+1. optim-adafactor's `_mt_stats_kernel` (in `optim_adafactor._multi_stats_kernels`, as are those
+   of 2 and 3): row EMA `r` and the column partials of g² and g²/r;
 2. its `_mt_cols_kernel`: column EMA `c`, `cf` and partials of Σu² (the mat-vec fold);
 3. its `_mt_scalars_kernel` (lr = 1, clip on): `mean(r)` and the clip `1/max(1, RMS(u)/d)`;
 4. `_mt_momentum_kernel`, one program per chunk of rows: `d = m - g·rs_i·cf_j` (`rs` = clip
@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from optim_adafactor import _multi as af
-from optim_adafactor import _multi_stats as st
+from optim_adafactor import _multi_kernels as af
+from optim_adafactor import _multi_stats_kernels as st
 from optim_adafactor import _multi_tables as mt
-from optim_adafactor import _multi_vec as vec
-from optim_came._multi_vec import step_vectors
+from optim_adafactor import _multi_vec_kernels as vec
+from optim_came._multi_vec_kernels import step_vectors
 
 if TYPE_CHECKING:
     from optim_came._torch_path import Work
@@ -243,7 +243,7 @@ def batch_key(w: Work) -> tuple[object, ...]:
 def step_batch(opt: CAME, works: list[Work], cache: dict[tuple[object, ...], Any]) -> None:
     """One fused CAME step of every matrix in `works` (same `batch_key`): seven launches.
 
-    Unfactored tensors (a batch of them) take `_multi_vec.step_vectors`: one launch.
+    Unfactored tensors (a batch of them) take `_multi_vec_kernels.step_vectors`: one launch.
     """
     w0 = works[0]
     if not w0.factored:

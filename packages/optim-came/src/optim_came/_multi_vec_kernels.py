@@ -2,11 +2,12 @@
 # ruff: noqa: N803, PLR0917
 """Multi-tensor fused CAME step of small unfactored tensors: one launch for all of them.
 
-The tensors are those optim-adafactor's batched vector step takes (`optim_adafactor._multi_vec`:
-unfactored, at most `MAX_NUMEL` elements, such as norm weights and biases), with their full
-second moment `v`. `_mt_came_vec_kernel` steps one tensor per program as came-pytorch's vector
-step does (no confidence term), in two sweeps: `v` and `Σ u²`, then `m` and `p`. Same address
-tables (`VecTables`), tile and warps as optim-adafactor's vector step.
+The tensors are those optim-adafactor's batched vector step takes
+(`optim_adafactor._multi_vec_kernels`: unfactored, at most `MAX_NUMEL` elements, such as norm
+weights and biases), with their full second moment `v`. `_mt_came_vec_kernel` steps one tensor
+per program as came-pytorch's vector step does (no confidence term), in two sweeps: `v` and
+`Σ u²`, then `m` and `p`. Same address tables (`VecTables`), tile and warps as
+optim-adafactor's vector step.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor
 
 from optim_adafactor import _multi_tables as mt
-from optim_adafactor import _multi_vec as vec
+from optim_adafactor import _multi_vec_kernels as vec
 
 if TYPE_CHECKING:
     from optim_came._torch_path import Work

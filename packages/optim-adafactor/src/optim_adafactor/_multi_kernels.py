@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from optim_adafactor import _multi_tables as mt
-from optim_adafactor import _multi_vec as vec
+from optim_adafactor import _multi_vec_kernels as vec
 
 if TYPE_CHECKING:
     from optim_adafactor._torch_path import Work
@@ -77,7 +77,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from optim_adafactor._kernels import stochastic_round_bf16
-    from optim_adafactor._multi_stats import (
+    from optim_adafactor._multi_stats_kernels import (
         _GEO,
         _MOM,
         _NADDR,
@@ -234,7 +234,7 @@ def batch_key(w: Work) -> tuple[object, ...]:
 def step_batch(opt: Adafactor, works: list[Work], cache: dict[tuple[object, ...], Any]) -> None:
     """One fused step of every matrix in `works` (same `batch_key`): four launches.
 
-    Unfactored tensors (a batch of them) take `_multi_vec.step_vectors`: one launch.
+    Unfactored tensors (a batch of them) take `_multi_vec_kernels.step_vectors`: one launch.
     """
     w0 = works[0]
     if not w0.factored:

@@ -8,7 +8,7 @@ keep a full second moment `v`. One program steps one tensor in two sweeps: the f
 and the momentum coefficient then follow on the device; the second sweep re-reads g and v
 (from L1/L2: at most 256 KB) and writes m and p as `_torch_path.apply` does. DRAM bytes per
 element: G + 4 (v read) + 4 (v write) + P (+P for RMS(p)) + P + 2M, negligible next to the
-matrices. Same tables and address scheme as `_multi.py`.
+matrices. Same tables and address scheme as `_multi_kernels.py`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 # ruff: noqa: N803, PLR0917
 """Statistics kernels of the multi-tensor fused step, shared by Adafactor and optim-came's CAME.
 
-Steps 1-3 of `_multi.py`, one launch each for all the matrices of a batch (work items and
+Steps 1-3 of `_multi_kernels.py`, one launch each for all the matrices of a batch (work items and
 addresses from the tables of `_multi_tables`):
 
 1. `_mt_stats_kernel`: the row EMA `r` of g² (in place), per-item sums of r (and of p²), and
@@ -10,7 +10,7 @@ addresses from the tables of `_multi_tables`):
 2. `_mt_cols_kernel`: the column EMA `c` (in place), `cf = cf_scale/√c` and partials of Σu²;
 3. `_mt_scalars_kernel`: per matrix, mean(r), the clipped step scale, wd·lr_t and lr_t.
 
-There is no launcher here: `_multi.step_batch` and optim-came's `step_batch` launch these
+There is no launcher here: `_multi_kernels.step_batch` and optim-came's `step_batch` launch these
 kernels with their own table layouts (`NADDR` addresses per matrix), and each of those modules
 lists its launches of them in its own `gpu_launch_configs()`, which tools/gpu_compile.py
 compiles under that module's name. This module's list is therefore empty.
@@ -183,7 +183,7 @@ if HAS_TRITON:
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """No launches of its own (for tools/gpu_compile.py); see the module docstring.
 
-        The kernels are compiled through `_multi.gpu_launch_configs()` and optim-came's, which
-        list every launch their `step_batch` makes of them.
+        The kernels are compiled through `_multi_kernels.gpu_launch_configs()` and optim-came's,
+        which list every launch their `step_batch` makes of them.
         """
         return []
