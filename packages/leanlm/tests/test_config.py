@@ -103,6 +103,13 @@ SEARCH = {"search": True, "search_params": 100_000, "search_hidden_size": [128]}
             "(3) must be a multiple of the KV heads kept (2)",
         ),
         ({"prune": {"layer_metric": "random"}}, "prune.layer_metric", "must be one of"),
+        # sizes and head grouping are prune-distill's `PruneTarget` checks, named by our key
+        ({"prune": {"intermediate_size": -8}}, "prune.intermediate_size", "must be a size >= 1"),
+        (
+            {"prune": {"num_attention_heads": 6, "num_key_value_heads": 4}},
+            "prune.num_key_value_heads",
+            "(4) must divide `num_attention_heads` (6)",
+        ),
         # [prune] search = true (Minitron's architecture search)
         ({"prune": {"search": True}}, "prune.search_params", "must be > 0 with `search = true`"),
         (

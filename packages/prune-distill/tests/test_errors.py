@@ -20,7 +20,6 @@ def llama_and_scores(make, data):
     ("target", "match"),
     [
         (PruneTarget(hidden_size=80), r"`hidden_size` \(80\) must be between 1 and .* \(64\)"),
-        (PruneTarget(intermediate_size=0), r"`intermediate_size` \(0\)"),
         (PruneTarget(num_hidden_layers=4), r"`num_hidden_layers` \(4\)"),
         (PruneTarget(num_key_value_heads=3), r"`num_key_value_heads` \(3\)"),
         (PruneTarget(num_attention_heads=3), r"`num_attention_heads` \(3\) must be a multiple"),
@@ -39,6 +38,26 @@ def test_bad_targets(llama_and_scores, target, match):
     model, scores = llama_and_scores
     with pytest.raises(ValueError, match=match):
         prune(model, scores, target)
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "match"),
+    [
+        ({"intermediate_size": 0}, ValueError, r"`intermediate_size` \(0\) must be a size >= 1"),
+        ({"hidden_size": -64}, ValueError, r"`hidden_size` \(-64\) must be a size >= 1"),
+        ({"num_hidden_layers": 2.0}, TypeError, r"`num_hidden_layers` must be an int or None"),
+        ({"num_attention_heads": True}, TypeError, r"`num_attention_heads` must be an int"),
+        (
+            {"num_attention_heads": 6, "num_key_value_heads": 4},
+            ValueError,
+            r"`num_key_value_heads` \(4\) must divide `num_attention_heads` \(6\)",
+        ),
+        ({"layer_metric": "random"}, ValueError, r"`layer_metric` \('random'\) must be"),
+    ],
+)
+def test_targets_are_checked_when_built(fields, error, match):
+    with pytest.raises(error, match=match):
+        PruneTarget(**fields)
 
 
 def test_lm_loss_metric_needs_loss_scores(llama_and_scores):

@@ -25,10 +25,11 @@ from leanlm.configio import ConfigError, from_dict, to_dict
 from leanlm.control import ControlConfig
 from leanlm.distill import DistillConfig
 from leanlm.pretrain import PretrainConfig
-from leanlm.prune import PRUNE_SIZES, PruneConfig
+from leanlm.prune import PruneConfig
 from leanlm.sections import INIT_STAGE, DataConfig, ModelConfig, TokenizerConfig, TrainConfig
 from leanlm.sparsify import SparsifyConfig
 from leanlm.stages import STAGES
+from prune_distill.config import PRUNE_SIZES
 
 __all__ = [
     "INIT_STAGE",

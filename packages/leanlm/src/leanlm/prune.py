@@ -19,22 +19,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from leanlm.configio import ConfigError, non_negative, positive
+from leanlm.configio import ConfigError, library_errors, non_negative, positive
 from leanlm.lineage import write_lineage
 from leanlm.stages import Stage, StageContext, StageResult, register_stage
+from prune_distill.config import PRUNE_SIZES  # plain Python: loading a config loads no torch
 
 if TYPE_CHECKING:
     from leanlm.config import RunConfig
     from prune_distill import ImportanceScores, PruneTarget, SearchResult, SearchSpace
 
-PRUNE_SIZES = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "num_hidden_layers",
-)
-"""The model sizes `[prune]` may lower (each also a `[model]` key and a `PruneTarget` field)."""
 
 SEARCHED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
 """The sizes `search = true` can search (`search_<size>` lists; `prune_distill.SearchSpace`)."""
@@ -94,12 +87,8 @@ class PruneConfig:
 
     def __post_init__(self) -> None:
         positive(self, "calibration_samples", "calibration_batch_size")
-        non_negative(self, *PRUNE_SIZES, zero="keep")
-        heads, kv = self.num_attention_heads, self.num_key_value_heads
-        if heads and kv and heads % kv:
-            raise ConfigError(
-                "num_key_value_heads", f"({kv}) must divide `num_attention_heads` ({heads})"
-            )
+        with library_errors(self):
+            self.target  # noqa: B018  (prune-distill checks the sizes and the head grouping)
         self._check_search()
 
     def _check_search(self) -> None:

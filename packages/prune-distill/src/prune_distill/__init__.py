@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from prune_distill.cache import TeacherCache, cache_teacher_topk
-    from prune_distill.config import DistillConfig
+    from prune_distill.config import DistillConfig, PruneTarget
     from prune_distill.depth import BlockSearch, contiguous_block_search
     from prune_distill.distill import DistillResult, correct_teacher, distill, evaluate_kl
     from prune_distill.hidden import HiddenStateLoss, even_layer_map, pruned_layer_map
     from prune_distill.importance import ImportanceScores, collect_importance
     from prune_distill.losses import forward_kl
-    from prune_distill.prune import PruneTarget, prune
+    from prune_distill.prune import prune
     from prune_distill.search import (
         Candidate,
         SearchResult,
@@ -44,13 +44,13 @@ if TYPE_CHECKING:
 
 _MODULES = {
     "cache": ("TeacherCache", "cache_teacher_topk"),
-    "config": ("DistillConfig",),
+    "config": ("DistillConfig", "PruneTarget"),
     "depth": ("BlockSearch", "contiguous_block_search"),
     "distill": ("DistillResult", "correct_teacher", "distill", "evaluate_kl"),
     "hidden": ("HiddenStateLoss", "even_layer_map", "pruned_layer_map"),
     "importance": ("ImportanceScores", "collect_importance"),
     "losses": ("forward_kl",),
-    "prune": ("PruneTarget", "prune"),
+    "prune": ("prune",),
     "search": ("Candidate", "SearchResult", "SearchSpace", "search", "validation_loss"),
 }
 _SOURCE = {name: module for module, names in _MODULES.items() for name in names}

@@ -1,7 +1,7 @@
-"""`DistillConfig` and the option types of the losses: plain Python, no torch at import.
+"""`DistillConfig`, `PruneTarget` and the losses' option types: plain Python, no torch at import.
 
-`prune_distill.distill` uses them; they live here so that a program can build and check a
-`DistillConfig` (e.g. leanlm validating a config file) without loading torch.
+`prune_distill.distill` and `prune_distill.prune` use them; they live here so that a program
+can build and check them (e.g. leanlm validating a config file) without loading torch.
 """
 
 from __future__ import annotations
@@ -16,6 +16,15 @@ if TYPE_CHECKING:
 
     OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
     SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+
+PRUNE_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+)
+"""The `PruneTarget` fields that are sizes (None keeps the model's value)."""
 
 HiddenLossType = Literal["cosine", "mse"]
 """Per-token hidden-state loss of `HiddenStateLoss`."""
@@ -110,3 +119,52 @@ class DistillConfig:
             )
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"`max_steps` ({self.max_steps}) must be >= 1 or None")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PruneTarget:
+    """The shape to prune to. Fields left as None keep the model's current value."""
+
+    hidden_size: int | None = None
+    """Residual width (GPT-2: ``n_embd``); must equal heads x head_dim for GPT-2 and GPT-NeoX."""
+    intermediate_size: int | None = None
+    """MLP neurons per layer (GPT-2: ``n_inner``)."""
+    num_attention_heads: int | None = None
+    """Query heads per layer; with GQA they are trimmed within each kept KV group."""
+    num_key_value_heads: int | None = None
+    """KV groups to keep (families with grouped-query attention); lowering it drops whole groups
+    with their query heads. None keeps every group (for an MHA model: follows
+    `num_attention_heads`)."""
+    num_hidden_layers: int | None = None
+    """Decoder layers to keep."""
+    layer_metric: Literal["block_importance", "lm_loss"] = "block_importance"
+    """Which layer score ranks layers for depth pruning (lowest dropped first)."""
+    drop_layers: tuple[int, ...] | None = None
+    """Explicit layer indices to drop instead of ranking (e.g. a contiguous block)."""
+
+    def __post_init__(self) -> None:
+        """Check what needs no model: sizes are ints >= 1, KV groups divide the heads.
+
+        `prune` checks the rest against the model (nothing grows, whole KV groups, the family's
+        own rules).
+        """
+        for name in PRUNE_SIZES:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"`{name}` must be an int or None, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(
+                    f"`{name}` ({value}) must be a size >= 1 (leave it unset to keep the "
+                    "model's value)"
+                )
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if heads is not None and kv is not None and heads % kv:
+            raise ValueError(
+                f"`num_key_value_heads` ({kv}) must divide `num_attention_heads` ({heads})"
+            )
+        if self.layer_metric not in ("block_importance", "lm_loss"):
+            raise ValueError(
+                f"`layer_metric` ({self.layer_metric!r}) must be 'block_importance' or 'lm_loss'"
+            )

@@ -11,35 +11,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from prune_distill.arch import ArchSpec, Axis, Dims, Resize, arch_of, dims_of
+from prune_distill.config import PruneTarget
 from prune_distill.importance import ImportanceScores
-
-
-@dataclass(frozen=True, kw_only=True)
-class PruneTarget:
-    """The shape to prune to. Fields left as None keep the model's current value."""
-
-    hidden_size: int | None = None
-    """Residual width (GPT-2: ``n_embd``); must equal heads x head_dim for GPT-2 and GPT-NeoX."""
-    intermediate_size: int | None = None
-    """MLP neurons per layer (GPT-2: ``n_inner``)."""
-    num_attention_heads: int | None = None
-    """Query heads per layer; with GQA they are trimmed within each kept KV group."""
-    num_key_value_heads: int | None = None
-    """KV groups to keep (families with grouped-query attention); lowering it drops whole groups
-    with their query heads. None keeps every group (for an MHA model: follows
-    `num_attention_heads`)."""
-    num_hidden_layers: int | None = None
-    """Decoder layers to keep."""
-    layer_metric: Literal["block_importance", "lm_loss"] = "block_importance"
-    """Which layer score ranks layers for depth pruning (lowest dropped first)."""
-    drop_layers: tuple[int, ...] | None = None
-    """Explicit layer indices to drop instead of ranking (e.g. a contiguous block)."""
 
 
 @dataclass(frozen=True)

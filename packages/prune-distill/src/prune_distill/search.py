@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from prune_distill.arch import arch_of, dims_of
-from prune_distill.config import DistillConfig
+from prune_distill.config import DistillConfig, PruneTarget
 from prune_distill.distill import distill
 from prune_distill.importance import (
     ImportanceScores,
@@ -27,7 +27,7 @@ from prune_distill.importance import (
     lm_targets,
     model_inputs,
 )
-from prune_distill.prune import PruneTarget, prune
+from prune_distill.prune import prune
 
 Batches = Iterable[Mapping[str, Any]]
 
