@@ -128,21 +128,27 @@ class FactoredOptimizer(LosslessState):
 
     # ------------------------------------------------------------------ subclass interface
     def _parse_group(self, group: dict[str, Any], *, first: bool = False) -> Any:
+        """Abstract (each optimizer implements it): the group's checked options."""
         raise NotImplementedError
 
     def _init_state(self, p: Tensor, state: dict[str, Any], opts: Any) -> None:
+        """Abstract: fill a parameter's empty state (statistics, momentum) at its first step."""
         raise NotImplementedError
 
     def _is_factored(self, p: Tensor, opts: Any) -> bool:
+        """Abstract: whether `p` keeps row/column statistics (the optimizer's own rule)."""
         raise NotImplementedError
 
     def _make_work(self, **common: Any) -> StepWork:
+        """Abstract: the optimizer's `StepWork` subclass for one parameter's step."""
         raise NotImplementedError
 
     def _step_local(self, w: Any) -> None:
+        """Abstract: the PyTorch-path step of one unsharded parameter."""
         raise NotImplementedError
 
     def _step_sharded(self, works: list[Any]) -> None:
+        """Abstract: the step of row-sharded parameters (statistics reduced over the group)."""
         raise NotImplementedError
 
     def _step_fused(self, works: list[Any]) -> None:
