@@ -4,7 +4,7 @@ Command (from the repo root; ~2 min per Llama-3-8B case and ~8-10 min per Llama-
 2 CPU cores, no GPU; needs optim-came for the CAME rows):
 
     python packages/shard-zero/benchmarks/bench_simulate.py
-        [--cases 8b,8b-came,8b-accum,8b-accum-bf16,70b,...] [--out DIR]
+        [--cases 8b,8b-came,8b-accum,8b-accum-bf16,8b-accum-offload,70b,...] [--out DIR]
 
 Every case is one `shard_zero.simulate.simulate` call: fake tensors and torch's fake process
 group, so per-rank bytes are measured by `MemTracker` on rank 0 of the given world size while
@@ -101,6 +101,31 @@ CASES = {
                 **SEQ,
             },
         ),
+        Case(
+            "8b-accum-offload",
+            {
+                "model": "llama-3-8b",
+                "world_size": 8,
+                "stages": (3,),
+                "micro_batches": 4,
+                "offload_accum": True,
+                "fsdp2": False,
+                **SEQ,
+            },
+        ),
+        Case(
+            "70b-accum-offload",
+            {
+                "model": "llama-3-70b",
+                "world_size": 64,
+                "activation_checkpointing": True,
+                "stages": (3,),
+                "micro_batches": 4,
+                "offload_accum": True,
+                "fsdp2": False,
+                **SEQ,
+            },
+        ),
     )
 }
 
@@ -187,6 +212,15 @@ def targets(reports: dict[str, SimReport], size: str) -> list[str]:
         ratio,
         1.05,
         f"{low:.2f} / {z3:.2f} GiB" if ratio is not None else "",
+    )
+    off = peak(f"{size}-accum-offload", "shard-zero-3")
+    ratio = None if off is None or z3 is None else off / z3
+    row(
+        "stage 3, 4 micro-batches, accumulator offloaded to host memory",
+        "≤ 1.05 x 1 micro-batch",
+        ratio,
+        1.05,
+        f"{off:.2f} / {z3:.2f} GiB" if ratio is not None else "",
     )
     f4, f1 = peak(f"{size}-accum", "fsdp2-reshard"), fr
     if f4 is not None and f1 is not None:

@@ -1,4 +1,6 @@
-"""`ZeroConfig(accum_dtype=torch.bfloat16)`: a half-size accumulator that stays close to fp32.
+"""The sharded gradient accumulator's options: `accum_dtype=torch.bfloat16` and `offload_accum`.
+
+bf16:
 
 At world 2, stages 2 and 3, an engine with the bf16 accumulator runs beside one with the default
 fp32 accumulator on the same micro-batches. Between micro-batches its sharded gradients are bf16
@@ -6,6 +8,12 @@ fp32 accumulator on the same micro-batches. Between micro-batches its sharded gr
 backward the optimizer reads fp32 gradients again, within a few bf16 roundings of the fp32 run,
 and the trained weights stay near the single-process result (measurably less near than fp32's:
 the rounding is real).
+
+Offload: at world 2, stages 2 and 3, engines with `offload_accum` (fp32 and bf16 accumulators)
+run beside the on-device ones. Between micro-batches the offloaded engines hold no gradient on
+the device (`master.grad`, `low_acc` and the `grads` bytes are empty) and their host buffers
+equal the on-device accumulators bit for bit (scaling by 1/2 is exact, and the sum is the same);
+the boundary gradients, and so the trained weights, are bit-identical for fp32.
 """
 
 from __future__ import annotations
@@ -129,3 +137,86 @@ def test_accum_dtype_is_validated() -> None:
     with pytest.raises(ValueError, match="`accum_dtype`"):
         ZeroConfig(stage=2, accum_dtype=torch.int8)
     assert ZeroConfig(stage=1, accum_dtype=torch.float32).accum_dtype == torch.float32
+
+
+def _run_offload(rank: int, world: int) -> None:
+    for stage in (2, 3):
+        kinds = [(False, False), (True, False), (False, True), (True, True)]  # (offload, low)
+        runs = {
+            kind: prepare(
+                tiny_llama(seed=0),
+                _adamw,
+                ZeroConfig(
+                    stage=stage,
+                    min_shard_numel=0,
+                    bucket_numel=5000,
+                    accum_dtype=torch.bfloat16 if kind[1] else None,
+                    offload_accum=kind[0],
+                ),
+            )
+            for kind in kinds
+        }
+        engines = {kind: engine_of(model) for kind, (model, _) in runs.items()}
+        for step, ids in enumerate(_batches()[:2]):
+            per = ids.shape[0] // world
+            mine = ids[rank * per : (rank + 1) * per].chunk(3)
+            for i, micro in enumerate(mine):
+                last = i == len(mine) - 1
+                for model, _ in runs.values():
+                    if last:
+                        (_loss(model, micro) / 3).backward()
+                    else:
+                        with model.no_sync():
+                            (_loss(model, micro) / 3).backward()
+                if last:
+                    break
+                for low in (False, True):
+                    on_device, offloaded = engines[False, low], engines[True, low]
+                    stats = memory_stats(*runs[True, low])
+                    assert stats["grads"] == 0, (stage, low, stats)
+                    device_stats = memory_stats(*runs[False, low])
+                    assert stats["host_grads"] == device_stats["grads"] > 0
+                    for e, d in zip(offloaded.sharded, on_device.sharded, strict=True):
+                        assert e.master.grad is None
+                        assert e.low_acc is None
+                        assert e.host_has
+                        assert e.host_acc is not None
+                        acc = d.low_acc if low else d.master.grad
+                        assert acc is not None
+                        if step == 0 or not low:  # bf16 weights differ after the first step
+                            assert torch.equal(e.host_acc, acc), (stage, e.name, low)
+            for low in (False, True):
+                pairs = zip(engines[True, low].sharded, engines[False, low].sharded, strict=True)
+                for e, d in pairs:
+                    assert not e.host_has
+                    assert e.master.grad is not None
+                    assert d.master.grad is not None
+                    if low and step == 0:  # the last micro-batch is added in fp32
+                        _close_in_bf16(e.master.grad, d.master.grad, roundings=3)
+                    elif not low:
+                        assert torch.equal(e.master.grad, d.master.grad), (stage, e.name)
+            for _, opt in runs.values():
+                opt.step()
+                opt.zero_grad()
+        weights = {kind: full_state_dict(model) for kind, (model, _) in runs.items()}
+        for key, value in weights[False, False].items():
+            assert torch.equal(weights[True, False][key], value), (stage, key)
+        # zero_grad() drops what the host holds: the next step starts from zero
+        model, opt = runs[True, False]
+        with model.no_sync():
+            _loss(model, _batches()[0][rank::world]).backward()
+        assert any(e.host_has for e in engines[True, False].sharded)
+        opt.zero_grad()
+        assert not any(e.host_has for e in engines[True, False].sharded)
+
+
+@pytest.mark.distributed
+def test_offloaded_accumulator_holds_no_device_gradient_and_is_exact(tmp_path: Path) -> None:
+    spawn(_run_offload, world_size=2, tmp_path=tmp_path)
+
+
+def test_offload_accum_is_validated() -> None:
+    with pytest.raises(ValueError, match=r"`offload_accum` \(True\).*stages 2-3 only"):
+        ZeroConfig(stage=1, offload_accum=True)
+    with pytest.raises(TypeError, match="`offload_accum`"):
+        ZeroConfig(stage=2, offload_accum="yes")  # type: ignore[arg-type]

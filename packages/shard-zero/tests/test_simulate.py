@@ -132,10 +132,15 @@ def test_came_is_below_adamw_and_fsdp2(config_path: str, adamw: SimReport) -> No
     assert came.calls["all_reduce"] > 1  # its factored statistics are all-reduced
 
 
+@pytest.fixture(scope="module")
+def four(config_path: str) -> SystemResult:
+    """shard-zero-3 with 4 micro-batches per step (3 under `no_sync()`), fp32 accumulator."""
+    return _sim(config_path, stages=(3,), micro_batches=4, fsdp2=False).get("shard-zero-3")
+
+
 def test_accumulation_costs_only_the_sharded_fp32_gradient(
-    config_path: str, adamw: SimReport
+    four: SystemResult, adamw: SimReport
 ) -> None:
-    four = _sim(config_path, stages=(3,), micro_batches=4, fsdp2=False).get("shard-zero-3")
     one = adamw.get("shard-zero-3")
     accumulator = 4 * adamw.psi / WORLD  # fp32 gradient shards, alive between micro-batches
     assert _peak(four) <= _peak(one) + accumulator
@@ -144,10 +149,9 @@ def test_accumulation_costs_only_the_sharded_fp32_gradient(
 
 
 def test_a_bf16_accumulator_halves_what_accumulation_adds(
-    config_path: str, adamw: SimReport
+    config_path: str, four: SystemResult, adamw: SimReport
 ) -> None:
     one = adamw.get("shard-zero-3")
-    four = _sim(config_path, stages=(3,), micro_batches=4, fsdp2=False).get("shard-zero-3")
     low = _sim(config_path, stages=(3,), micro_batches=4, fsdp2=False, accum_dtype="bf16").get(
         "shard-zero-3"
     )
@@ -156,6 +160,23 @@ def test_a_bf16_accumulator_halves_what_accumulation_adds(
     assert _peak(four) - _peak(low) >= 0.9 * 2 * adamw.psi / WORLD
     # the optimizer still reads fp32 gradients: the step holds the same fp32 shards
     assert low.maxima["grads"] >= 4 * adamw.psi / WORLD * 0.99
+
+
+def test_an_offloaded_accumulator_adds_no_device_memory(
+    config_path: str, four: SystemResult, adamw: SimReport
+) -> None:
+    one = adamw.get("shard-zero-3")
+    off = _sim(config_path, stages=(3,), micro_batches=4, fsdp2=False, offload_accum=True).get(
+        "shard-zero-3"
+    )
+    # the target: accumulating 4 micro-batches costs <= 5% over 1 (on the device)
+    assert _peak(four) > 1.05 * _peak(one)  # the on-device fp32 accumulator misses it here
+    assert _peak(off) <= 1.05 * _peak(one)
+    # the accumulator is all in host memory (fp32, this rank's rows), outside the device peak
+    assert off.peak["host"] == pytest.approx(4 * adamw.psi / WORLD, rel=0.02)
+    assert one.peak["host"] == 0
+    assert off.maxima["params"] <= _units_bound(off)
+    assert off.calls["reduce_scatter"] == 4 * one.calls["reduce_scatter"]
 
 
 def test_the_lazy_mutant_fails_the_checks(

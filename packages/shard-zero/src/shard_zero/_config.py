@@ -41,6 +41,18 @@ class ZeroConfig:
             end of the first backward outside `no_sync()` (or by `step()` /
             `clip_grad_norm_()`), when activations are gone; the optimizer always reads fp32.
             Stage 1 accumulates in `param.grad` (the compute dtype, as DDP) and rejects it.
+        offload_accum: stages 2-3: keep the sharded gradient accumulator in host memory
+            (pinned when the model is on CUDA) between backwards run under `no_sync()`, so
+            that accumulating micro-batches costs no accelerator memory. Each such backward's
+            reduced gradient rows are copied to the host as their reduce-scatter completes
+            (the first micro-batch) or read back, added on the device and copied back (later
+            ones): 4 bytes per local element each way per micro-batch (2 with
+            `accum_dtype=torch.bfloat16`), on the current stream, without a host sync. The
+            backward outside `no_sync()` accumulates on the device as without offload, and
+            the host part is added into the fp32 master gradients at its end (or by `step()`
+            / `clip_grad_norm_()`). One host buffer per sharded parameter (this rank's rows,
+            `accum_dtype`) is allocated at the first backward under `no_sync()` and kept.
+            Stage 1 rejects it (it accumulates full gradients in `param.grad`).
         min_shard_numel: parameters with fewer elements than this (and 0-dim ones) are not
             sharded: every rank keeps and steps a full replica, with gradients all-reduced.
         bucket_numel: most elements of one flat gradient or parameter communication buffer,
@@ -74,6 +86,7 @@ class ZeroConfig:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     accum_dtype: torch.dtype | None = None
+    offload_accum: bool = False
     min_shard_numel: int = 16384
     bucket_numel: int = 2**24
     wrap_policy: Callable[[str, nn.Module], bool] | None = None
@@ -101,6 +114,11 @@ class ZeroConfig:
                 f"`accum_dtype` ({self.accum_dtype!r}) applies to stages 2-3 only: stage 1 "
                 "accumulates in `param.grad`, in the compute dtype (`param_dtype`), as DDP does"
             )
+        if self.stage == 1 and self.offload_accum is True:
+            raise ValueError(
+                "`offload_accum` (True) applies to stages 2-3 only: stage 1 accumulates full "
+                "gradients in `param.grad`, as DDP does"
+            )
         for name in ("min_shard_numel", "bucket_numel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -111,7 +129,7 @@ class ZeroConfig:
             raise ValueError(f"`bucket_numel` ({self.bucket_numel}) must be >= 1")
         if self.wrap_policy is not None and not callable(self.wrap_policy):
             raise TypeError(f"`wrap_policy` must be callable or None, got {self.wrap_policy!r}")
-        for name in ("prefetch", "check_consistency"):
+        for name in ("prefetch", "check_consistency", "offload_accum"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
         if self.timeout is not None:

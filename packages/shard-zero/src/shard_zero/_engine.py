@@ -63,6 +63,7 @@ class ZeroEngine:
         self.stage = config.stage
         self.reduce_dtype = config.reduce_dtype or torch.float32
         self.accum_dtype = config.accum_dtype or torch.float32
+        self.offload_accum = config.offload_accum
         self.sync = True
         self._released: dict[int, int] = {}  # entry -> bytes of a compute copy freed for step
         self._check_same_model(model)

@@ -53,6 +53,10 @@ class Entry:
             backwards until the end-of-backward all-reduce.
         low_acc: sharded parameters with `accum_dtype=torch.bfloat16`: this rank's reduced
             gradient rows accumulated in bf16, until cast into `master.grad`.
+        host_acc: sharded parameters with `offload_accum`: this rank's reduced gradient rows
+            accumulated in host memory (`accum_dtype`) over the backwards run under
+            `no_sync()`; allocated once, holding data only while `host_has` is set.
+        host_has: whether `host_acc` holds gradients not yet added into `master.grad`.
         ready: whether this parameter's gradient was packed into its bucket in this backward.
         held: stages 2-3, a parameter travelling in pieces: its gradient (compute dtype) from
             its arrival until its last piece is packed.
@@ -69,6 +73,8 @@ class Entry:
     row_numel: int
     acc: torch.Tensor | None = None
     low_acc: torch.Tensor | None = None
+    host_acc: torch.Tensor | None = None
+    host_has: bool = False
     ready: bool = False
     held: torch.Tensor | None = None
 

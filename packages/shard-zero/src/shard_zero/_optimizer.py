@@ -62,6 +62,7 @@ class ZeroOptimizer(Optimizer):
         for e in self.engine.entries:
             e.acc = None
             e.low_acc = None
+            e.host_has = False
             e.param.grad = None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -9,7 +9,10 @@
   rest of backward, and a stage-3 unit is freed as soon as its last gradient arrives. After a
   launch at most `MAX_IN_FLIGHT` earlier reduce-scatters stay outstanding: the oldest is waited
   for and its output added into the master gradients (the sharded fp32 accumulator), which
-  releases its input. Memory therefore does not grow with the number of micro-batches.
+  releases its input. Memory therefore does not grow with the number of micro-batches. The
+  accumulator can be bf16 (`accum_dtype`, `low_acc`) and, under `no_sync()`, live in host
+  memory (`offload_accum`, `host_acc`); both are added into the fp32 master gradients at the
+  accumulation boundary (`materialize`).
 * Stage 1 (as DDP): gradients stay in `param.grad` in the compute dtype, accumulated by autograd
   over the micro-batches run under `no_sync()`; the first backward outside `no_sync()` (or
   `step()`) reduce-scatters them bucket by bucket at its end, releasing each full gradient as
@@ -64,6 +67,7 @@ class Reducer:
         self._callback_queued = False
         self._contributed: set[int] = set()  # entries that had a gradient on this rank
         self._fresh: set[int] = set()  # entries whose master `.grad` this reduction created
+        self._host_fresh: set[int] = set()  # entries whose host rows this reduction started
         self.unreduced = False  # stage 1: a backward under no_sync() left gradients unreduced
         engine.comm.names[REPLICATED_IDENT] = (
             "the gradients of the replicated (small) parameters and the per-parameter "
@@ -197,11 +201,15 @@ class Reducer:
         del buf  # the input is released once its reduction completed
         scale = 1.0 / engine.world
         low = engine.accum_dtype != torch.float32
+        to_host = engine.offload_accum and not engine.sync
         for e, off in zip(bucket.entries, bucket.offsets, strict=True):
             # a rank without rows gets an empty gradient, so that it still steps the parameter
             # (row-shard optimizers all-reduce their statistics over every rank)
             span = bucket.span(e)
             piece = local_piece(out, off, e, span)
+            if to_host:
+                self._add_on_host(e, piece, span, scale)
+                continue
             acc = e.low_acc if low else e.master.grad
             if acc is None:
                 self._fresh.add(id(e))
@@ -221,17 +229,57 @@ class Reducer:
             else:
                 rows.add_(piece, alpha=scale)
 
+    def _add_on_host(
+        self, e: Entry, piece: torch.Tensor, span: tuple[int, int], scale: float
+    ) -> None:
+        """`offload_accum`, a backward under `no_sync()`: add `piece * scale` into host rows.
+
+        Every transfer is an asynchronous copy on the current stream (the host buffer is
+        pinned on CUDA), ordered after the reduce-scatter it reads and before the next copy
+        of the same rows; the host never reads the buffer itself, so nothing waits for it.
+        """
+        engine = self.engine
+        if e.host_acc is None:
+            e.host_acc = torch.empty(
+                e.master.shape,
+                dtype=engine.accum_dtype,
+                device="cpu",
+                pin_memory=engine.device.type == "cuda",
+            )
+        first, n = local_rows(e, span)
+        rows = e.host_acc[first : first + n]
+        if not e.host_has or id(e) in self._host_fresh:  # its first rows since the boundary
+            e.host_has = True
+            self._host_fresh.add(id(e))
+            total = piece.to(torch.float32, copy=True).mul_(scale)
+        else:
+            total = rows.to(engine.device, copy=True, non_blocking=True)
+            total.add_(piece, alpha=scale)
+        rows.copy_(total, non_blocking=True)  # one rounding to `accum_dtype`
+
     def materialize(self) -> None:
-        """Cast the bf16 accumulators (`accum_dtype`) into the fp32 master gradients."""
-        for e in self.engine.sharded:
-            if e.low_acc is None:
-                continue
-            g, e.low_acc = e.low_acc, None
-            if e.master.grad is None:
-                e.master.grad = g.to(torch.float32)
-            else:
-                e.master.grad.add_(g)
-            del g
+        """Add the side accumulators into the fp32 master gradients.
+
+        Those are the bf16 accumulators (`accum_dtype`) and the host buffers (`offload_accum`,
+        copied back asynchronously; each buffer is free for the next micro-batch after that).
+        """
+        engine = self.engine
+        for e in engine.sharded:
+            if e.low_acc is not None:
+                g, e.low_acc = e.low_acc, None
+                if e.master.grad is None:
+                    e.master.grad = g.to(torch.float32)
+                else:
+                    e.master.grad.add_(g)
+                del g
+            if e.host_has and e.host_acc is not None:
+                e.host_has = False
+                g = e.host_acc.to(engine.device, torch.float32, non_blocking=True, copy=True)
+                if e.master.grad is None:
+                    e.master.grad = g
+                else:
+                    e.master.grad.add_(g)
+                del g
 
     def _finish(self) -> None:
         """All-reduce the replicated gradients and the gradient flags, then wait for all.
@@ -278,8 +326,11 @@ class Reducer:
             if id(e) in self._fresh and id(e) not in got:
                 # no rank had a gradient: none, as in one process
                 _set_acc(e, None, engine.accum_dtype != torch.float32)
+            if id(e) in self._host_fresh and id(e) not in got:
+                e.host_has = False
         self._contributed.clear()
         self._fresh.clear()
+        self._host_fresh.clear()
         if engine.sync:  # the accumulation boundary: activations are gone
             self.materialize()
 

@@ -91,8 +91,10 @@ def memory_stats(model: nn.Module, optimizer: ZeroOptimizer | None = None) -> di
     Returns:
         A dict with `params` (the model's compute parameters, all of them), `master_params`
         (fp32 master shards not aliasing `params`), `grads` (shard gradients plus any full-size
-        accumulators), `optimizer_state` (tensors in the optimizer's state), `total`, and
-        `communication`: `{kind: {"calls": n, "bytes": b}}` for the last completed step.
+        accumulators), `optimizer_state` (tensors in the optimizer's state), `total` (their
+        sum), `host_grads` (the host buffers of `offload_accum`, allocated or not holding data;
+        not in `total`) and `communication`: `{kind: {"calls": n, "bytes": b}}` for the last
+        completed step.
     """
     engine = engine_of(model)
     seen: set[tuple[int, int]] = set()
@@ -114,5 +116,6 @@ def memory_stats(model: nn.Module, optimizer: ZeroOptimizer | None = None) -> di
         "grads": grads,
         "optimizer_state": opt_state,
         "total": params + masters + grads + opt_state,
+        "host_grads": _bytes([e.host_acc for e in engine.entries if e.host_acc is not None], seen),
         "communication": dict(engine.comm.last_step),
     }

@@ -58,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
         choices=["fp32", "bf16"],
         help="shard-zero's sharded gradient accumulator at stages 2-3 (ZeroConfig.accum_dtype)",
     )
+    p.add_argument(
+        "--offload-accum",
+        action="store_true",
+        help="shard-zero stages 2-3 keep the accumulator in host memory between micro-batches "
+        "(ZeroConfig.offload_accum)",
+    )
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-fsdp2", action="store_true", help="skip the FSDP2 rows")
     p.add_argument("--replica", action="store_true", help="add a plain replica (DDP's grads)")
@@ -93,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seq_len=args.seq_len,
             micro_batches=args.micro_batches,
             accum_dtype=args.accum_dtype,
+            offload_accum=args.offload_accum,
             activation_checkpointing=args.activation_checkpointing,
             fsdp2=not args.no_fsdp2,
             replica=args.replica,

@@ -36,7 +36,8 @@ def conditions(report: SimReport) -> str:
         f"{c.param_dtype} compute / fp32 masters and gradient reduction, optimizer {opt} "
         f"(FSDP2 rows: {fsdp2_opt}), micro-batch {c.micro_batch} x {c.seq_len} tokens, "
         f"{c.micro_batches} micro-batch(es) per step"
-        f"{', bf16 gradient accumulator' if c.accum_dtype == 'bf16' else ''}, "
+        f"{', bf16 gradient accumulator' if c.accum_dtype == 'bf16' else ''}"
+        f"{', accumulator offloaded to host memory' if c.offload_accum else ''}, "
         "activation checkpointing "
         f"{'on' if c.activation_checkpointing else 'off'}; torch {report.versions['torch']}, "
         f"transformers {report.versions['transformers']}; per-rank bytes of rank 0, "
@@ -47,9 +48,10 @@ def conditions(report: SimReport) -> str:
 def table(report: SimReport) -> str:
     """The Markdown table: peak per rank by category, collectives per step, the formula."""
     anchors = [_anchor(report, n) for n in ("fsdp2-reshard", "fsdp2-no-reshard")]
+    columns = (*_COLUMNS, "host") if report.config.offload_accum else _COLUMNS
     head = (
         "| system | peak / rank (GiB) | x fsdp2-reshard | x fsdp2-no-reshard | "
-        + " | ".join(_COLUMNS)
+        + " | ".join(columns)
         + " | ZeRO formula, model states (GiB) | "
         + " | ".join(f"{k} GiB (calls)" for k in _KINDS)
         + " | backward matmuls after 1st reduce |"
@@ -61,7 +63,7 @@ def table(report: SimReport) -> str:
             continue
         cells = [r.name, _gib(r.peak["total"])]
         cells += ["-" if a is None else f"{r.peak['total'] / a.peak['total']:.3f}" for a in anchors]
-        cells += [_gib(r.peak[c]) for c in _COLUMNS]
+        cells += [_gib(r.peak[c]) for c in columns]
         formula = _gib(r.formula)
         cells.append(f"{formula} (stage {r.formula_stage})" if r.formula is not None else "-")
         cells += [f"{_gib(r.bytes.get(k, 0))} ({r.calls.get(k, 0)})" for k in _KINDS]

@@ -57,6 +57,9 @@ class SimConfig:
         micro_batches: micro-batches per step (all but the last without gradient sync).
         accum_dtype: shard-zero's sharded gradient accumulator at stages 2-3 (`fp32`, or
             `bf16`: `ZeroConfig.accum_dtype=torch.bfloat16`); FSDP2 rows are unaffected.
+        offload_accum: shard-zero stages 2-3 keep that accumulator in host memory between
+            micro-batches (`ZeroConfig.offload_accum`); host bytes are reported apart (`host`)
+            and left out of the per-rank peak, which counts the device only.
         activation_checkpointing: recompute each decoder layer in backward.
         fsdp2: also run FSDP2 with and without resharding after forward.
         replica: also run a plain replica in the compute dtype (the gradients DDP holds).
@@ -75,6 +78,7 @@ class SimConfig:
     seq_len: int = 1024
     micro_batches: int = 1
     accum_dtype: Literal["fp32", "bf16"] = "fp32"
+    offload_accum: bool = False
     activation_checkpointing: bool = False
     fsdp2: bool = True
     replica: bool = False
@@ -196,6 +200,7 @@ def _runs(
                 param_dtype=param_dtype,
                 optimizer=optimizer,
                 accum_dtype=_DTYPES[config.accum_dtype] if s > 1 else None,
+                offload_accum=config.offload_accum and s > 1,
             )
 
         runs.append((f"shard-zero-{stage}", zero, stage))
@@ -231,9 +236,10 @@ def _run_one(name: str, build: Builder, model_cfg: Any, config: SimConfig) -> Sy
     try:
         built = build(_new_model(model_cfg, config))
         _step(built, config, model_cfg.vocab_size, None)  # warm-up: optimizer state exists
-        tracker = StepTracker(built.masters, built.grads)
+        host = built.host()  # allocated by the warm-up step
+        tracker = StepTracker(built.masters, built.grads, host)
         opt = [built.optimizer] if built.optimizer is not None else []
-        tracker.track_external(built.model, *opt, *built.masters)
+        tracker.track_external(built.model, *opt, *built.masters, *host)
         counter = CollectiveCounter()
         counter.tracker = tracker
         with tracker, counter:

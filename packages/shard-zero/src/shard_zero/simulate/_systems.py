@@ -32,6 +32,7 @@ class Built:
     grads: Callable[[], Iterable[torch.Tensor | None]]
     sync: Callable[[bool], contextlib.AbstractContextManager[None]]
     extra: dict[str, Any] = field(default_factory=dict)
+    host: Callable[[], list[torch.Tensor]] = list  # buffers in host memory (not on the device)
 
 
 def make_optimizer(
@@ -96,12 +97,14 @@ def build_shard_zero(
     param_dtype: torch.dtype,
     optimizer: OptimizerFactory,
     accum_dtype: torch.dtype | None = None,
+    offload_accum: bool = False,
 ) -> Built:
     """shard-zero at `stage` (consistency check off: no host reads on fake tensors)."""
     config = ZeroConfig(
         stage=stage,  # type: ignore[arg-type]
         param_dtype=None if param_dtype == torch.float32 else param_dtype,
         accum_dtype=accum_dtype,
+        offload_accum=offload_accum,
         check_consistency=False,
     )
     model, opt = prepare(model, optimizer, config)
@@ -123,7 +126,11 @@ def build_shard_zero(
         "unit_bytes": [u.nbytes for u in engine.units],  # the root unit first
         "bucket_numel": config.bucket_numel,
     }
-    return Built(model, opt, masters, grads, sync, extra)
+
+    def host() -> list[torch.Tensor]:
+        return [e.host_acc for e in engine.entries if e.host_acc is not None]
+
+    return Built(model, opt, masters, grads, sync, extra, host)
 
 
 def build_fsdp2(

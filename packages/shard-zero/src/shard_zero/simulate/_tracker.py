@@ -7,6 +7,8 @@ on top of that:
 
 * the fp32 master shards (shard-zero's masters, FSDP2's sharded parameters under mixed
   precision) are pinned as `masters` whenever they are not the compute parameters themselves;
+* host-memory buffers (shard-zero's `offload_accum` accumulators) are pinned as `host`: tracked,
+  but left out of the device total (`total`, the timeline and the peak);
 * gradients are re-labelled as `grads` before every new peak is recorded (they are created as
   backward temporaries and only then attached as `.grad`);
 * tensors made inside the optimizer step start as temporaries; the optimizer's state is
@@ -34,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 MASTERS = "Master"
+HOST = "Host"
 CATEGORIES: dict[str, Any] = {
     "params": _MemRefType.PARAM,
     "masters": MASTERS,
@@ -43,7 +46,9 @@ CATEGORIES: dict[str, Any] = {
     "temporaries": _MemRefType.TEMP,
     "other": _MemRefType.OTH,
     "buffers": _MemRefType.BUFFER,
+    "host": HOST,
 }
+_PINNED = (MASTERS, HOST)
 
 
 def _storages(t: torch.Tensor) -> list[Any]:
@@ -53,19 +58,26 @@ def _storages(t: torch.Tensor) -> list[Any]:
 
 
 class StepTracker(MemTracker):  # type: ignore[no-untyped-call]
-    """MemTracker with `masters` pinned, gradients re-labelled and a live-bytes timeline.
+    """MemTracker with `masters` and `host` pinned, gradients re-labelled and a timeline.
 
     Args:
         masters: fp32 master tensors to label `masters` (skip those that are parameters).
         grads: returns the current gradient tensors (called before each new peak is recorded).
+        host: tensors in host memory, labelled `host` and left out of the device total.
     """
 
     def __init__(
-        self, masters: Iterable[torch.Tensor], grads: Callable[[], Iterable[torch.Tensor | None]]
+        self,
+        masters: Iterable[torch.Tensor],
+        grads: Callable[[], Iterable[torch.Tensor | None]],
+        host: Iterable[torch.Tensor] = (),
     ) -> None:
         super().__init__()
-        self._ref_class = [*_MemRefType, MASTERS]  # type: ignore[assignment]
-        self._pinned = {id(st): st for m in masters for st in _storages(m)}
+        self._ref_class = [*_MemRefType, *_PINNED]  # type: ignore[assignment]
+        self._pinned: dict[int, Any] = {}
+        for label, tensors in ((MASTERS, masters), (HOST, host)):
+            # the storage is kept too, so that its id is not reused while tracking
+            self._pinned.update({id(st): (label, st) for t in tensors for st in _storages(t)})
         self._grads = grads
         self.timeline: list[int] = []
         self.marks: list[tuple[str, int]] = []
@@ -88,8 +100,9 @@ class StepTracker(MemTracker):  # type: ignore[no-untyped-call]
     ) -> Any:
         if t is None:  # MemTracker's grad hook, after shard-zero moved the gradient away
             return set()  # type: ignore[unreachable]
-        if reftype != MASTERS and any(id(st) in self._pinned for st in _storages(t)):
-            reftype = MASTERS
+        pinned = [self._pinned[id(st)][0] for st in _storages(t) if id(st) in self._pinned]
+        if pinned:
+            reftype = pinned[0]
         return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
     def _track(self, reftype: Any, t: torch.Tensor) -> None:
@@ -102,12 +115,13 @@ class StepTracker(MemTracker):  # type: ignore[no-untyped-call]
     ) -> None:
         """Label the (already tracked) storages of `tensors` as `reftype`.
 
-        Masters stay masters; with `only_from`, only storages labelled that are changed.
+        Pinned storages (masters, host) keep their label; with `only_from`, only storages
+        labelled that are changed.
         """
         for t in tensors:
             for st in _storages(t):
                 entry = self._WINFO.get(st)  # type: ignore[no-untyped-call]
-                if entry is None or entry[0].reftype in (reftype, MASTERS):
+                if entry is None or entry[0].reftype == reftype or entry[0].reftype in _PINNED:
                     continue
                 if only_from is None or entry[0].reftype == only_from:
                     old = entry[0].reftype
@@ -122,7 +136,7 @@ class StepTracker(MemTracker):  # type: ignore[no-untyped-call]
     def _update_peak_stats(self, peak_state: Any) -> None:
         # one device (the fake CPU device); no per-module peaks (not needed, and costly)
         snap = next(iter(self._curr_mem_snap.values()), None)
-        total = snap[_TOTAL_KEY] if snap is not None else 0
+        total = snap[_TOTAL_KEY] - snap.get(HOST, 0) if snap is not None else 0
         self.timeline.append(total)
         if snap is None:
             return
@@ -135,10 +149,10 @@ class StepTracker(MemTracker):  # type: ignore[no-untyped-call]
                 self._peak_mem_snap[dev] = dict(dev_snap)
 
     def peak(self) -> dict[str, int]:
-        """The breakdown at the overall peak, by report category (plus `total`)."""
+        """The breakdown at the overall (device) peak, by report category (plus `total`)."""
         snap = next(iter(self._peak_mem_snap.values()), {})
         out = {name: int(snap.get(key, 0)) for name, key in CATEGORIES.items()}
-        out["total"] = int(snap.get(_TOTAL_KEY, 0))
+        out["total"] = int(snap.get(_TOTAL_KEY, 0)) - out["host"]
         return out
 
     def maxima(self) -> dict[str, int]:
