@@ -126,6 +126,18 @@ CASES = {
                 **SEQ,
             },
         ),
+        Case(
+            "70b-z3-bucket-2e28",
+            {
+                "model": "llama-3-70b",
+                "world_size": 64,
+                "activation_checkpointing": True,
+                "stages": (3,),
+                "bucket_numel": 2**28,
+                "fsdp2": False,
+                **SEQ,
+            },
+        ),
     )
 }
 

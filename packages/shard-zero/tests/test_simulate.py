@@ -179,6 +179,17 @@ def test_an_offloaded_accumulator_adds_no_device_memory(
     assert off.calls["reduce_scatter"] == 4 * one.calls["reduce_scatter"]
 
 
+def test_bigger_buckets_mean_fewer_reduce_scatters_of_the_same_bytes(
+    config_path: str, adamw: SimReport
+) -> None:
+    small = adamw.get("shard-zero-3")  # the default: 2**24 elements per bucket
+    big = _sim(config_path, stages=(3,), fsdp2=False, bucket_numel=2**27).get("shard-zero-3")
+    assert big.calls["reduce_scatter"] * 4 <= small.calls["reduce_scatter"]
+    assert big.bytes["reduce_scatter"] == pytest.approx(small.bytes["reduce_scatter"], rel=0.01)
+    # the price: larger reduce-scatter buffers in flight
+    assert big.maxima["temporaries"] > small.maxima["temporaries"]
+
+
 def test_the_lazy_mutant_fails_the_checks(
     config_path: str, adamw: SimReport, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -223,6 +234,8 @@ def test_bad_input_names_the_argument(tmp_path: Path) -> None:
         model_config("llama-9")
     with pytest.raises(ValueError, match="`world_size`"):
         SimConfig(world_size=0)
+    with pytest.raises(ValueError, match="`bucket_numel`"):
+        SimConfig(bucket_numel=0)
     with pytest.raises(ValueError, match="`stages`"):
         SimConfig(stages=(4,))
     with pytest.raises(ValueError, match="`optimizer`"):

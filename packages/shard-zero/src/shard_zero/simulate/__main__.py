@@ -64,6 +64,13 @@ def _parser() -> argparse.ArgumentParser:
         help="shard-zero stages 2-3 keep the accumulator in host memory between micro-batches "
         "(ZeroConfig.offload_accum)",
     )
+    p.add_argument(
+        "--bucket-numel",
+        type=int,
+        default=None,
+        help="shard-zero's ZeroConfig.bucket_numel (default 2**24): elements per gradient "
+        "reduce-scatter",
+    )
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-fsdp2", action="store_true", help="skip the FSDP2 rows")
     p.add_argument("--replica", action="store_true", help="add a plain replica (DDP's grads)")
@@ -100,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             micro_batches=args.micro_batches,
             accum_dtype=args.accum_dtype,
             offload_accum=args.offload_accum,
+            bucket_numel=args.bucket_numel,
             activation_checkpointing=args.activation_checkpointing,
             fsdp2=not args.no_fsdp2,
             replica=args.replica,

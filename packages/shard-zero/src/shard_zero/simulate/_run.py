@@ -60,6 +60,8 @@ class SimConfig:
         offload_accum: shard-zero stages 2-3 keep that accumulator in host memory between
             micro-batches (`ZeroConfig.offload_accum`); host bytes are reported apart (`host`)
             and left out of the per-rank peak, which counts the device only.
+        bucket_numel: shard-zero's `ZeroConfig.bucket_numel` (None: its default, 2**24):
+            the most elements of one gradient reduce-scatter (stage 3: per unit's bucket).
         activation_checkpointing: recompute each decoder layer in backward.
         fsdp2: also run FSDP2 with and without resharding after forward.
         replica: also run a plain replica in the compute dtype (the gradients DDP holds).
@@ -79,6 +81,7 @@ class SimConfig:
     micro_batches: int = 1
     accum_dtype: Literal["fp32", "bf16"] = "fp32"
     offload_accum: bool = False
+    bucket_numel: int | None = None
     activation_checkpointing: bool = False
     fsdp2: bool = True
     replica: bool = False
@@ -93,6 +96,12 @@ class SimConfig:
             raise ValueError(f"`stages` ({self.stages!r}) must be a non-empty tuple of 1, 2, 3")
         if self.param_dtype not in _DTYPES:
             raise ValueError(f"`param_dtype` ({self.param_dtype!r}) must be 'bf16' or 'fp32'")
+        if self.bucket_numel is not None and (
+            isinstance(self.bucket_numel, bool)
+            or not isinstance(self.bucket_numel, int)
+            or self.bucket_numel < 1
+        ):
+            raise ValueError(f"`bucket_numel` ({self.bucket_numel!r}) must be a positive int")
         if self.accum_dtype not in _DTYPES:
             raise ValueError(f"`accum_dtype` ({self.accum_dtype!r}) must be 'bf16' or 'fp32'")
 
@@ -201,6 +210,7 @@ def _runs(
                 optimizer=optimizer,
                 accum_dtype=_DTYPES[config.accum_dtype] if s > 1 else None,
                 offload_accum=config.offload_accum and s > 1,
+                bucket_numel=config.bucket_numel,
             )
 
         runs.append((f"shard-zero-{stage}", zero, stage))

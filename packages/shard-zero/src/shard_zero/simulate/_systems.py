@@ -98,6 +98,7 @@ def build_shard_zero(
     optimizer: OptimizerFactory,
     accum_dtype: torch.dtype | None = None,
     offload_accum: bool = False,
+    bucket_numel: int | None = None,
 ) -> Built:
     """shard-zero at `stage` (consistency check off: no host reads on fake tensors)."""
     config = ZeroConfig(
@@ -106,6 +107,7 @@ def build_shard_zero(
         accum_dtype=accum_dtype,
         offload_accum=offload_accum,
         check_consistency=False,
+        **({} if bucket_numel is None else {"bucket_numel": bucket_numel}),
     )
     model, opt = prepare(model, optimizer, config)
     engine = engine_of(model)
