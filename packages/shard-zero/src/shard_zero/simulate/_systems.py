@@ -107,7 +107,7 @@ def build_shard_zero(
         accum_dtype=accum_dtype,
         offload_accum=offload_accum,
         check_consistency=False,
-        **({} if bucket_numel is None else {"bucket_numel": bucket_numel}),
+        bucket_numel=ZeroConfig.bucket_numel if bucket_numel is None else bucket_numel,
     )
     model, opt = prepare(model, optimizer, config)
     engine = engine_of(model)
