@@ -61,8 +61,9 @@ class ZeroConfig:
             order, while its parameters are gathered in one buffer). A parameter larger than
             that travels in pieces of whole rows. The default (2**24: 64 MiB of fp32
             gradients) keeps each call large enough for NCCL's bandwidth while bounding the
-            reduce-scatter inputs in flight; Llama-3-70B then takes 4286 reduce-scatters per
-            step (simulated), FSDP2 81.
+            reduce-scatter inputs in flight; Llama-3-70B on 64 ranks then takes 4286
+            reduce-scatters per step (simulated; FSDP2 81), and 2**28 takes 328 for a 1.041x
+            higher stage-3 peak (benchmarks/RESULTS.md, run 4).
         wrap_policy: stage 3 only: `policy(name, module) -> bool` marks the modules whose
             parameters are gathered and freed together. None wraps every child of every
             `nn.ModuleList` (the decoder layers of a Hugging Face model). Parameters outside
