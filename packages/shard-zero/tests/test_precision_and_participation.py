@@ -175,13 +175,15 @@ def _uneven_worker(rank: int, world: int) -> None:
     ref = _uneven_reference(world)
     init = _Net().state_dict()
     for stage in (1, 2, 3):
-        for accumulate in (False, True):
+        # (accumulate, offload_accum): the host accumulator at stages 2-3 too
+        for accumulate, offload in [(False, False), (True, False), (True, True)][: 2 + (stage > 1)]:
             # small buckets: ranks that complete different buckets first must still pair them
             config = ZeroConfig(
                 stage=stage,  # type: ignore[arg-type]
                 min_shard_numel=100,
                 bucket_numel=200,
                 timeout=30,
+                offload_accum=offload,
             )
             model, opt = prepare(_Net(), _adamw, config)
             for step in range(STEPS_UNEVEN):
@@ -204,7 +206,7 @@ def _uneven_worker(rank: int, world: int) -> None:
                     assert torch.equal(got[key], init[key]), f"stage {stage}: {key} was stepped"
                     continue
                 err = float((d_got - d_ref).norm() / d_ref.norm())
-                assert err < 1e-5, f"stage {stage} accumulate={accumulate}: {key}: {err:.3g}"
+                assert err < 1e-5, f"stage {stage} {accumulate=} {offload=}: {key}: {err:.3g}"
 
 
 @pytest.mark.distributed
