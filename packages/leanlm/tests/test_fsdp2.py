@@ -108,11 +108,8 @@ def _one_vs_two_then_resume(tmp_path, tiny_config, optimizer, *, steps, atol, rt
     stage = cut / "pretrain"
     sharded = stage / "checkpoints" / f"step-{every:08d}" / "fsdp2"
     assert sharded.is_dir()
-    per_rank = sorted(f.name for f in sharded.glob("optim-rank*"))
-    if optimizer == "adamw":  # DTensor state: in the DCP files
-        assert per_rank == []
-    else:  # plain local state: one file per process
-        assert per_rank == ["optim-rank00000-of-00002.pt", "optim-rank00001-of-00002.pt"]
+    # the optimizer state is in the DCP files (CAME and Adafactor: as DTensors over the mesh)
+    assert sorted(f.name for f in sharded.glob("optim-rank*")) == []
     (stage / "result.json").unlink()
     shutil.rmtree(stage / "model")
     rows = [r for r in _rows(cut) if r["step"] <= every]
@@ -215,19 +212,39 @@ def test_fsdp2_evaluation_runs_in_lockstep_and_equals_one_process(tmp_path):
     spawn(_evaluate_sharded, windows, expected, world_size=2, tmp_path=tmp_path)
 
 
-def _save_and_load_factored_state(rank, world_size, folder):
-    from pathlib import Path
-
-    from leanlm.engines import _Fsdp2State, fsdp2_shard
+def _built_came():
+    from leanlm.engines import fsdp2_shard
     from leanlm.optim import decay_param_groups, optimizer_over
     from leanlm_testing.models import tiny_llama
 
-    def build():
-        model = fsdp2_shard(tiny_llama(seed=0))
-        groups = decay_param_groups(model.parameters(), 0.1)
-        return model, optimizer_over("came", groups, lr=1e-3, betas=(0.9, 0.95))
+    model = fsdp2_shard(tiny_llama(seed=0))
+    groups = decay_param_groups(model.parameters(), 0.1)
+    return model, optimizer_over("came", groups, lr=1e-3, betas=(0.9, 0.95))
 
-    model, optimizer = build()
+
+def _logical_state(model, optimizer):
+    """Every parameter and optimizer state tensor as its whole (logical) tensor (a collective)."""
+    from optim_adafactor.dtensor import distributed_state_dict
+
+    state = distributed_state_dict(optimizer, model)["state"]
+    full = {name: p.detach().full_tensor() for name, p in model.named_parameters()}
+    for name, entries in state.items():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                full[f"{name}/{key}"] = (
+                    value.full_tensor() if hasattr(value, "full_tensor") else value
+                )
+            else:
+                full[f"{name}/{key}"] = torch.tensor(value)
+    return full
+
+
+def _save_and_load_factored_state(rank, world_size, folder):
+    from pathlib import Path
+
+    from leanlm.engines import _Fsdp2State
+
+    model, optimizer = _built_came()
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
     for _ in range(2):  # each rank its own data: its row statistics differ from the other's
         model(input_ids=ids, labels=ids).loss.backward()
@@ -235,7 +252,11 @@ def _save_and_load_factored_state(rank, world_size, folder):
         optimizer.zero_grad()
     path = Path(folder)
     _Fsdp2State(model, optimizer).save(path)
-    fresh_model, fresh_optimizer = build()
+    assert sorted(path.glob("optim-rank*")) == []  # all in the DCP files
+    logical = _logical_state(model, optimizer)
+    if rank == 0:
+        torch.save(logical, path.parent / "logical.pt")
+    fresh_model, fresh_optimizer = _built_came()
     _Fsdp2State(fresh_model, fresh_optimizer).load(path)
     saved, loaded = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
     assert len(saved) > 0
@@ -248,23 +269,41 @@ def _save_and_load_factored_state(rank, world_size, folder):
                 assert torch.equal(loaded[index][key], value), (index, key)
     for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True):
         assert torch.equal(a.to_local(), b.to_local())
+    torch.distributed.barrier()
 
+
+def _load_factored_state_at(rank, world_size, folder):
+    from pathlib import Path
+
+    from leanlm.engines import _Fsdp2State
+
+    path = Path(folder)
+    model, optimizer = _built_came()
+    _Fsdp2State(model, optimizer).load(path)  # written by 2 processes
+    got, saved = _logical_state(model, optimizer), torch.load(path.parent / "logical.pt")
+    assert got.keys() == saved.keys()
+    for key, value in saved.items():
+        assert torch.equal(got[key], value), key
     torch.distributed.barrier()
-    if rank == 0:  # as if written by 3 processes
-        for f in path.glob("optim-rank*-of-00002.pt"):
-            f.rename(f.with_name(f.name.replace("-of-00002", "-of-00003")))
+    if rank == 0:  # the per-process files of an earlier leanlm
+        torch.save({}, path / "optim-rank00000-of-00003.pt")
     torch.distributed.barrier()
-    with pytest.raises(ValueError, match="another number of processes"):
-        _Fsdp2State(fresh_model, fresh_optimizer).load(path)
+    with pytest.raises(ValueError, match="per-process files"):
+        _Fsdp2State(model, optimizer).load(path)
 
 
 @pytest.mark.distributed
-def test_fsdp2_factored_optimizer_state_is_saved_per_process(tmp_path):
-    # DCP would keep one rank's copy of the plain-tensor row statistics and give it to both
-    # ranks on load (each rank saw other data here, so the equality check catches that).
+def test_fsdp2_factored_optimizer_state_reshards_through_dcp(tmp_path):
+    # Written by 2 processes, each with its own data (so their row statistics differ); read
+    # back by 2 (every local tensor equal) and by 3 (other row splits: every logical parameter
+    # and state tensor, row statistics included, equal to the saved one).
     from leanlm_testing import spawn
 
-    spawn(_save_and_load_factored_state, str(tmp_path / "ckpt"), world_size=2, tmp_path=tmp_path)
+    folder = str(tmp_path / "ckpt")
+    for world, worker in ((2, _save_and_load_factored_state), (3, _load_factored_state_at)):
+        rendezvous = tmp_path / f"world{world}"
+        rendezvous.mkdir()
+        spawn(worker, folder, world_size=world, tmp_path=rendezvous)
 
 
 def _sparse_export(run_dir):
@@ -357,15 +396,12 @@ def _sparse_one_vs_two_then_resume(tmp_path, tiny_config):
             torch.testing.assert_close(compact[key], ref_compact[key], **tolerance, msg=key)
 
     # Resume from the mid-run FSDP2 checkpoint: the masks are rebuilt, the checkpoint restores
-    # the shards and CAME's per-process state; the export must equal the uninterrupted one's.
+    # the shards and CAME's state (DCP); the export must equal the uninterrupted one's.
     cut = tmp_path / "cut"
     shutil.copytree(tmp_path / "two", cut)
     stage = cut / "sparsify"
     sharded = stage / "checkpoints" / f"step-{every:08d}" / "fsdp2"
-    assert sorted(f.name for f in sharded.glob("optim-rank*")) == [
-        "optim-rank00000-of-00002.pt",
-        "optim-rank00001-of-00002.pt",
-    ]
+    assert sorted(f.name for f in sharded.glob("optim-rank*")) == []  # all in the DCP files
     # The trainable weights behind the masks stayed exactly zero where the masks prune through
     # the sharded optimizer steps (weight decay, CAME's momentum); read from the checkpoint's
     # gathered shards, since the export bakes the masks in whatever they hold.

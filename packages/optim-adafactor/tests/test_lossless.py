@@ -49,3 +49,39 @@ def test_state_survives_run_steps_helper() -> None:
     opt = Adafactor(params, beta1=0.9)
     run_steps(opt, params, range(3))
     assert opt.state[params[0]]["exp_avg_sq_row"].dtype == torch.float32
+
+
+def test_init_state_is_the_first_steps_zero_state_without_stepping() -> None:
+    shapes = [(6, 5), (4,), (3, 2, 5)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    opt = Adafactor(params, beta1=0.9)
+    opt.init_state()
+    assert all(opt.state[p]["step"] == 0 for p in params)
+    stepped = Adafactor([torch.nn.Parameter(p.detach().clone()) for p in params], beta1=0.9)
+    for p in stepped.param_groups[0]["params"]:
+        p.grad = torch.zeros_like(p)
+    stepped.step()
+    for p, q in zip(params, stepped.param_groups[0]["params"], strict=True):
+        mine, theirs = opt.state[p], stepped.state[q]
+        assert mine.keys() == theirs.keys()
+        for key, value in mine.items():
+            if key != "step":
+                assert value.shape == theirs[key].shape, key
+                assert value.dtype == theirs[key].dtype, key
+                assert not value.any(), key  # zeros: nothing was stepped
+    before = {k: v.clone() for k, v in opt.state[params[0]].items() if k != "step"}
+    opt.init_state()  # a second call keeps the existing state
+    assert all(torch.equal(opt.state[params[0]][k], v) for k, v in before.items())
+
+
+def test_distributed_state_dict_names_a_parameter_missing_from_the_model() -> None:
+    from optim_adafactor.dtensor import distributed_state_dict
+
+    model = torch.nn.Linear(3, 2)
+    opt = Adafactor([*model.parameters(), torch.nn.Parameter(torch.zeros(4, 4))])
+    with pytest.raises(ValueError, match=r"shape \(4, 4\) is not a parameter of `model`"):
+        distributed_state_dict(opt, model)
+    # plain (non-DTensor) parameters keep their state as is, the groups travel pickled
+    state = distributed_state_dict(Adafactor(model.parameters()), model)
+    assert set(state["state"]) == {"weight", "bias"}
+    assert isinstance(state["param_groups"], bytes)

@@ -1,7 +1,8 @@
 """FSDP2 (`fully_shard`) and DTensor parameters: sharded CAME steps equal the single-process steps.
 
 gloo on CPU, world 2 and 4, rows that do not divide the world size (a rank with no rows at
-world 4), odd column counts, a vector and a 3-D parameter; HSDP on a (2, 2) mesh; Replicate.
+world 4), odd column counts, a vector and a 3-D parameter; HSDP on a (2, 2) mesh; Replicate;
+DCP checkpoints of the optimizer state across 2 -> 3 -> 1 ranks.
 """
 
 from functools import partial
@@ -9,6 +10,7 @@ from typing import Any, ClassVar
 
 from leanlm_testing.fsdp import FsdpParityTests, no_column_reduction
 from optim_adafactor.base import StepWork
+from optim_adafactor.dtensor import distributed_state_dict, load_distributed_state_dict
 from optim_came import CAME
 
 
@@ -22,3 +24,4 @@ class TestFsdp2(FsdpParityTests):
     world4 = "default_wd"
     lazy = partial(no_column_reduction, StepWork)  # column statistics from the local rows only
     fused = partial(CAME, lr=1e-3, backend="triton")
+    dcp = (distributed_state_dict, load_distributed_state_dict)  # checkpoints through DCP

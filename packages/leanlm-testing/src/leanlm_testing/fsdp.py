@@ -245,7 +245,9 @@ class FsdpParityTests:
     `optimizer`: the optimizer on its PyTorch path (e.g. `partial(CAME, backend="torch")`);
     `configs`: named keyword arguments for it; `world4`: the config run alone at world size 4;
     `lazy`: the lazy mutant (see `fsdp_parity_worker`); `fused`: the optimizer on its fused
-    kernels. All go to `spawn`ed workers: picklable `functools.partial`s.
+    kernels; `dcp`: the package's `(distributed_state_dict, load_distributed_state_dict)` (a
+    tuple, so that the functions are not bound as methods). All go to `spawn`ed workers:
+    picklable `functools.partial`s and module-level functions.
     """
 
     # partials, not functions: a function would be bound as a method
@@ -254,6 +256,7 @@ class FsdpParityTests:
     world4: ClassVar[str]
     lazy: ClassVar[partial[AbstractContextManager[object]]]
     fused: ClassVar[partial[torch.optim.Optimizer]]
+    dcp: ClassVar[tuple[Callable[..., dict[str, Any]], Callable[..., None]]]
 
     @pytest.mark.distributed
     def test_fully_shard_and_replicate_world2(self, tmp_path: Any) -> None:
@@ -282,3 +285,11 @@ class FsdpParityTests:
     def test_fully_shard_fused_kernels_world2(self, tmp_path: Any) -> None:
         """The fused kernels under `Shard(0)`, with a `state_dict` round trip."""
         spawn(fused_fsdp_worker, self.fused, world_size=2, tmp_path=tmp_path)
+
+    @pytest.mark.distributed
+    def test_dcp_checkpoint_reshards_2_to_3_to_1(self, tmp_path: Any) -> None:
+        """Every config: DCP checkpoints across 2 -> 3 -> 1 ranks equal one process."""
+        from leanlm_testing.fsdp_dcp import check_dcp_chain
+
+        for name, kw in self.configs.items():
+            check_dcp_chain(partial(self.optimizer, **kw), self.dcp, tmp_path / name, tol=TOL)

@@ -12,9 +12,8 @@ so the step number is the whole data position.
 
 A model sharded by shard-zero or FSDP2 is not known to accelerate: its checkpoint adds the
 engine's own folder (`zero/`: `shard_zero.save_checkpoint`; `fsdp2/`: a
-`torch.distributed.checkpoint` folder, one file per rank, reshardable; with CAME or Adafactor
-the optimizer state is in one more file per rank, for the same number of processes only), next
-to the RNG states.
+`torch.distributed.checkpoint` folder, one file per rank, reshardable, CAME and Adafactor
+state included), next to the RNG states.
 """
 
 from __future__ import annotations

@@ -7,10 +7,9 @@
   gradients as `DTensor`s (dim 0), and so the optimizer state: each decoder layer (the model's
   `_no_split_modules`) is one unit, gathered for its forward and backward, and the root holds
   the rest (embeddings, final norm, head). Its checkpoints are `torch.distributed.checkpoint`
-  folders (one file per process; reshardable with AdamW, whose state is `DTensor`s). CAME and
+  folders (one file per process), reshardable: they load at any number of processes. CAME and
   Adafactor step each shard's rows with their row statistics and keep that state as plain local
-  tensors, which DCP cannot tell apart per rank: their optimizer state is saved per process and
-  resumes at the same number of processes (`_Fsdp2State`).
+  tensors; it is saved as `DTensor`s over the parameters' mesh (`_Fsdp2State`).
 
 The training loop (`leanlm.trainer`) calls the same methods whichever engine runs.
 """
@@ -51,14 +50,13 @@ class _ZeroState:
 class _Fsdp2State:
     """Model and optimizer `DTensor` shards as a `torch.distributed.checkpoint` (DCP) folder.
 
-    AdamW keeps its moments as `DTensor`s, so the model and the optimizer go through DCP
-    (reshardable). CAME and Adafactor keep each `DTensor` parameter's state as plain tensors of
-    its local shard (`optim_adafactor.dtensor`: the shard's rows of the row statistics, the full
-    column statistics, a local-shaped first moment). DCP takes a plain tensor as replicated and
-    keeps one rank's copy, so a resume would silently give every rank that rank's row
-    statistics; their state is therefore saved per rank instead (`optim-rank<r>-of-<w>.pt`, the
-    optimizer's own `state_dict()`), next to the model's DCP files, and loads only at the same
-    number of processes.
+    AdamW keeps its moments as `DTensor`s and goes through torch's `get_state_dict`. CAME and
+    Adafactor keep each `DTensor` parameter's state as plain tensors of its local shard, which
+    DCP would take as replicated (one rank's copy for all): they go through
+    `optim_adafactor.dtensor.distributed_state_dict`, which describes that state as `DTensor`s
+    over the parameters' mesh (row statistics and moments sharded like the rows, a matrix's
+    column statistics replicated). Either way the folder reshards: it loads at any number of
+    processes.
     """
 
     folder = "fsdp2"
@@ -66,51 +64,45 @@ class _Fsdp2State:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
 
-    def _per_rank_file(self, path: Path) -> Path:
-        import torch.distributed as dist
-
-        rank, world = dist.get_rank(), dist.get_world_size()
-        return path / f"optim-rank{rank:05d}-of-{world:05d}.pt"
-
-    def save(self, path: Path) -> None:
+    def _state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-        from torch.distributed.checkpoint.state_dict_saver import save
 
         if _local_optimizer_state(self.optimizer):
-            save({"model": get_model_state_dict(self.model)}, checkpoint_id=str(path))
-            torch.save(self.optimizer.state_dict(), self._per_rank_file(path))
-            return
+            from optim_adafactor.dtensor import distributed_state_dict
+
+            model_state = get_model_state_dict(self.model)
+            return {
+                "model": model_state,
+                "optim": distributed_state_dict(self.optimizer, self.model),
+            }
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
+        return {"model": model_state, "optim": optim_state}
+
+    def save(self, path: Path) -> None:
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        save(self._state(), checkpoint_id=str(path))
 
     def load(self, path: Path) -> None:
-        """Raises `ValueError` for per-rank optimizer state written by another world size."""
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_state_dict,
-            set_model_state_dict,
-            set_state_dict,
-        )
+        """Raises `ValueError` for the per-process optimizer files earlier leanlm wrote."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load
 
         per_rank = sorted(path.glob("optim-rank*-of-*.pt"))
         if per_rank:
-            mine = self._per_rank_file(path)
-            if not mine.is_file():
-                raise ValueError(
-                    f"{path} holds the optimizer state of each process ({per_rank[0].name}, "
-                    f"...) for another number of processes than this run's; CAME and "
-                    "Adafactor state under FSDP2 resumes only at the number of processes "
-                    "that wrote it"
-                )
-            state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
-            load(state, checkpoint_id=str(path))
-            set_model_state_dict(self.model, state["model"])
-            self.optimizer.load_state_dict(torch.load(mine, weights_only=True))
-            return
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optim": optim_state}
+            raise ValueError(
+                f"{path} holds optimizer state in per-process files ({per_rank[0].name}, ...), "
+                "a format this leanlm no longer reads; start the stage again (the model "
+                "weights are in the DCP files of the same folder)"
+            )
+        state = self._state()
         load(state, checkpoint_id=str(path))
+        if _local_optimizer_state(self.optimizer):
+            from optim_adafactor.dtensor import load_distributed_state_dict
+
+            set_model_state_dict(self.model, state["model"])
+            load_distributed_state_dict(self.optimizer, self.model, state["optim"])
+            return
         set_state_dict(
             self.model,
             self.optimizer,

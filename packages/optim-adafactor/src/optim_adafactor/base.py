@@ -32,7 +32,7 @@ from torch import Tensor
 from optim_adafactor._checks import Scalar
 from optim_adafactor._state import LosslessState
 from optim_adafactor._stochastic import copy_stochastic_
-from optim_adafactor.dtensor import localize
+from optim_adafactor.dtensor import local_tensor, localize
 from optim_adafactor.sharding import Bucket, RowShard, make_row_shard
 
 Backend = Literal["auto", "torch", "triton"]
@@ -184,6 +184,19 @@ class FactoredOptimizer(LosslessState):
 
     def _convert_loaded_state(self, state: dict[str, Any]) -> None:
         """Rename or reshape the entries of a loaded foreign state dict, in place."""
+
+    def init_state(self) -> None:
+        """Give every parameter without state the zero state its first step would create.
+
+        Nothing is stepped (the step count stays 0). Used to have state tensors to load a
+        checkpoint into before the first step (`dtensor.distributed_state_dict`).
+        """
+        for group in self.param_groups:
+            opts = self._parse_group(group)
+            for p in group["params"]:
+                state = self.state[p]
+                if len(state) == 0:
+                    self._init_state(local_tensor(p), state, opts)
 
     # ------------------------------------------------------------------ groups and sharding
     def add_param_group(self, param_group: dict[str, Any]) -> None:

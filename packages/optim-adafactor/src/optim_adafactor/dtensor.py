@@ -17,14 +17,27 @@ protocol of `sharding.py` from the DTensor's placements:
 
 The optimizer state of a DTensor parameter is kept as plain local tensors (the shard's rows of the
 row statistics, the full column statistics, a local-shaped `exp_avg`). `state_dict()` therefore
-returns each rank's own shard of the state; save and load it per rank (same mesh, same
-placements). It is not a DTensor state dict, so `torch.distributed.checkpoint` would de-duplicate
-the per-rank tensors that share a key: do not pass it to DCP.
+returns each rank's own shard of the state, to save and load per rank (same mesh, same
+placements); it is not a DTensor state dict, so do not pass it to `torch.distributed.checkpoint`
+(DCP would keep one rank's copy of the tensors that share a key).
+
+For DCP, `distributed_state_dict(optimizer, model)` describes the same state as DTensors over
+each parameter's mesh, which view the local tensors: a state shaped like the local shard gets
+the parameter's placements; a row statistic (key `*_row`; for tensors of 3 or more dims the
+column statistic too, whose dim 0 is the parameter's) gets them with dim 0 of global length; a
+2-D parameter's column statistic (`*_col`, equal on every rank) is replicated; the step count
+and the hyper-parameters are plain values. DCP saves that once per logical tensor and loads it
+at any number of ranks; `load_distributed_state_dict` then writes what DCP loaded into the
+optimizer (DCP loads DTensors in place).
 """
 
 from __future__ import annotations
 
-from torch import Tensor
+import pickle
+from typing import Any
+
+import torch
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from optim_adafactor.sharding import RowShard, row_shard_of
@@ -106,3 +119,93 @@ def localize(
     if shard is not None and local.dim() == 0:
         raise ValueError("a 0-dim DTensor parameter cannot be Shard(0)")
     return local, local_grad, shard
+
+
+#: `distributed_state_dict` keys: per-parameter state, then the pickled groups and seed.
+STATE, GROUPS = "state", "param_groups"
+
+
+def distributed_state_dict(optimizer: Any, model: nn.Module) -> dict[str, Any]:
+    """The state of a factored optimizer over `model`'s (DTensor) parameters, for DCP.
+
+    `{"state": {parameter name: {key: value}}, "param_groups": bytes}`: every state tensor of a
+    DTensor parameter becomes a DTensor viewing it (see the module docstring), other parameters'
+    state stays as is, and the groups' hyper-parameters and the stochastic-rounding seed travel
+    pickled (equal on every rank). Parameters get their zero state first if they have none, so
+    that a checkpoint can be loaded before the first step. A collective of nothing: call it on
+    every rank, like DCP's `save` / `load` it is passed to.
+    """
+    optimizer.init_state()
+    names = {p: name for name, p in model.named_parameters(remove_duplicate=False)}
+    state: dict[str, dict[str, Any]] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        groups.append({k: v for k, v in group.items() if k != "params"})
+        for p in group["params"]:
+            if p not in names:
+                raise ValueError(
+                    f"an optimizer parameter of shape {tuple(p.shape)} is not a parameter of "
+                    "`model`: pass the model whose parameters the optimizer steps"
+                )
+            state[names[p]] = {
+                key: _as_dtensor(p, key, value, names[p])
+                for key, value in optimizer.state[p].items()
+            }
+    extra = {"groups": groups, "seed": int(optimizer._sr_seed)}
+    return {STATE: state, GROUPS: pickle.dumps(extra)}
+
+
+def load_distributed_state_dict(optimizer: Any, model: nn.Module, loaded: dict[str, Any]) -> None:
+    """Write what DCP loaded into a `distributed_state_dict(optimizer, model)` back into it.
+
+    DCP loads the DTensors in place (into the optimizer's own local tensors); step counts,
+    other values and the groups' hyper-parameters are set here. The stochastic-rounding
+    generators restart from the saved seed.
+    """
+    names = {p: name for name, p in model.named_parameters(remove_duplicate=False)}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            for key, saved in loaded[STATE][names[p]].items():
+                value, old = local_tensor(saved), state.get(key)
+                if isinstance(old, Tensor) and isinstance(value, Tensor):
+                    if old.untyped_storage().data_ptr() != value.untyped_storage().data_ptr():
+                        old.copy_(value)
+                else:
+                    state[key] = value
+    extra = loaded[GROUPS]
+    extra = pickle.loads(extra) if isinstance(extra, bytes) else extra
+    for group, saved in zip(optimizer.param_groups, extra["groups"], strict=True):
+        group.update(saved)
+    optimizer._load_rng({"seed": extra["seed"]})
+
+
+def _as_dtensor(p: Tensor, key: str, value: Any, name: str) -> Any:
+    """`value` (a state entry of `p`) as a DTensor on `p`'s mesh, when `p` is a DTensor."""
+    if not isinstance(p, DTensor) or not isinstance(value, Tensor) or value.dim() == 0:
+        return value
+    local = local_tensor(p)
+    placements = tuple(p.placements)
+    if value.shape == local.shape:
+        shape = tuple(p.shape)
+    elif key.endswith("_col") and local.dim() == 2 and value.shape == local.shape[-1:]:
+        placements = tuple(Replicate() for _ in placements)  # all-reduced: equal everywhere
+        shape = tuple(value.shape)
+    elif key.endswith(("_row", "_col")) and value.shape[:1] == local.shape[:1]:
+        shape = (p.shape[0], *value.shape[1:])
+    else:
+        raise ValueError(
+            f"optimizer state {key!r} of shape {tuple(value.shape)} for parameter {name!r} "
+            f"(local shape {tuple(local.shape)}) has no known layout over the mesh"
+        )
+    stride = [1] * len(shape)  # contiguous
+    for i in range(len(shape) - 2, -1, -1):
+        stride[i] = stride[i + 1] * shape[i + 1]
+    return DTensor.from_local(
+        value,
+        p.device_mesh,
+        placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=tuple(stride),
+    )
