@@ -26,15 +26,23 @@ def _losses(run_dir):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("optimizer", "zero_stage"), [("adamw", 0), ("came", 2), ("adafactor", 3)])
+@pytest.mark.parametrize(
+    ("optimizer", "zero_stage", "offload"),
+    [("adamw", 0, False), ("came", 2, False), ("adafactor", 3, False), ("came", 3, True)],
+)
 def test_two_processes_match_one_with_the_same_global_batch(
-    tmp_path, tiny_config, optimizer, zero_stage
+    tmp_path, tiny_config, optimizer, zero_stage, offload
 ):
     # Global batch 8 either way: 1 process x 4 sequences x 2 accumulation steps, or
-    # 2 processes x 4 sequences x 1 step (gradients averaged over gloo by DDP or shard-zero).
+    # 2 processes x 4 sequences x 1 step (gradients averaged over gloo by DDP or shard-zero),
+    # or (offload) 2 processes x 2 sequences x 2 micro-batches, the first under no_sync with
+    # the sharded accumulator in host memory.
     common = {"steps": 20, "micro_batch_size": 4, "optimizer": optimizer}
     one = tiny_config(pretrain={**common, "grad_accum_steps": 2})
-    two = tiny_config(pretrain={**common, "grad_accum_steps": 1, "zero_stage": zero_stage})
+    sharded = {"grad_accum_steps": 1, "zero_stage": zero_stage}
+    if offload:
+        sharded |= {"micro_batch_size": 2, "grad_accum_steps": 2, "zero_offload_accum": True}
+    two = tiny_config(pretrain={**common, **sharded})
     (tmp_path / "one.toml").write_text(dumps_toml(one))
     (tmp_path / "two.toml").write_text(dumps_toml(two))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

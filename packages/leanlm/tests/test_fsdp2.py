@@ -169,6 +169,17 @@ def test_fsdp2_factored_optimizers_match_one_process_and_resume_exactly(
         ({"engine": "fsdp2", "zero_stage": 2}, "pretrain.zero_stage", 'is for `engine = "zero"`'),
         ({"engine": "zero"}, "pretrain.zero_stage", 'must be 1, 2 or 3 with `engine = "zero"`'),
         ({"engine": "tp"}, "pretrain.engine", "must be one of"),
+        (
+            {"zero_offload_accum": True},
+            "pretrain.zero_offload_accum",
+            '(True) is for `engine = "zero"` with `zero_stage` 2 or 3',
+        ),
+        (
+            {"zero_stage": 1, "zero_accum_dtype": "bf16"},
+            "pretrain.zero_accum_dtype",
+            "engine 'zero', zero_stage 1",
+        ),
+        ({"zero_stage": 2, "zero_accum_dtype": "fp16"}, "pretrain.zero_accum_dtype", "must be"),
     ],
 )
 def test_engine_settings_are_checked(section, key, text):
@@ -179,8 +190,10 @@ def test_engine_settings_are_checked(section, key, text):
 
 
 def test_engine_defaults_from_zero_stage_and_every_training_stage_takes_fsdp2():
-    config = from_dict(RunConfig, {"pretrain": {"zero_stage": 2}, "distill": {}})
+    pretrain = {"zero_stage": 3, "zero_accum_dtype": "bf16", "zero_offload_accum": True}
+    config = from_dict(RunConfig, {"pretrain": pretrain, "distill": {}})
     assert config.pretrain.resolved_engine == "zero"
+    assert (config.pretrain.zero_accum_dtype, config.pretrain.zero_offload_accum) == ("bf16", True)
     assert config.distill.resolved_engine == "ddp"
     for stage in ("pretrain", "distill", "sparsify", "control"):
         config = from_dict(RunConfig, {stage: {"engine": "fsdp2", "optimizer": "adamw"}})

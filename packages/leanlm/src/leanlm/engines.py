@@ -172,11 +172,12 @@ class Parallel:
         if engine == "zero":
             from shard_zero import ZeroConfig, prepare
 
-            self.model, self.optimizer = prepare(
-                model,
-                make_optimizer,
-                ZeroConfig(stage=cfg.zero_stage),  # type: ignore[arg-type]
+            config = ZeroConfig(
+                stage=cfg.zero_stage,  # type: ignore[arg-type]
+                accum_dtype=torch.bfloat16 if cfg.zero_accum_dtype == "bf16" else None,
+                offload_accum=cfg.zero_offload_accum,
             )
+            self.model, self.optimizer = prepare(model, make_optimizer, config)
             self.sharded = _ZeroState(self.model, self.optimizer)
         elif engine == "fsdp2":
             self.model = fsdp2_shard(model.to(acc.device))

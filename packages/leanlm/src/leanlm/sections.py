@@ -146,12 +146,20 @@ class TrainConfig:
     """How several processes share the work (`leanlm.engines`): `"ddp"` replicates the model
     (accelerate's DDP); `"zero"` shards it with shard-zero at `zero_stage`; `"fsdp2"` shards
     parameters, gradients and optimizer state with PyTorch's FSDP2 (`fully_shard` per decoder
-    layer; any `optimizer`, but CAME and Adafactor checkpoints resume only at the same number of
-    processes). Unset: `"zero"` when `zero_stage` > 0, else `"ddp"`. Ignored with one process."""
+    layer; any `optimizer`; checkpoints reshard). Unset: `"zero"` when `zero_stage` > 0, else
+    `"ddp"`. Ignored with one process."""
     zero_stage: Literal[0, 1, 2, 3] = 0
     """For `engine = "zero"` (the default engine when this is > 0): 1/2/3 = shard optimizer
-    state / + gradients / + parameters across processes with shard-zero (CPU/gloo for now);
+    state / + gradients / + parameters across processes with shard-zero (tested on CPU/gloo);
     0 = no sharding (then the engine is `"ddp"`)."""
+    zero_accum_dtype: Literal["fp32", "bf16"] = "fp32"
+    """For `zero_stage` 2-3: the sharded accumulator that holds the reduced gradients between
+    micro-batches (`grad_accum_steps` > 1). `bf16` halves it, rounding each micro-batch's
+    reduced gradient to bf16 (shard-zero's `ZeroConfig.accum_dtype`)."""
+    zero_offload_accum: bool = False
+    """For `zero_stage` 2-3: keep that accumulator in host memory between micro-batches
+    (shard-zero's `ZeroConfig.offload_accum`): accumulation then costs no accelerator memory,
+    paid in host transfers of the accumulator's size per micro-batch."""
     steps: int = 200
     """Optimizer steps."""
     micro_batch_size: int = 8
@@ -218,6 +226,16 @@ class TrainConfig:
                 f'({self.zero_stage}) is for `engine = "zero"`; with `engine = '
                 f'"{self.engine}"` leave it at 0',
             )
+
+        for key, default in (("zero_accum_dtype", "fp32"), ("zero_offload_accum", False)):
+            value = getattr(self, key)
+            if value != default and (self.resolved_engine != "zero" or self.zero_stage < 2):
+                raise ConfigError(
+                    key,
+                    f'({value!r}) is for `engine = "zero"` with `zero_stage` 2 or 3 (stage 1 '
+                    "accumulates full gradients, as DDP), got "
+                    f"engine {self.resolved_engine!r}, zero_stage {self.zero_stage}",
+                )
 
     @property
     def resolved_engine(self) -> Literal["ddp", "zero", "fsdp2"]:
