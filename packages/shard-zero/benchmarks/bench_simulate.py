@@ -1,7 +1,8 @@
 """Full-size cases of the scale simulator, and the issue's memory targets checked on them.
 
-Command (from the repo root; ~2 min per Llama-3-8B case and ~8-10 min per Llama-3-70B case on
-2 CPU cores, no GPU; needs optim-came for the CAME rows):
+Command (from the repo root; on 2 otherwise idle CPU cores, no GPU: 40 s for the full
+Llama-3-8B case and 205 s for the full Llama-3-70B case, several times that on busy cores;
+needs optim-came for the CAME rows):
 
     python packages/shard-zero/benchmarks/bench_simulate.py
         [--cases 8b,8b-came,8b-accum,8b-accum-bf16,8b-accum-offload,70b,...] [--out DIR]
