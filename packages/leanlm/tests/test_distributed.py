@@ -1,7 +1,8 @@
 """Two gloo processes (torchrun -> accelerate) train like one process with the same global batch.
 
 Replicated (DDP) and sharded with shard-zero (ZeRO-2 with CAME, ZeRO-3 with Adafactor: the
-factored optimizers stay exact because shards are whole rows).
+factored optimizers stay exact because shards are whole rows; ZeRO-3 with the accumulator in
+host memory). The prune stage's architecture search on two processes saves what one saves.
 """
 
 import json
@@ -15,6 +16,23 @@ import torch
 from safetensors.torch import load_file
 
 from leanlm.config import dumps_toml
+from leanlm.prune import PruneConfig
+
+
+def _leanlm_run(tmp_path, name, config, *, processes):
+    """`leanlm run` of `config` into `tmp_path / name` on `processes` (torchrun); its output."""
+    (tmp_path / f"{name}.toml").write_text(dumps_toml(config))
+    command = [sys.executable, "-m", "leanlm"]
+    if processes > 1:
+        torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
+        command = [torchrun, "--standalone", "--nproc_per_node", str(processes), "-m", "leanlm"]
+    command += ["run", str(tmp_path / f"{name}.toml"), "--out", str(tmp_path / name)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        command, check=False, capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout + done.stderr
 
 
 def _losses(run_dir):
@@ -43,39 +61,10 @@ def test_two_processes_match_one_with_the_same_global_batch(
     if offload:
         sharded |= {"micro_batch_size": 2, "grad_accum_steps": 2, "zero_offload_accum": True}
     two = tiny_config(pretrain={**common, **sharded})
-    (tmp_path / "one.toml").write_text(dumps_toml(one))
-    (tmp_path / "two.toml").write_text(dumps_toml(two))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(
-        [sys.executable, "-m", "leanlm", "run", tmp_path / "one.toml", "--out", tmp_path / "one"],
-        check=True,
-        capture_output=True,
-        env=env,
-        timeout=300,
-    )
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
-    two_run = subprocess.run(
-        [
-            torchrun,
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "leanlm",
-            "run",
-            tmp_path / "two.toml",
-            "--out",
-            tmp_path / "two",
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert two_run.returncode == 0, two_run.stderr[-3000:]
+    _leanlm_run(tmp_path, "one", one, processes=1)
+    log = _leanlm_run(tmp_path, "two", two, processes=2)
     expected = f"on 2 process(es) ZeRO-{zero_stage}" if zero_stage else "on 2 process(es) DDP"
-    assert expected in two_run.stdout + two_run.stderr
+    assert expected in log
 
     result = json.loads((tmp_path / "two" / "pretrain" / "result.json").read_text())
     assert result["metrics"]["processes"] == 2
@@ -91,3 +80,40 @@ def test_two_processes_match_one_with_the_same_global_batch(
     b = load_file(tmp_path / "two" / "pretrain" / "model" / "model.safetensors")
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.distributed
+def test_prune_search_on_two_processes_saves_what_one_saves(tmp_path, tiny_config):
+    # Every process runs the same search (the same seeded batches, no gradient exchange) and
+    # the main process's ranking is broadcast: two processes must rank the shapes and save the
+    # pruned model exactly as one process does.
+    _leanlm_run(tmp_path, "pre", tiny_config(stages=("pretrain",)), processes=1)
+    pretrained = tmp_path / "pre" / "pretrain"
+    params = json.loads((pretrained / "result.json").read_text())["metrics"]["params"]
+    prune = PruneConfig(
+        search=True,
+        search_params=int(0.6 * params),
+        search_hidden_size=(16, 24, 32),
+        search_intermediate_size=(32, 64),
+        search_num_hidden_layers=(1, 2),
+        search_tolerance=0.1,
+        search_steps=4,
+        search_batch_size=4,
+        calibration_samples=16,
+    )
+    config = tiny_config(stages=("prune",), init_model=str(pretrained / "model"), prune=prune)
+    _leanlm_run(tmp_path, "one", config, processes=1)
+    _leanlm_run(tmp_path, "two", config, processes=2)
+    one, two = (
+        json.loads((tmp_path / d / "prune" / "result.json").read_text())["metrics"]
+        for d in ("one", "two")
+    )
+    assert len(one["search"]) >= 2  # several shapes were distilled and ranked
+    assert two["search"] == one["search"]
+    assert two["processes"] == 2
+    a, b = (
+        load_file(tmp_path / d / "prune" / "model" / "model.safetensors") for d in ("one", "two")
+    )
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
