@@ -173,8 +173,14 @@ def test_an_offloaded_accumulator_adds_no_device_memory(
     assert _peak(four) > 1.05 * _peak(one)  # the on-device fp32 accumulator misses it here
     assert _peak(off) <= 1.05 * _peak(one)
     # the accumulator is all in host memory (fp32, this rank's rows), outside the device peak
-    assert off.peak["host"] == pytest.approx(4 * adamw.psi / WORLD, rel=0.02)
+    host = off.peak["host"]
+    assert host == pytest.approx(4 * adamw.psi / WORLD, rel=0.02)
     assert one.peak["host"] == 0
+    # what it costs, measured: micro-batch 1 writes the buffers, 2 and 3 read and write them,
+    # the boundary reads them (every row once per pass)
+    assert off.bytes["to_host"] == 3 * host
+    assert off.bytes["from_host"] == 3 * host
+    assert "to_host" not in four.bytes
     assert off.maxima["params"] <= _units_bound(off)
     assert off.calls["reduce_scatter"] == 4 * one.calls["reduce_scatter"]
 

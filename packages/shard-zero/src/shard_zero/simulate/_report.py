@@ -49,12 +49,14 @@ def conditions(report: SimReport) -> str:
 def table(report: SimReport) -> str:
     """The Markdown table: peak per rank by category, collectives per step, the formula."""
     anchors = [_anchor(report, n) for n in ("fsdp2-reshard", "fsdp2-no-reshard")]
-    columns = (*_COLUMNS, "host") if report.config.offload_accum else _COLUMNS
+    offload = report.config.offload_accum
+    columns = (*_COLUMNS, "host") if offload else _COLUMNS
+    kinds = (*_KINDS, "to_host", "from_host") if offload else _KINDS
     head = (
         "| system | peak / rank (GiB) | x fsdp2-reshard | x fsdp2-no-reshard | "
         + " | ".join(columns)
         + " | ZeRO formula, model states (GiB) | "
-        + " | ".join(f"{k} GiB (calls)" for k in _KINDS)
+        + " | ".join(f"{k} GiB (calls)" for k in kinds)
         + " | backward matmuls after 1st reduce |"
     )
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -67,7 +69,7 @@ def table(report: SimReport) -> str:
         cells += [_gib(r.peak[c]) for c in columns]
         formula = _gib(r.formula)
         cells.append(f"{formula} (stage {r.formula_stage})" if r.formula is not None else "-")
-        cells += [f"{_gib(r.bytes.get(k, 0))} ({r.calls.get(k, 0)})" for k in _KINDS]
+        cells += [f"{_gib(r.bytes.get(k, 0))} ({r.calls.get(k, 0)})" for k in kinds]
         cells.append(f"{r.overlap:.2f}" if r.calls.get("reduce_scatter") else "-")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)

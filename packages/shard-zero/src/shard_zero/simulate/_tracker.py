@@ -19,8 +19,10 @@ on top of that:
 
 `CollectiveCounter` is a dispatch mode that counts the `c10d` collectives (calls and bytes per
 kind: the full gathered / pre-scatter / reduced buffer, the convention of the ZeRO paper's 2Ψ /
-3Ψ) and records when each runs relative to backward's matmuls. Nothing is computed: under the
-fake process group every collective returns at once.
+3Ψ) and records when each runs relative to backward's matmuls. It also counts the copies into
+and out of the tracker's `host` storages (`to_host` / `from_host`: the host side's bytes), the
+transfers an offloaded accumulator costs. Nothing is computed: under the fake process group
+every collective returns at once.
 """
 
 from __future__ import annotations
@@ -128,6 +130,12 @@ class StepTracker(MemTracker):  # type: ignore[no-untyped-call]
                     entry[0].reftype = reftype
                     self._update_snap(_UpdateType.REF, entry[0], old_reftype=old)
 
+    def is_host(self, t: object) -> bool:
+        """Whether `t` is a tensor in one of the `host` storages."""
+        if not isinstance(t, torch.Tensor):
+            return False
+        return any(self._pinned.get(id(st), ("",))[0] == HOST for st in _storages(t))
+
     def on_collective(self, tensors: list[torch.Tensor]) -> None:
         """Label a collective's buffers as temporaries (if made in forward), refresh gradients."""
         self.label(tensors, _MemRefType.TEMP, only_from=_MemRefType.ACT)
@@ -171,6 +179,7 @@ _KINDS = {
     "allreduce_coalesced": "all_reduce",
     "broadcast": "broadcast",
 }
+_COPIES = {"copy_", "_to_copy"}
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu"}
 
 
@@ -228,4 +237,18 @@ class CollectiveCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self.log.events.append((self._ops, kind, nbytes, in_bw, phase, live))
         elif in_bw and packet[1] in _MATMULS:
             self.log.backward_matmuls.append(self._ops)
+        elif self.tracker is not None and packet[1] in _COPIES:
+            self._count_host_copy(packet[1], args)
         return func(*args, **(kwargs or {}))
+
+    def _count_host_copy(self, op: str, args: Any) -> None:
+        """`copy_(dst, src)` / `_to_copy(src)` that write or read a host storage."""
+        assert self.tracker is not None
+        if op == "copy_" and self.tracker.is_host(args[0]) and not self.tracker.is_host(args[1]):
+            kind, t = "to_host", args[0]
+        elif self.tracker.is_host(args[1] if op == "copy_" else args[0]):
+            kind, t = "from_host", args[1] if op == "copy_" else args[0]
+        else:
+            return
+        self.log.calls[kind] += 1
+        self.log.bytes[kind] += t.numel() * t.element_size()
