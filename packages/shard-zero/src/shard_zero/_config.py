@@ -46,8 +46,9 @@ class ZeroConfig:
             that accumulating micro-batches costs no accelerator memory. Each such backward's
             reduced gradient rows are copied to the host as their reduce-scatter completes
             (the first micro-batch) or read back, added on the device and copied back (later
-            ones): 4 bytes per local element each way per micro-batch (2 with
-            `accum_dtype=torch.bfloat16`), on the current stream, without a host sync. The
+            ones), and read once more at the boundary: k - 1 buffer sizes each way for k
+            micro-batches (4 bytes per local element, 2 with `accum_dtype=torch.bfloat16`),
+            asynchronous copies on the current stream, without a host sync. The
             backward outside `no_sync()` accumulates on the device as without offload, and
             the host part is added into the fp32 master gradients at its end (or by `step()`
             / `clip_grad_norm_()`). One host buffer per sharded parameter (this rank's rows,
