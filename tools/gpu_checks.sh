@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Every GPU check of the repo in one call, for a session that is lent a GPU machine (the `device`
+# tool: 15 device minutes per session, one call at a time, a bare machine each start):
+#
+#     run(command="bash tools/gpu_checks.sh", timeout_s=540)
+#
+# The steps' limits add up to 465 s, which leaves room for a second call in the 15 minutes.
+#
+# Nothing is installed: the packages are pure Python and are imported from packages/*/src
+# through PYTHONPATH, on the machine's own torch, triton and transformers (their versions are
+# the first lines of env.log; they are not the pinned CPU ones). Each step has its own time
+# limit, so a hang or a failure costs that step, not the call. Output goes to $OUT (what `run`
+# brings back; default ./gpu-out): summary.txt (every step's command, exit code, seconds and
+# last lines) and one log per step. Record what the logs show in the packages' RESULTS.md with
+# the device and versions, and say which card gave each number.
+#
+# GPU_CHECKS_DEVICE=cpu runs the same steps on this machine (the gpu tests skip, the
+# benchmarks run their CPU mode): a dry run of the script itself.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+DEVICE=${GPU_CHECKS_DEVICE:-cuda}
+PYTHONPATH=$(printf '%s:' "$PWD"/packages/*/src)${PYTHONPATH:-}
+export PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export TOKENIZERS_PARALLELISM=false
+
+step() { # step NAME SECONDS COMMAND...: run COMMAND into $OUT/NAME.log within SECONDS
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit} s): $*" >>"$OUT/summary.txt"
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "   exit $rc after $((SECONDS - start)) s" >>"$OUT/summary.txt"
+  tail -n 4 "$OUT/$name.log" | sed 's/^/   | /' >>"$OUT/summary.txt"
+}
+
+step env 30 "$PY" -c '
+import platform, torch, triton, transformers
+print("python", platform.python_version(), "torch", torch.__version__, "triton", triton.__version__,
+      "transformers", transformers.__version__)
+print("cuda", torch.cuda.is_available(), torch.version.cuda,
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "-")'
+
+# The `gpu`-marked tests of every package (Triton kernels against their PyTorch references at the
+# shipped tiles, shard-zero world 1 on CUDA, the KL kernel). The plugin is named explicitly when
+# no installed entry point loads it (nothing is installed on the GPU machine); warnings are
+# shown, not raised (other library versions than CI's); pytest may be older than the repo's
+# minimum; a test module that cannot be imported there (came-pytorch is not on that machine)
+# costs its own tests only.
+plugin=(-p leanlm_testing.pytest_plugin)
+if "$PY" -c 'import importlib.metadata as m, sys
+sys.exit(not any(e.value == "leanlm_testing.pytest_plugin" for e in m.entry_points(group="pytest11")))'
+then
+  plugin=()
+fi
+step tests 240 "$PY" -m pytest "${plugin[@]}" -o minversion=7.0 -W default \
+  --continue-on-collection-errors -m gpu -q --durations=15 packages/optim-adafactor/tests packages/optim-came/tests \
+  packages/prune-distill/tests packages/shard-zero/tests packages/sparse-kernels/tests
+
+# Benchmarks in their CUDA mode, short settings (each prints device and versions first).
+step bench-sparse 60 "$PY" packages/sparse-kernels/benchmarks/bench_sparse.py --device "$DEVICE"
+step bench-kl 45 "$PY" packages/prune-distill/benchmarks/bench_kl.py --device "$DEVICE" \
+  --repeats 3  # on CPU (the dry run) it outlives its limit: only its first rows print
+step bench-adafactor 45 "$PY" packages/optim-adafactor/benchmarks/bench_adafactor.py \
+  --device "$DEVICE" --repeats 5
+step bench-came 45 "$PY" packages/optim-came/benchmarks/bench_came.py --device "$DEVICE" \
+  --repeats 5
+cat "$OUT/summary.txt"
