@@ -293,3 +293,12 @@ class FsdpParityTests:
 
         for name, kw in self.configs.items():
             check_dcp_chain(partial(self.optimizer, **kw), self.dcp, tmp_path / name, tol=TOL)
+
+    @pytest.mark.distributed
+    @pytest.mark.slow  # 4 processes
+    def test_dcp_checkpoint_reshards_through_hsdp(self, tmp_path: Any) -> None:
+        """The first config: DCP checkpoints across (2,) -> HSDP (2, 2) -> (1,) meshes."""
+        from leanlm_testing.fsdp_dcp import HSDP_PHASES, check_dcp_chain
+
+        make = partial(self.optimizer, **self.configs[next(iter(self.configs))])
+        check_dcp_chain(make, self.dcp, tmp_path, tol=TOL, phases=HSDP_PHASES)

@@ -9,10 +9,12 @@ The optimizer state goes through the optimizer package's DCP pair (`optim_adafac
 `distributed_state_dict` and `load_distributed_state_dict`, passed in as `StateFns`), so the row
 statistics, column statistics and moments must each land on the rows the new layout gives the
 rank; a checkpoint that lost the optimizer state is far off (checked on the reference).
+`HSDP_PHASES` runs the middle phase on a (replicate 2, shard 2) mesh instead (the `slow` tests).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,11 @@ from leanlm_testing.fsdp import Net, _batch, _full
 MakeOptimizer = Callable[[Iterable[Tensor]], torch.optim.Optimizer]
 #: `(distributed_state_dict, load_distributed_state_dict)` of the optimizer package.
 StateFns = tuple[Callable[..., dict[str, Any]], Callable[..., None]]
-PHASES = ((2, 2), (3, 2), (1, 2))  # (world size, steps)
+Phases = tuple[tuple[tuple[int, ...], int], ...]
+#: (mesh shape, steps) per phase: 2 ranks, 3 ranks, 1 rank.
+PHASES: Phases = (((2,), 2), ((3,), 2), ((1,), 2))
+#: The same through HSDP: a (replicate 2, shard 2) mesh in the middle.
+HSDP_PHASES: Phases = (((2,), 2), ((2, 2), 2), ((1,), 2))
 
 
 def _global_loss(net: nn.Module, step: int) -> Any:
@@ -36,10 +42,10 @@ def _global_loss(net: nn.Module, step: int) -> Any:
     return (net(*_batch(step, 0)) + net(*_batch(step, 1))) / 2
 
 
-def _sharded(world_size: int) -> nn.Module:
+def _sharded(shape: tuple[int, ...]) -> nn.Module:
     torch.manual_seed(0)
     net = Net()
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard")[-len(shape) :])
     for layer in (net.lin1, net.lin2, net.lin3):
         fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
@@ -51,11 +57,11 @@ def dcp_phase(
     world_size: int,
     make_optimizer: MakeOptimizer,
     fns: StateFns,
-    plan: tuple[str, int, int, int],
+    plan: tuple[str, int, int, int, tuple[int, ...]],
 ) -> None:
     """`spawn` worker: load `folder/phase-{phase - 1}` (if any), train `steps` steps, save.
 
-    `plan` is `(folder, phase, first step, steps)`.
+    `plan` is `(folder, phase, first step, steps, mesh shape)`.
 
     The last phase also writes the full weights to `folder/final.pt` (rank 0).
     """
@@ -68,8 +74,8 @@ def dcp_phase(
     from torch.distributed.checkpoint.state_dict_saver import save
 
     distributed_state_dict, load_distributed_state_dict = fns
-    folder, phase, first_step, steps = plan
-    net = _sharded(world_size)
+    folder, phase, first_step, steps, shape = plan
+    net = _sharded(shape)
     opt = make_optimizer(net.parameters())
     if phase > 0:
         state = {
@@ -91,12 +97,14 @@ def dcp_phase(
     dist.barrier()
 
 
-def reference(make_optimizer: MakeOptimizer, *, reset_at: int | None = None) -> dict[str, Tensor]:
-    """The weights after every phase's steps in one process (`reset_at`: a fresh optimizer)."""
+def reference(
+    make_optimizer: MakeOptimizer, steps: int, *, reset_at: int | None = None
+) -> dict[str, Tensor]:
+    """The weights after `steps` steps in one process (`reset_at`: a fresh optimizer there)."""
     torch.manual_seed(0)
     net = Net()
     opt = make_optimizer(net.parameters())
-    for step in range(sum(steps for _, steps in PHASES)):
+    for step in range(steps):
         if step == reset_at:
             opt = make_optimizer(net.parameters())
         _global_loss(net, step).backward()
@@ -106,23 +114,28 @@ def reference(make_optimizer: MakeOptimizer, *, reset_at: int | None = None) -> 
 
 
 def check_dcp_chain(
-    make_optimizer: MakeOptimizer, fns: StateFns, tmp_path: Path, tol: float
+    make_optimizer: MakeOptimizer,
+    fns: StateFns,
+    tmp_path: Path,
+    tol: float,
+    phases: Phases = PHASES,
 ) -> None:
-    """Run the phases; the final weights must be the single-process ones (norm-relative `tol`)."""
+    """Run `phases`; the final weights must be the single-process ones (norm-relative `tol`)."""
     torch.manual_seed(0)
     init = {n: p.detach().clone() for n, p in Net().named_parameters()}
     folder = tmp_path / "dcp"
     folder.mkdir(parents=True)
     first = 0
-    for phase, (world, steps) in enumerate(PHASES):
+    for phase, (shape, steps) in enumerate(phases):
         rendezvous = tmp_path / f"phase{phase}"
         rendezvous.mkdir()
-        plan = (str(folder), phase, first, steps)
+        plan = (str(folder), phase, first, steps, shape)
+        world = math.prod(shape)
         spawn(dcp_phase, make_optimizer, fns, plan, world_size=world, tmp_path=rendezvous)
         first += steps
     got = torch.load(folder / "final.pt", weights_only=True)
-    ref = reference(make_optimizer)
-    lost = reference(make_optimizer, reset_at=PHASES[0][1])  # state lost at the first load
+    ref = reference(make_optimizer, first)
+    lost = reference(make_optimizer, first, reset_at=phases[0][1])  # state lost at 1st load
 
     def error(a: dict[str, Tensor]) -> dict[str, float]:
         return {
@@ -131,5 +144,6 @@ def check_dcp_chain(
         }
 
     bad = {n: e for n, e in error(got).items() if not e <= tol}
-    assert not bad, f"after 2 -> 3 -> 1 ranks through DCP, weights off by {bad} (tol {tol})"
+    meshes = " -> ".join(str(shape) for shape, _ in phases)
+    assert not bad, f"after meshes {meshes} through DCP, weights off by {bad} (tol {tol})"
     assert max(error(lost).values()) > 100 * tol, "losing the optimizer state went unnoticed"
