@@ -208,33 +208,16 @@ def targets(reports: dict[str, SimReport], size: str) -> list[str]:
     ratio = None if came3 is None or fc is None else came3 / fc
     detail = f"{came3:.2f} / {fc:.2f} GiB" if ratio is not None else ""
     row("stage 3, CAME", "≤ 1.05 x FSDP2 (reshard) with CAME", ratio, 1.05, detail)
-    four = peak(f"{size}-accum", "shard-zero-3")
-    ratio = None if four is None or z3 is None else four / z3
-    row(
-        "stage 3, 4 micro-batches",
-        "≤ 1.05 x 1 micro-batch",
-        ratio,
-        1.05,
-        f"{four:.2f} / {z3:.2f} GiB" if ratio is not None else "",
-    )
-    low = peak(f"{size}-accum-bf16", "shard-zero-3")
-    ratio = None if low is None or z3 is None else low / z3
-    row(
-        "stage 3, 4 micro-batches, bf16 accumulator",
-        "≤ 1.05 x 1 micro-batch",
-        ratio,
-        1.05,
-        f"{low:.2f} / {z3:.2f} GiB" if ratio is not None else "",
-    )
-    off = peak(f"{size}-accum-offload", "shard-zero-3")
-    ratio = None if off is None or z3 is None else off / z3
-    row(
-        "stage 3, 4 micro-batches, accumulator offloaded to host memory",
-        "≤ 1.05 x 1 micro-batch",
-        ratio,
-        1.05,
-        f"{off:.2f} / {z3:.2f} GiB" if ratio is not None else "",
-    )
+    accumulators = {
+        "accum": "stage 3, 4 micro-batches",
+        "accum-bf16": "stage 3, 4 micro-batches, bf16 accumulator",
+        "accum-offload": "stage 3, 4 micro-batches, accumulator offloaded to host memory",
+    }
+    for case, name in accumulators.items():
+        four = peak(f"{size}-{case}", "shard-zero-3")
+        ratio = None if four is None or z3 is None else four / z3
+        detail = f"{four:.2f} / {z3:.2f} GiB" if ratio is not None else ""
+        row(name, "≤ 1.05 x 1 micro-batch", ratio, 1.05, detail)
     f4, f1 = peak(f"{size}-accum", "fsdp2-reshard"), fr
     if f4 is not None and f1 is not None:
         rows.append(
