@@ -295,6 +295,14 @@ class FsdpParityTests:
             check_dcp_chain(partial(self.optimizer, **kw), self.dcp, tmp_path / name, tol=TOL)
 
     @pytest.mark.distributed
+    def test_dcp_bf16_resume_continues_the_rounding_noise(self, tmp_path: Any) -> None:
+        """bf16 + stochastic rounding: a DCP resume at world 2 is bit-exact."""
+        from leanlm_testing.fsdp_dcp import check_bf16_resume_bit_exact
+
+        kw = self.configs[next(iter(self.configs))]
+        check_bf16_resume_bit_exact(self.optimizer, kw, self.dcp, tmp_path)
+
+    @pytest.mark.distributed
     @pytest.mark.slow  # 4 processes
     def test_dcp_checkpoint_reshards_through_hsdp(self, tmp_path: Any) -> None:
         """The first config: DCP checkpoints across (2,) -> HSDP (2, 2) -> (1,) meshes."""

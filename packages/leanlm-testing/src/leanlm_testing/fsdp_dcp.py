@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +40,14 @@ HSDP_PHASES: Phases = (((2,), 2), ((2, 2), 2), ((1,), 2))
 
 def _global_loss(net: nn.Module, step: int) -> Any:
     """The mean loss of data ranks 0 and 1's batches: the same global batch on every rank."""
-    return (net(*_batch(step, 0)) + net(*_batch(step, 1))) / 2
+    dtype = next(net.parameters()).dtype
+    losses = [net(*(t.to(dtype) for t in _batch(step, rank))) for rank in (0, 1)]
+    return (losses[0] + losses[1]) / 2
 
 
-def _sharded(shape: tuple[int, ...]) -> nn.Module:
+def _sharded(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(0)
-    net = Net()
+    net = Net().to(dtype)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard")[-len(shape) :])
     for layer in (net.lin1, net.lin2, net.lin3):
         fully_shard(layer, mesh=mesh)
@@ -57,11 +60,11 @@ def dcp_phase(
     world_size: int,
     make_optimizer: MakeOptimizer,
     fns: StateFns,
-    plan: tuple[str, int, int, int, tuple[int, ...]],
+    plan: tuple[str, int, int, int, tuple[int, ...], str],
 ) -> None:
     """`spawn` worker: load `folder/phase-{phase - 1}` (if any), train `steps` steps, save.
 
-    `plan` is `(folder, phase, first step, steps, mesh shape)`.
+    `plan` is `(folder, phase, first step, steps, mesh shape, parameter dtype name)`.
 
     The last phase also writes the full weights to `folder/final.pt` (rank 0).
     """
@@ -74,8 +77,8 @@ def dcp_phase(
     from torch.distributed.checkpoint.state_dict_saver import save
 
     distributed_state_dict, load_distributed_state_dict = fns
-    folder, phase, first_step, steps, shape = plan
-    net = _sharded(shape)
+    folder, phase, first_step, steps, shape, dtype = plan
+    net = _sharded(shape, getattr(torch, dtype))
     opt = make_optimizer(net.parameters())
     if phase > 0:
         state = {
@@ -113,6 +116,27 @@ def reference(
     return {n: p.detach().clone() for n, p in net.named_parameters()}
 
 
+def _run_phases(
+    make_optimizer: MakeOptimizer,
+    fns: StateFns,
+    folder: Path,
+    phases: Phases,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Tensor]:
+    """Run `phases` through DCP checkpoints in `folder`; the full weights after the last."""
+    folder.mkdir(parents=True)
+    first = 0
+    for phase, (shape, steps) in enumerate(phases):
+        rendezvous = folder / f"rendezvous-{phase}"
+        rendezvous.mkdir()
+        plan = (str(folder), phase, first, steps, shape, str(dtype).removeprefix("torch."))
+        world = math.prod(shape)
+        spawn(dcp_phase, make_optimizer, fns, plan, world_size=world, tmp_path=rendezvous)
+        first += steps
+    weights: dict[str, Tensor] = torch.load(folder / "final.pt", weights_only=True)
+    return weights
+
+
 def check_dcp_chain(
     make_optimizer: MakeOptimizer,
     fns: StateFns,
@@ -123,17 +147,8 @@ def check_dcp_chain(
     """Run `phases`; the final weights must be the single-process ones (norm-relative `tol`)."""
     torch.manual_seed(0)
     init = {n: p.detach().clone() for n, p in Net().named_parameters()}
-    folder = tmp_path / "dcp"
-    folder.mkdir(parents=True)
-    first = 0
-    for phase, (shape, steps) in enumerate(phases):
-        rendezvous = tmp_path / f"phase{phase}"
-        rendezvous.mkdir()
-        plan = (str(folder), phase, first, steps, shape)
-        world = math.prod(shape)
-        spawn(dcp_phase, make_optimizer, fns, plan, world_size=world, tmp_path=rendezvous)
-        first += steps
-    got = torch.load(folder / "final.pt", weights_only=True)
+    got = _run_phases(make_optimizer, fns, tmp_path / "dcp", phases)
+    first = sum(steps for _, steps in phases)
     ref = reference(make_optimizer, first)
     lost = reference(make_optimizer, first, reset_at=phases[0][1])  # state lost at 1st load
 
@@ -147,3 +162,31 @@ def check_dcp_chain(
     meshes = " -> ".join(str(shape) for shape, _ in phases)
     assert not bad, f"after meshes {meshes} through DCP, weights off by {bad} (tol {tol})"
     assert max(error(lost).values()) > 100 * tol, "losing the optimizer state went unnoticed"
+
+
+def check_bf16_resume_bit_exact(
+    optimizer: Callable[..., torch.optim.Optimizer],
+    kw: dict[str, Any],
+    fns: StateFns,
+    tmp_path: Path,
+) -> None:
+    """A bf16 resume with stochastic rounding through DCP at world 2 must be bit-exact.
+
+    2 + 2 steps must equal 4 uninterrupted steps bit for bit (the rounding noise continues
+    where it was, it does not restart). The same 4 steps with round-to-nearest must differ (the
+    noise matters here).
+    """
+    bf16 = torch.bfloat16
+
+    def run(name: str, phases: Phases, rounding: bool) -> dict[str, Tensor]:
+        make = partial(optimizer, **kw, stochastic_rounding=rounding)
+        return _run_phases(make, fns, tmp_path / name, phases, bf16)
+
+    straight = run("straight", (((2,), 4),), True)
+    resumed = run("resumed", (((2,), 2), ((2,), 2)), True)
+    differ = [n for n in straight if not torch.equal(straight[n], resumed[n])]
+    assert not differ, f"a bf16 resume through DCP at world 2 changed {differ}"
+    nearest = run("nearest", (((2,), 4),), False)
+    assert any(not torch.equal(straight[n], nearest[n]) for n in straight), (
+        "stochastic rounding changed nothing: the check would not see the noise restart"
+    )

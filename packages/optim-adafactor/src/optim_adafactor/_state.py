@@ -5,8 +5,10 @@
 - statistics are kept in fp32 (float64 for float64 parameters) and `load_state_dict` restores
   them bit-exact, undoing `torch.optim.Optimizer`'s cast of every state tensor to the
   parameter's dtype;
-- the stochastic-rounding randomness (a seed for the kernels and one `torch.Generator` per
-  device for the PyTorch path) is saved in and restored from the state dict.
+- the stochastic-rounding seed is saved in and restored from the state dict. The noise of a
+  step is a function of the seed, the step count and the parameter's position in the step
+  (`FactoredOptimizer._kernel_seed`), so nothing else is needed to continue it exactly; the
+  PyTorch path reseeds a cached `torch.Generator` per device with it.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-#: Top-level state-dict key holding the stochastic-rounding seed and generator states.
+#: Top-level state-dict key holding the stochastic-rounding seed.
 RNG_STATE_KEY = "stochastic_rounding_rng"
 
 
 class LosslessState(Optimizer):
-    """State dicts without precision loss, and the per-device stochastic-rounding generators.
+    """State dicts without precision loss, and the stochastic-rounding seed and generators.
 
     `FactoredOptimizer` sets `_sr_seed` and `_generators` in its constructor and provides the
     hooks `_parse_group`, `_state_dtype` and `_convert_loaded_state`.
@@ -40,12 +42,9 @@ class LosslessState(Optimizer):
         def _convert_loaded_state(self, state: dict[str, Any]) -> None: ...
 
     def state_dict(self) -> dict[str, Any]:
-        """Torch's state dict plus the stochastic-rounding seed and generator states."""
+        """Torch's state dict plus the stochastic-rounding seed."""
         sd = super().state_dict()
-        sd[RNG_STATE_KEY] = {
-            "seed": self._sr_seed,
-            "generators": {str(d): g.get_state() for d, g in self._generators.items()},
-        }
+        sd[RNG_STATE_KEY] = {"seed": self._sr_seed}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -54,8 +53,9 @@ class LosslessState(Optimizer):
         `torch.optim.Optimizer.load_state_dict` casts every state tensor to its parameter's
         dtype (bf16/fp16 state loses bits; fp16 can flush small statistics to zero). The state
         tensors are therefore taken from `state_dict` as saved and converted once, to the
-        dtypes `step()` keeps them in. The stochastic-rounding randomness is restored when the
-        state dict carries it.
+        dtypes `step()` keeps them in. The stochastic-rounding seed is restored when the state
+        dict carries it (older state dicts' generator states are not needed: the noise is
+        reseeded per step).
         """
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         saved_state = state_dict["state"]
@@ -89,18 +89,12 @@ class LosslessState(Optimizer):
                         state[key] = value.to(device=p.device, dtype=dtype)
 
     def _load_rng(self, saved: dict[str, Any] | None) -> None:
-        self._generators = {}
-        if saved is None:
-            return
-        self._sr_seed = int(saved["seed"])
-        for name, rng_state in saved.get("generators", {}).items():
-            self._generator(torch.device(name)).set_state(rng_state.cpu())
+        if saved is not None:
+            self._sr_seed = int(saved["seed"])
 
     def _generator(self, device: torch.device) -> torch.Generator:
-        """This optimizer's generator for stochastic rounding on `device` (seeded lazily)."""
+        """This optimizer's generator for stochastic rounding on `device` (reseeded per use)."""
         gen = self._generators.get(device)
         if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(self._sr_seed)
-            self._generators[device] = gen
+            gen = self._generators[device] = torch.Generator(device=device)
         return gen

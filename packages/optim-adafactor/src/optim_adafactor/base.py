@@ -235,7 +235,11 @@ class FactoredOptimizer(LosslessState):
 
     # ------------------------------------------------------------------ resources
     def _kernel_seed(self, w: StepWork) -> int:
-        """Seed of the kernels' stochastic rounding for `w` (a function of seed, step, index)."""
+        """Seed of the stochastic rounding of `w` (a function of seed, step and index).
+
+        The kernels and the PyTorch path both draw their noise from it (different generators,
+        so their noise differs), which makes the noise reproducible from the state dict.
+        """
         return (self._sr_seed + 1_000_003 * w.step + 7919 * w.index) % (2**31 - 1)
 
     def _workspace(self, like: Tensor) -> Tensor:
@@ -342,7 +346,10 @@ class FactoredOptimizer(LosslessState):
         if w.p32 is p:
             return
         if w.opts.stochastic_rounding and p.dtype == torch.bfloat16:
-            copy_stochastic_(p, w.p32, generator=self._generator(p.device))
+            # the noise is a function of (seed, step, index), as in the kernels: nothing but the
+            # seed and the step counts has to be checkpointed for a resume to continue it exactly
+            generator = self._generator(p.device).manual_seed(self._kernel_seed(w))
+            copy_stochastic_(p, w.p32, generator=generator)
         else:
             p.copy_(w.p32)
 

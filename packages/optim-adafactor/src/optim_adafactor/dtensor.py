@@ -159,8 +159,8 @@ def load_distributed_state_dict(optimizer: Any, model: nn.Module, loaded: dict[s
     """Write what DCP loaded into a `distributed_state_dict(optimizer, model)` back into it.
 
     DCP loads the DTensors in place (into the optimizer's own local tensors); step counts,
-    other values and the groups' hyper-parameters are set here. The stochastic-rounding
-    generators restart from the saved seed.
+    other values and the groups' hyper-parameters are set here, and the stochastic-rounding
+    seed (with the step counts, all that the rounding noise depends on).
     """
     names = {p: name for name, p in model.named_parameters(remove_duplicate=False)}
     for group in optimizer.param_groups:
