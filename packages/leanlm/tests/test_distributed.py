@@ -2,7 +2,8 @@
 
 Replicated (DDP) and sharded with shard-zero (ZeRO-2 with CAME, ZeRO-3 with Adafactor: the
 factored optimizers stay exact because shards are whole rows; ZeRO-3 with the accumulator in
-host memory). The prune stage's architecture search on two processes saves what one saves.
+host memory). The prune stage's architecture search on two processes saves what one saves. A
+two-process run resumes on three processes with the same global batch (ZeRO-3 and FSDP2).
 """
 
 import json
@@ -19,19 +20,23 @@ from leanlm.config import dumps_toml
 from leanlm.prune import PruneConfig
 
 
-def _leanlm_run(tmp_path, name, config, *, processes):
-    """`leanlm run` of `config` into `tmp_path / name` on `processes` (torchrun); its output."""
+def _leanlm_run(tmp_path, name, config, *, processes, out=None, resume=False, fails=False):
+    """`leanlm run` of `config` into `out` (`tmp_path / name`) on `processes` (torchrun); its
+    output. `fails`: the run must stop with a user error (exit status 2) instead; it goes
+    through `--processes`, whose launcher checks the run folder before starting workers."""
     (tmp_path / f"{name}.toml").write_text(dumps_toml(config))
     command = [sys.executable, "-m", "leanlm"]
-    if processes > 1:
+    if processes > 1 and not fails:
         torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
         command = [torchrun, "--standalone", "--nproc_per_node", str(processes), "-m", "leanlm"]
-    command += ["run", str(tmp_path / f"{name}.toml"), "--out", str(tmp_path / name)]
+    command += ["run", str(tmp_path / f"{name}.toml"), "--out", str(out or tmp_path / name)]
+    command += ["--resume"] if resume else []
+    command += ["--processes", str(processes)] if fails else []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         command, check=False, capture_output=True, text=True, env=env, timeout=300
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == (2 if fails else 0), done.stderr[-3000:]
     return done.stdout + done.stderr
 
 
@@ -117,3 +122,47 @@ def test_prune_search_on_two_processes_saves_what_one_saves(tmp_path, tiny_confi
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sharding", [{"zero_stage": 3}, {"engine": "fsdp2"}], ids=str)
+def test_two_process_run_resumes_on_three_with_the_same_global_batch(
+    tmp_path, tiny_config, sharding
+):
+    # 2 processes x 3 micro-batches of 2 = 3 processes x 2 x 2: the same 12 sequences per step,
+    # so the 2-process run's step-4 checkpoint (CAME state sharded 2 ways) continues on 3
+    # processes and must end where the uninterrupted 2-process run ended.
+    common = {"steps": 8, "micro_batch_size": 2, "optimizer": "came", **sharding}
+    common |= {"checkpoint_every": 4, "eval_every": 4, "warmup_steps": 2}
+    two = tiny_config(pretrain={**common, "grad_accum_steps": 3})
+    three = tiny_config(pretrain={**common, "grad_accum_steps": 2})
+    _leanlm_run(tmp_path, "two", two, processes=2)
+    cut = tmp_path / "cut"  # the run folder as a kill after the step-4 checkpoint leaves it
+    shutil.copytree(tmp_path / "two", cut)
+    stage = cut / "pretrain"
+    (stage / "result.json").unlink()
+    shutil.rmtree(stage / "model")
+    assert (stage / "checkpoints" / "step-00000004").is_dir()
+    for later in (stage / "checkpoints").glob("step-*"):
+        if later.name > "step-00000004":
+            shutil.rmtree(later)
+    rows = (stage / "metrics.jsonl").read_text().splitlines()
+    kept = [r for r in rows if json.loads(r).get("step", 0) <= 4]
+    (stage / "metrics.jsonl").write_text("".join(r + "\n" for r in kept))
+
+    # the same config on 3 processes would make 18 sequences per step: refused, with the fix
+    log = _leanlm_run(tmp_path, "two", two, processes=3, out=cut, resume=True, fails=True)
+    assert "pretrain ran on 2, this run has 3" in log, log[-2000:]
+    assert "`grad_accum_steps` x processes" in log
+
+    log = _leanlm_run(tmp_path, "three", three, processes=3, out=cut, resume=True)
+    assert "resuming from step-00000004 (step 4, written on 2 process(es))" in log
+    result = json.loads((stage / "result.json").read_text())
+    assert result["metrics"]["processes"] == 3
+    # other row splits and reduction orders: the last bits differ (as 2 processes vs 1 above)
+    torch.testing.assert_close(_losses(cut), _losses(tmp_path / "two"), atol=1e-5, rtol=1e-5)
+    a = load_file(tmp_path / "two" / "pretrain" / "model" / "model.safetensors")
+    b = load_file(stage / "model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=2e-5, rtol=1e-4, msg=name)

@@ -91,6 +91,43 @@ def test_resume_skips_a_finished_stage(finished_run):
     assert StageResult.load(out / "pretrain") == results[0]
 
 
+def test_a_finished_stage_stays_valid_at_another_process_count_with_the_same_global_batch(
+    finished_run,
+):
+    import dataclasses
+
+    from leanlm.rundir import check_reuse
+
+    config, out, _ = finished_run  # 1 process x 2 micro-batches per step
+    halved = dataclasses.replace(
+        config, pretrain=dataclasses.replace(config.pretrain, grad_accum_steps=1)
+    )
+    check_reuse(out, halved, resume=True, processes=2)  # 2 processes x 1: the same batch
+    with pytest.raises(ConfigChangedError) as err:
+        check_reuse(out, config, resume=True, processes=2)  # 2 x 2: twice the batch
+    message = str(err.value)
+    assert "pretrain ran on 1, this run has 2" in message
+    assert "`grad_accum_steps` x processes" in message
+    assert "--restart-changed" in message
+    with pytest.raises(ConfigChangedError, match=r"`pretrain.grad_accum_steps`"):
+        check_reuse(out, halved, resume=True, processes=1)  # a real change on 1 process
+
+
+def test_a_sharded_checkpoint_on_one_process_names_its_engine_and_process_count(tmp_path):
+    from leanlm.checkpoint import TRAINER_STATE, Checkpointer
+
+    step = tmp_path / "step-00000004"
+    (step / "fsdp2").mkdir(parents=True)
+    (step / TRAINER_STATE).write_text(json.dumps({"step": 4, "processes": 2}))
+    checkpoints = Checkpointer(tmp_path, accelerator=None, keep=1)  # refused before any load
+    with pytest.raises(
+        ValueError,
+        match=r"with fsdp2 sharding on 2 process\(es\), but this run "
+        r"is not sharded \(one process always runs unsharded\)",
+    ):
+        checkpoints.load(step, scheduler=None, sharded=None)
+
+
 def test_pretrain_with_adafactor(tmp_path, tiny_config):
     config = tiny_config(pretrain={"optimizer": "adafactor", "lr": 1e-2, "steps": 20})
     results = run_pipeline(config, tmp_path / "run")

@@ -175,9 +175,13 @@ class Checkpointer:
         written = sorted(e for e in SHARDED_DIRS if (path / e).is_dir())
         mine = [sharded.folder] if sharded is not None else []
         if written != mine:
+            processes = json.loads((path / TRAINER_STATE).read_text()).get("processes", "?")
+            one = " (one process always runs unsharded)" if written and not mine else ""
             raise ValueError(
-                f"{path} was written {f'with {written[0]}' if written else 'without'} sharding, "
-                f"but this run is {f'sharded with {mine[0]}' if mine else 'not sharded'}"
+                f"{path} was written {f'with {written[0]}' if written else 'without'} sharding "
+                f"on {processes} process(es), but this run is "
+                f"{f'sharded with {mine[0]}' if mine else 'not sharded'}{one}: resume with "
+                "the engine it was written with"
             )
         self.accelerator.load_state(str(path))
         if sharded is not None:

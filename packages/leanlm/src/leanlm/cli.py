@@ -15,7 +15,14 @@ from pathlib import Path
 from leanlm.config import STAGE_NAMES, ConfigError, RunConfig, load_toml
 from leanlm.interrupt import LAUNCHER_ENV, Interrupted
 from leanlm.presets import PRESETS
-from leanlm.rundir import DISK_ERRNOS, RunLock, RunLockedError, disk_full, preflight
+from leanlm.rundir import (
+    DISK_ERRNOS,
+    RunLock,
+    RunLockedError,
+    check_out_dir,
+    disk_full,
+    preflight,
+)
 from leanlm.stages import STAGES
 
 
@@ -208,10 +215,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     lock = None
     try:
         if LAUNCHER_ENV not in os.environ:  # else our launcher checked and holds the lock
-            preflight(config, out, resume=args.resume, restart_changed=args.restart_changed)
-            if _rank() == 0:
+            check_out_dir(out)
+            if _rank() == 0:  # a live run in `out` is named before anything about its state
                 lock = RunLock(out).acquire()
+            processes = int(os.environ.get("WORLD_SIZE", "1")) if worker else nproc
+            preflight(
+                config,
+                out,
+                resume=args.resume,
+                restart_changed=args.restart_changed,
+                processes=processes,
+            )
     except (ValueError, FileExistsError, RunLockedError, OSError) as err:
+        if lock is not None:
+            lock.release()
         return report_failure(err, debug=args.debug)
     try:
         if nproc > 1 and not worker:

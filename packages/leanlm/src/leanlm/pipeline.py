@@ -56,9 +56,12 @@ def run_pipeline(
         leanlm.interrupt.Interrupted: the run was stopped by SIGTERM / SIGINT.
     """
     out_dir = Path(out_dir)
-    check_reuse(out_dir, config, resume=resume, restart_changed=restart_changed)
-    fresh = not holds_work(out_dir)
     accelerator = make_accelerator(config)
+    processes = accelerator.num_processes
+    check_reuse(
+        out_dir, config, resume=resume, restart_changed=restart_changed, processes=processes
+    )
+    fresh = not holds_work(out_dir)
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         for name in config.stages if fresh else ():  # logs of a start that failed early
@@ -80,7 +83,7 @@ def run_pipeline(
         if interrupt.requested():
             raise interrupt.stopped(name, 0)
         stage_dir = out_dir / name
-        digest = stage_hash(config, name, previous_hash)
+        digest = stage_hash(config, name, previous_hash, processes)
         stored = StageResult.load(stage_dir) if resume else None
         if stored is not None and stored.config_hash == digest:
             accelerator.print(f"[leanlm] {name}: finished earlier with the same config, skipped")

@@ -11,6 +11,7 @@ dies, so a lock left by a killed run is simply taken over).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import hashlib
@@ -52,12 +53,21 @@ def holds_work(out_dir: Path) -> bool:
     return any(out_dir.glob("*/result.json")) or any(out_dir.glob("*/checkpoints/step-*"))
 
 
-def stage_hash(config: RunConfig, stage: str, previous_hash: str) -> str:
-    """Hash of what a stage's output depends on.
+def stage_hash(config: RunConfig, stage: str, previous_hash: str, processes: int = 1) -> str:
+    """Hash of what a stage's output depends on, run on `processes` processes.
 
     That is data, tokenizer, model, seed, precision, the stage's own section, and the previous
-    stage's hash (so changing an early stage invalidates every later one).
+    stage's hash (so changing an early stage invalidates every later one). A training section's
+    `grad_accum_steps` counts as `grad_accum_steps x processes`, the micro-batches of one
+    optimizer step over all processes: the global batch is the same, and so are the stage's
+    results and checkpoints, when a run resumes at another number of processes with
+    `grad_accum_steps` scaled to keep that product (2 processes x 2 = 4 processes x 1).
     """
+    section = getattr(config, stage)
+    accum = getattr(section, "grad_accum_steps", None)
+    if accum is not None and processes != 1:
+        section = dataclasses.replace(section, grad_accum_steps=accum * processes)
+        config = dataclasses.replace(config, **{stage: section})
     own = config.fingerprint(
         "seed", "mixed_precision", "init_model", "data", "tokenizer", "model", stage
     )
@@ -78,11 +88,29 @@ def _stored_hashes(stage_dir: Path) -> set[str]:
     return found
 
 
-def discarded_stages(out_dir: Path, config: RunConfig) -> list[str]:
-    """Stages of `config` whose stored work in `out_dir` was made under another config."""
+def stored_processes(stage_dir: Path) -> int | None:
+    """How many processes a stage's stored result, else its newest checkpoint, was made on."""
+    files = [stage_dir / "result.json"]
+    files += sorted(stage_dir.glob("checkpoints/step-*/trainer_state.json"), reverse=True)
+    for path in files:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        value = data.get("processes", data.get("metrics", {}).get("processes"))
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def discarded_stages(out_dir: Path, config: RunConfig, processes: int = 1) -> list[str]:
+    """Stages of `config` whose stored work in `out_dir` was made under another config.
+
+    Or at a global batch that `processes` processes do not make (see `stage_hash`).
+    """
     stages, previous = [], ""
     for stage in config.stages:
-        digest = stage_hash(config, stage, previous)
+        digest = stage_hash(config, stage, previous, processes)
         stored = _stored_hashes(out_dir / stage)
         if stored and digest not in stored:
             stages.append(stage)
@@ -103,13 +131,19 @@ def changed_keys(stored: dict[str, Any], new: dict[str, Any], prefix: str = "") 
 
 
 def check_reuse(
-    out_dir: Path, config: RunConfig, *, resume: bool, restart_changed: bool = False
+    out_dir: Path,
+    config: RunConfig,
+    *,
+    resume: bool,
+    restart_changed: bool = False,
+    processes: int = 1,
 ) -> None:
     """Refuse to overwrite a run, and to resume one in a way that discards work.
 
     A config change that leaves every stored result and checkpoint valid (a stage appended,
     `name`, a stage that has not run yet) resumes; one that would restart a stage with work
-    on disk needs `restart_changed`.
+    on disk needs `restart_changed`. So does a resume on another number of `processes` that
+    changes a stored stage's global batch (see `stage_hash`).
 
     Raises:
         FileExistsError: `out_dir` holds a run and `resume` is false.
@@ -123,16 +157,25 @@ def check_reuse(
             f"{out_dir} already holds a run: pass --resume to continue it, or start over with "
             f"`rm -r {out_dir}` (or another --out)"
         )
-    stages = [] if restart_changed else discarded_stages(out_dir, config)
+    stages = [] if restart_changed else discarded_stages(out_dir, config, processes)
     if not stages:
         return
     stored_file = out_dir / CONFIG_FILE
     stored = tomllib.loads(stored_file.read_text("utf-8")) if stored_file.is_file() else {}
-    changed = ", ".join(f"`{k}`" for k in changed_keys(stored, to_dict(config)))
+    keys = [f"`{k}`" for k in changed_keys(stored, to_dict(config))]
+    before = {n: stored_processes(out_dir / n) for n in stages}
+    moved = {n: p for n, p in before.items() if p is not None and p != processes}
+    if moved:
+        runs = ", ".join(f"{n} ran on {p}" for n, p in moved.items())
+        keys.append(
+            f"the number of processes ({runs}, this run has {processes}: keep "
+            "`grad_accum_steps` x processes as it was to keep the global batch)"
+        )
     raise ConfigChangedError(
-        f"--resume: the config differs from the one {out_dir} was run with, in {changed}; "
-        f"resuming would restart {', '.join(stages)} and discard the results and checkpoints "
-        "there. Pass --restart-changed to do that, or restore the config"
+        f"--resume: the config differs from the one {out_dir} was run with, in "
+        f"{', '.join(keys) or 'nothing listed'}; resuming would restart {', '.join(stages)} and "
+        "discard the results and checkpoints there. Pass --restart-changed to do that, or "
+        "restore the config"
     )
 
 
@@ -242,11 +285,18 @@ def check_hub_dataset(config: RunConfig) -> None:
 
 
 def preflight(
-    config: RunConfig, out_dir: Path, *, resume: bool, restart_changed: bool = False
+    config: RunConfig,
+    out_dir: Path,
+    *,
+    resume: bool,
+    restart_changed: bool = False,
+    processes: int = 1,
 ) -> None:
     """Every check that needs no worker (see the module docstring); call before the run."""
     check_out_dir(out_dir)
-    check_reuse(out_dir, config, resume=resume, restart_changed=restart_changed)
+    check_reuse(
+        out_dir, config, resume=resume, restart_changed=restart_changed, processes=processes
+    )
     if config.init_model:
         check_init_model(config.init_model)
     check_hub_dataset(config)

@@ -142,7 +142,9 @@ class _Loop:
             wall_before=state["wall_time_s"],
             bad_steps=state.get("bad_steps", 0),
         )
-        acc.print(f"[{self.name}] resuming from {latest.name} (step {self.counters.step})")
+        written = state.get("processes", self.world)
+        moved = f", written on {written} process(es)" if written != self.world else ""
+        acc.print(f"[{self.name}] resuming from {latest.name} (step {self.counters.step}{moved})")
 
     def checkpoint(self, done: int) -> Path:
         """Write a resumable checkpoint after `done` steps."""
@@ -156,6 +158,7 @@ class _Loop:
                 "config_hash": self.ctx.config_hash,
                 "wall_time_s": c.wall_before + time.perf_counter() - self.wall_start,
                 "bad_steps": c.bad_steps,
+                "processes": self.world,
             },
             sharded=self.par.sharded,
         )
