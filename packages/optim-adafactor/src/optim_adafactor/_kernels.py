@@ -80,6 +80,34 @@ if HAS_TRITON:
         bits = x.to(tl.int32, bitcast=True) + noise.to(tl.int32)
         return (bits & -65536).to(tl.float32, bitcast=True)
 
+    @triton.jit
+    def tensor_seed(seed_base, index):  # type: ignore[no-untyped-def]
+        """The stochastic-rounding seed of the tensor at `index` in a step.
+
+        `seed_base` is `seed + 1_000_003 · step`: this is `FactoredOptimizer._kernel_seed`, which
+        the PyTorch path uses too.
+        """
+        return ((seed_base + 7919 * index) % 2147483647).to(tl.int32)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def store_update(  # type: ignore[no-untyped-def]
+        p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY: tl.constexpr, SR: tl.constexpr
+    ):
+        """Store `p - wd_lr·p - upd` (fp32 `p` as loaded from `p_ptr + offs`) in p's dtype.
+
+        The end of every apply kernel here and in optim-came; SR rounds stochastically. The
+        decay is `p - wd_lr·p` (HF's and came-pytorch's `p.add_(p, alpha=-wd·lr)`), not
+        `p·(1 - wd_lr)`: the fp32 rounding of `1 - wd_lr` would bias it by up to 0.3% near
+        wd·lr = 1e-5. The caller loads `p` itself, where its kernel always did: moving the load
+        changes the register allocation of the CAME kernels (tools/gpu_compile.py).
+        """
+        if HAS_DECAY:
+            p = p - wd_lr * p
+        p = p - upd
+        if SR:
+            p = stochastic_round_bf16(p, seed, offs)
+        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+
     @triton.jit  # type: ignore[untyped-decorator]
     def _stats_kernel(  # type: ignore[no-untyped-def]
         g_ptr,
@@ -200,12 +228,7 @@ if HAS_TRITON:
                 tl.store(m_ptr + offs, m, mask=mask)
                 upd = m
             p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_DECAY:
-                p = p - wd_lr * p
-            p = p - upd
-            if SR:
-                p = stochastic_round_bf16(p, seed, offs)
-            tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+            store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY, SR)
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch the launchers below make on a GPU (for tools/gpu_compile.py).

@@ -76,7 +76,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor._kernels import stochastic_round_bf16
+    from optim_adafactor._kernels import store_update, tensor_seed
     from optim_adafactor._multi_stats_kernels import (
         _GEO,
         _MOM,
@@ -125,8 +125,7 @@ if HAS_TRITON:
             wd_lr = tl.load(scal + mat * 4 + 2)
         seed = 0
         if SR:
-            index = tl.load(geo + mat * _GEO + 8)
-            seed = ((seed_base + 7919 * index) % 2147483647).to(tl.int32)
+            seed = tensor_seed(seed_base, tl.load(geo + mat * _GEO + 8))
         for c0 in range(0, m, BLOCK_M):
             cols = c0 + tl.arange(0, BLOCK_M)
             col_mask = cols < m
@@ -141,12 +140,7 @@ if HAS_TRITON:
                 tl.store(m_ptr + offs, mom, mask=mask)
                 upd = mom
             p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_DECAY:
-                p = p - wd_lr * p
-            p = p - upd
-            if SR:
-                p = stochastic_round_bf16(p, seed, offs)
-            tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+            store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY, SR)
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch `step_batch` makes on a GPU (for tools/gpu_compile.py).

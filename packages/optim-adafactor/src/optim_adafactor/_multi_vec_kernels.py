@@ -37,7 +37,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor._kernels import stochastic_round_bf16
+    from optim_adafactor._kernels import store_update, tensor_seed
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _mt_vec_kernel(  # type: ignore[no-untyped-def]
@@ -84,8 +84,7 @@ if HAS_TRITON:
         wd_lr = lr_t * weight_decay
         seed = 0
         if SR:
-            index = tl.load(geo + pid * 2 + 1)
-            seed = ((seed_base + 7919 * index) % 2147483647).to(tl.int32)
+            seed = tensor_seed(seed_base, tl.load(geo + pid * 2 + 1))
         for k in range(0, numel, BLOCK):
             offs = k + tl.arange(0, BLOCK)
             mask = offs < numel
@@ -98,12 +97,7 @@ if HAS_TRITON:
                 tl.store(m_ptr + offs, mom, mask=mask)
                 upd = mom
             p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_DECAY:
-                p = p - wd_lr * p
-            p = p - upd
-            if SR:
-                p = stochastic_round_bf16(p, seed, offs)
-            tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+            store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY, SR)
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch `step_vectors` makes on a GPU (for tools/gpu_compile.py)."""

@@ -17,9 +17,9 @@ Adafactor, also the instability `(û - m)²` in CAME), the factored second momen
 `mean(r)` is the mean over the last dim of `r` (the rows of the logical tensor). Under row
 sharding the caller all-reduces the column sums and `Σ_i r_i` before calling `factors`.
 
-Triton launchers (`sq_stats`, `scaled_sumsq`, and the `stochastic_round_bf16` JIT helper for
-kernels of other packages) need `triton` and a CUDA device, or `TRITON_INTERPRET=1` on CPU;
-check `triton_available(device)` first.
+Triton launchers (`sq_stats`, `scaled_sumsq`, and the `stochastic_round_bf16`, `store_update`
+and `tensor_seed` JIT helpers for kernels of other packages) need `triton` and a CUDA device,
+or `TRITON_INTERPRET=1` on CPU; check `triton_available(device)` first.
 """
 
 from __future__ import annotations
@@ -50,7 +50,13 @@ if _kernels.HAS_TRITON:
     #: exactly representable in bf16, rounded up with probability equal to the discarded fraction
     #: (unbiased). Call it from another kernel just before a bf16 store.
     stochastic_round_bf16 = _kernels.stochastic_round_bf16
-    __all__ += ["stochastic_round_bf16"]
+    #: `@triton.jit` helper: `store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY,
+    #: SR)` writes `p - wd_lr·p - upd` (fp32 math) in p's dtype, stochastically rounded with SR.
+    store_update = _kernels.store_update
+    #: `@triton.jit` helper: `tensor_seed(seed_base, index)`, the rounding seed of a step's
+    #: `index`-th tensor (`FactoredOptimizer._kernel_seed`).
+    tensor_seed = _kernels.tensor_seed
+    __all__ += ["stochastic_round_bf16", "store_update", "tensor_seed"]
 
 
 def ema_(avg: Tensor, mean: Tensor, beta: float, eps: float) -> Tensor:

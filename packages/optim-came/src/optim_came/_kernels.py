@@ -146,12 +146,8 @@ if HAS_TRITON:
             cr = tl.load(cr_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
             m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_DECAY:
-                p = p - wd_lr * p
-            p = p - m * rrs[:, None] * cr[None, :]
-            if SR:
-                p = factored.stochastic_round_bf16(p, seed, offs)
-            tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+            upd = m * rrs[:, None] * cr[None, :]
+            factored.store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY, SR)
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch the launchers below make on a GPU (for tools/gpu_compile.py).

@@ -53,7 +53,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor.factored import stochastic_round_bf16
+    from optim_adafactor.factored import store_update, tensor_seed
 
     _GEO = tl.constexpr(mt.GEO)
 
@@ -152,8 +152,7 @@ if HAS_TRITON:
             wd_lr = tl.load(scal + mat * 4 + 2)
         seed = 0
         if SR:
-            index = tl.load(geo + mat * _GEO + 8)
-            seed = ((seed_base + 7919 * index) % 2147483647).to(tl.int32)
+            seed = tensor_seed(seed_base, tl.load(geo + mat * _GEO + 8))
         for c0 in range(0, m, BLOCK_M):
             cols = c0 + tl.arange(0, BLOCK_M)
             col_mask = cols < m
@@ -162,12 +161,8 @@ if HAS_TRITON:
             cr = tl.load(cfbuf + cf_off + cols, mask=col_mask, other=0.0)
             mom = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_DECAY:
-                p = p - wd_lr * p
-            p = p - mom * rrs[:, None] * cr[None, :]
-            if SR:
-                p = stochastic_round_bf16(p, seed, offs)
-            tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+            upd = mom * rrs[:, None] * cr[None, :]
+            store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY, SR)
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch `step_batch` makes on a GPU (for tools/gpu_compile.py).

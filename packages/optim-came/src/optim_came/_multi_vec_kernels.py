@@ -31,7 +31,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor.factored import stochastic_round_bf16
+    from optim_adafactor.factored import store_update, tensor_seed
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _mt_came_vec_kernel(  # type: ignore[no-untyped-def]
@@ -66,8 +66,7 @@ if HAS_TRITON:
         lr_t = tl.load(lr_ptr).to(tl.float32) if LR_TENSOR else lr
         seed = 0
         if SR:
-            index = tl.load(geo + pid * 2 + 1)
-            seed = ((seed_base + 7919 * index) % 2147483647).to(tl.int32)
+            seed = tensor_seed(seed_base, tl.load(geo + pid * 2 + 1))
         for k in range(0, numel, BLOCK):
             offs = k + tl.arange(0, BLOCK)
             mask = offs < numel
@@ -79,12 +78,8 @@ if HAS_TRITON:
             tl.store(m_ptr + offs, mom.to(m_ptr.dtype.element_ty), mask=mask)
             mom = mom.to(m_ptr.dtype.element_ty).to(tl.float32)  # the stored value steps p
             p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_DECAY:
-                p = p - (lr_t * weight_decay) * p
-            p = p - lr_t * mom
-            if SR:
-                p = stochastic_round_bf16(p, seed, offs)
-            tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+            upd, wd_lr = lr_t * mom, lr_t * weight_decay
+            store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY, SR)
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch `step_vectors` makes on a GPU (for tools/gpu_compile.py).
