@@ -166,7 +166,6 @@ SEARCH = {"search": True, "search_params": 100_000, "search_hidden_size": [128]}
         ({"sparsify": {"block_size": 0}}, "sparsify.block_size", "(0) must be >= 1"),
         # prune-distill's DistillConfig checks the loss settings
         ({"distill": {"top_k": -1}}, "distill.top_k", "(-1) must be >= 1"),
-        ({"sparsify": {"zero_stage": 3}}, "sparsify.zero_stage", "use 0, 1 or 2"),
         ({"sparsify": {"steps": -1}}, "sparsify.steps", "must be >= 0"),
     ],
 )

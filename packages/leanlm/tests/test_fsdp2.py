@@ -2,7 +2,8 @@
 
 Two gloo processes train like one with the same global batch, a run resumed from an FSDP2
 checkpoint ends where the uninterrupted run ended, and evaluation runs in lockstep. The sparse
-fine-tune keeps its masks under FSDP2 and exports the gathered model.
+fine-tune keeps its masks under FSDP2 (and under ZeRO-3, the other engine that frees gathered
+weights) and exports the gathered model.
 """
 
 import json
@@ -47,13 +48,13 @@ def _scenario(tmp_path, scenario, *args, **kwargs):
     return scenario(folder, *args, **kwargs)
 
 
-def _one_then_two(tmp_path, one, two, env):
-    """Run config `one` in 1 process into `one/`, then `two` under FSDP2 in 2 into `two/`."""
+def _one_then_two(tmp_path, one, two, env, label="FSDP2"):
+    """Run config `one` in 1 process into `one/`, then `two` sharded (`label`) in 2 into `two/`."""
     (tmp_path / "one.toml").write_text(dumps_toml(one))
     (tmp_path / "two.toml").write_text(dumps_toml(two))
     _run(["run", tmp_path / "one.toml", "--out", tmp_path / "one"], processes=1, env=env)
     log = _run(["run", tmp_path / "two.toml", "--out", tmp_path / "two"], processes=2, env=env)
-    assert "on 2 process(es) FSDP2" in log
+    assert f"on 2 process(es) {label}" in log
     return log
 
 
@@ -330,21 +331,48 @@ def _sparse_export(run_dir):
     )
 
 
+_SHARDING = {"fsdp2": {"engine": "fsdp2"}, "zero": {"zero_stage": 3}}
+
+
+def _zero_masters(folder):
+    """Every parameter's fp32 master, whole, from a shard-zero checkpoint `folder`.
+
+    Each `rank*.safetensors` holds rows `rows[name]` of `<name>::master` (shard_zero's format);
+    a parameter kept whole (replicated) is in every file with the same rows.
+    """
+    from safetensors import safe_open
+
+    pieces = {}
+    for path in sorted(folder.glob("rank*.safetensors")):
+        with safe_open(path, "pt") as f:
+            rows = json.loads(f.metadata()["shard_zero"])["rows"]
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                name, _, kind = key.partition("::")
+                if kind == "master":
+                    pieces.setdefault(name, {})[rows[name][0]] = f.get_tensor(key)
+    return {name: torch.cat([part[r] for r in sorted(part)]) for name, part in pieces.items()}
+
+
 def _sparse_losses(run_dir):
     path = run_dir / "sparsify" / "metrics.jsonl"
     return [row["loss"] for row in map(json.loads, path.read_text().splitlines()) if "loss" in row]
 
 
 @pytest.mark.distributed
-def test_fsdp2_sparse_fine_tune_holds_masks_matches_one_process_and_resumes(tmp_path, tiny_config):
-    _scenario(tmp_path, _sparse_one_vs_two_then_resume, tiny_config)
+@pytest.mark.parametrize("engine", ["fsdp2", "zero"])
+def test_sharded_sparse_fine_tune_holds_masks_matches_one_process_and_resumes(
+    tmp_path, tiny_config, engine
+):
+    _scenario(tmp_path, _sparse_one_vs_two_then_resume, tiny_config, engine)
 
 
-def _sparse_one_vs_two_then_resume(tmp_path, tiny_config):
+def _sparse_one_vs_two_then_resume(tmp_path, tiny_config, engine):
     # The 1-process run pretrains briefly, then prunes 2:4 (Wanda) and fine-tunes with CAME
-    # (global batch 8 as 1 x 4 x 2); the FSDP2 run (2 x 4 x 1) starts its sparsify stage from
-    # that pretrained model (`init_model`): both prune the same weights with the same
-    # calibration batches, so their masks must be identical and their training equal.
+    # (global batch 8 as 1 x 4 x 2); the sharded run (2 x 4 x 1, FSDP2 or ZeRO-3) starts its
+    # sparsify stage from that pretrained model (`init_model`): both prune the same weights
+    # with the same calibration batches, so their masks must be identical and their training
+    # equal. ZeRO-3 frees the gathered weights between uses: the export is written from
+    # `shard_zero.full_state_dict`, as FSDP2's from the gathered state dict.
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from leanlm.config import SparsifyConfig
@@ -361,12 +389,13 @@ def _sparse_one_vs_two_then_resume(tmp_path, tiny_config):
     two = tiny_config(
         stages=("sparsify",),
         init_model=str(tmp_path / "one" / "pretrain" / "model"),
-        sparsify=SparsifyConfig(**train, grad_accum_steps=1, engine="fsdp2"),
+        sparsify=SparsifyConfig(**train, grad_accum_steps=1, **_SHARDING[engine]),
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    log = _one_then_two(tmp_path, one, two, env)
+    label = "FSDP2" if engine == "fsdp2" else "ZeRO-3"
+    log = _one_then_two(tmp_path, one, two, env, label=label)
     result = json.loads((tmp_path / "two" / "sparsify" / "result.json").read_text())
-    assert result["metrics"]["parallel"] == "FSDP2"
+    assert result["metrics"]["parallel"] == label
 
     # training: the masked forward and the sharded updates equal one process's (CAME's
     # tolerances in the test above; a forward that skipped the masks fails here)
@@ -408,18 +437,21 @@ def _sparse_one_vs_two_then_resume(tmp_path, tiny_config):
         else:
             torch.testing.assert_close(compact[key], ref_compact[key], **tolerance, msg=key)
 
-    # Resume from the mid-run FSDP2 checkpoint: the masks are rebuilt, the checkpoint restores
-    # the shards and CAME's state (DCP); the export must equal the uninterrupted one's.
+    # Resume from the mid-run sharded checkpoint: the masks are rebuilt, the checkpoint
+    # restores the shards and CAME's state; the export must equal the uninterrupted one's.
     cut = tmp_path / "cut"
     shutil.copytree(tmp_path / "two", cut)
     stage = cut / "sparsify"
-    sharded = stage / "checkpoints" / f"step-{every:08d}" / "fsdp2"
-    assert sorted(f.name for f in sharded.glob("optim-rank*")) == []  # all in the DCP files
+    sharded = stage / "checkpoints" / f"step-{every:08d}" / engine
     # The trainable weights behind the masks stayed exactly zero where the masks prune through
     # the sharded optimizer steps (weight decay, CAME's momentum); read from the checkpoint's
-    # gathered shards, since the export bakes the masks in whatever they hold.
-    dcp_to_torch_save(sharded, tmp_path / "checkpoint.pt")
-    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["model"]
+    # shards, since the export bakes the masks in whatever they hold.
+    if engine == "fsdp2":
+        assert sorted(f.name for f in sharded.glob("optim-rank*")) == []  # all in DCP files
+        dcp_to_torch_save(sharded, tmp_path / "checkpoint.pt")
+        state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["model"]
+    else:
+        state = _zero_masters(sharded)
     for name, meta in info["masks"].items():
         mask = unpack_bits(packed[name], tuple(meta["shape"]))
         stored = state[f"{name}.parametrizations.weight.original"]
@@ -439,5 +471,5 @@ def _sparse_one_vs_two_then_resume(tmp_path, tiny_config):
     for got, want in pairs:
         assert got.keys() == want.keys()
         for key in want:
-            assert torch.equal(got[key], want[key]), f"{key} differs after an FSDP2 resume"
+            assert torch.equal(got[key], want[key]), f"{key} differs after a {label} resume"
     assert _sparse_losses(cut) == losses

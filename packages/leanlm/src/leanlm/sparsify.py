@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from leanlm.configio import ConfigError, library_errors, non_negative, positive
+from leanlm.configio import library_errors, non_negative, positive
 from leanlm.sections import TrainConfig
 from leanlm.stages import Stage, StageContext, StageResult, register_stage
 from sparse_kernels import SparsityConfig  # plain Python: loading a config loads no torch
@@ -35,10 +35,10 @@ class SparsifyConfig(TrainConfig):
     `sparsity` and `block_size` (`sparsity_config`, which checks them); the fine-tune (next-token
     loss) keeps the masks fixed; `steps` = 0 skips it.
 
-    The fine-tune may be sharded with ZeRO-1/2 or FSDP2 (the masks hold, and the updates equal
-    the replicated run's; ZeRO-3 is not supported here yet); under FSDP2 the output is written
-    from the gathered weights. The output folder holds the dense-format model with zeros baked
-    in (loads with `AutoModelForCausalLM`) plus its masks; `compressed.safetensors` next to it
+    The fine-tune may be sharded with ZeRO-1/2/3 or FSDP2 (the masks hold, and the updates equal
+    the replicated run's); when sharded, the output is written from the gathered weights. The
+    output folder holds the dense-format model with zeros baked in (loads with
+    `AutoModelForCausalLM`) plus its masks; `compressed.safetensors` next to it
     is the compact format (2:4 values + metadata, or bitmask + kept values).
     """
 
@@ -63,12 +63,6 @@ class SparsifyConfig(TrainConfig):
         if self.steps:  # the training settings matter only when there is a fine-tune
             super().__post_init__()
         positive(self, "calibration_samples", "calibration_batch_size")
-        if self.zero_stage == 3:
-            raise ConfigError(
-                "zero_stage",
-                "(3) is not supported for sparse fine-tuning yet (ZeRO-3 frees the masked "
-                "weights between uses and the sparse export reads them); use 0, 1 or 2",
-            )
         with library_errors(self, keys={"n": "pattern", "m": "pattern"}):
             self.sparsity_config  # noqa: B018  (sparse-kernels checks the pruning settings)
 
