@@ -3,7 +3,7 @@
 Replicated (DDP) and sharded with shard-zero (ZeRO-2 with CAME, ZeRO-3 with Adafactor: the
 factored optimizers stay exact because shards are whole rows; ZeRO-3 with the accumulator in
 host memory). The prune stage's architecture search on two processes saves what one saves. A
-two-process run resumes on three processes with the same global batch (ZeRO-3 and FSDP2).
+two-process run resumes on three processes with the same global batch (DDP, ZeRO-3, FSDP2).
 """
 
 import json
@@ -125,7 +125,9 @@ def test_prune_search_on_two_processes_saves_what_one_saves(tmp_path, tiny_confi
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("sharding", [{"zero_stage": 3}, {"engine": "fsdp2"}], ids=str)
+@pytest.mark.parametrize(
+    "sharding", [{}, {"zero_stage": 3}, {"engine": "fsdp2"}], ids=["ddp", "zero3", "fsdp2"]
+)
 def test_two_process_run_resumes_on_three_with_the_same_global_batch(
     tmp_path, tiny_config, sharding
 ):
