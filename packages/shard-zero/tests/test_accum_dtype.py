@@ -18,6 +18,8 @@ the boundary gradients, and so the trained weights, are bit-identical for fp32.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,22 @@ def _batches() -> list[torch.Tensor]:
 def _sharded_grads(model: nn.Module, low: bool) -> list[torch.Tensor]:
     engine = engine_of(model)
     return [(e.low_acc if low else e.master.grad) for e in engine.sharded]  # type: ignore[misc]
+
+
+def _micro_batches(
+    models: list[nn.Module], ids: torch.Tensor, rank: int, world: int
+) -> Iterator[int]:
+    """Run this rank's 3 micro-batches of `ids` through every model, the first two under
+    `no_sync()`; yields the index of each micro-batch that is followed by another."""
+    per = ids.shape[0] // world
+    mine = ids[rank * per : (rank + 1) * per].chunk(3)
+    for i, micro in enumerate(mine):
+        last = i == len(mine) - 1
+        for model in models:
+            with contextlib.nullcontext() if last else model.no_sync():  # type: ignore[operator]
+                (_loss(model, micro) / 3).backward()
+        if not last:
+            yield i
 
 
 def _close_in_bf16(got: torch.Tensor, ref: torch.Tensor, roundings: int) -> None:
@@ -84,18 +102,7 @@ def _run(rank: int, world: int) -> None:
             )
             runs[low] = prepare(tiny_llama(seed=0), _adamw, config)
         for step, ids in enumerate(_batches()):
-            per = ids.shape[0] // world
-            mine = ids[rank * per : (rank + 1) * per].chunk(3)
-            for i, micro in enumerate(mine):
-                last = i == len(mine) - 1
-                for model, _ in runs.values():
-                    if last:
-                        (_loss(model, micro) / 3).backward()
-                    else:
-                        with model.no_sync():
-                            (_loss(model, micro) / 3).backward()
-                if last:
-                    break
+            for i in _micro_batches([m for m, _ in runs.values()], ids, rank, world):
                 # between micro-batches: bf16 accumulators, the fp32 ones rounded
                 fp32, bf16 = (_sharded_grads(runs[low][0], low) for low in (False, True))
                 assert all(g.dtype == torch.bfloat16 for g in bf16)
@@ -158,18 +165,7 @@ def _run_offload(rank: int, world: int) -> None:
         }
         engines = {kind: engine_of(model) for kind, (model, _) in runs.items()}
         for step, ids in enumerate(_batches()[:2]):
-            per = ids.shape[0] // world
-            mine = ids[rank * per : (rank + 1) * per].chunk(3)
-            for i, micro in enumerate(mine):
-                last = i == len(mine) - 1
-                for model, _ in runs.values():
-                    if last:
-                        (_loss(model, micro) / 3).backward()
-                    else:
-                        with model.no_sync():
-                            (_loss(model, micro) / 3).backward()
-                if last:
-                    break
+            for _ in _micro_batches([m for m, _ in runs.values()], ids, rank, world):
                 for low in (False, True):
                     on_device, offloaded = engines[False, low], engines[True, low]
                     stats = memory_stats(*runs[True, low])
