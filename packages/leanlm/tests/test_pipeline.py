@@ -113,6 +113,22 @@ def test_a_finished_stage_stays_valid_at_another_process_count_with_the_same_glo
         check_reuse(out, halved, resume=True, processes=1)  # a real change on 1 process
 
 
+def test_stored_work_under_another_hash_rule_is_named_as_such(tmp_path, finished_run):
+    import shutil
+
+    from leanlm.rundir import check_reuse
+
+    config, out, _ = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    stage = copy / "pretrain"
+    for path in [stage / "result.json", *stage.glob("checkpoints/*/trainer_state.json")]:
+        data = json.loads(path.read_text())
+        path.write_text(json.dumps({**data, "config_hash": "0" * 16}))  # an older rule's hash
+    with pytest.raises(ConfigChangedError, match=r"no key and not the number of processes"):
+        check_reuse(copy, config, resume=True)
+
+
 def test_a_sharded_checkpoint_on_one_process_names_its_engine_and_process_count(tmp_path):
     from leanlm.checkpoint import TRAINER_STATE, Checkpointer
 

@@ -171,11 +171,15 @@ def check_reuse(
             f"the number of processes ({runs}, this run has {processes}: keep "
             "`grad_accum_steps` x processes as it was to keep the global batch)"
         )
+    if not keys:  # same config and process count: the hash rule itself changed
+        keys.append(
+            "no key and not the number of processes: the stored work was hashed by an earlier "
+            "leanlm (before `grad_accum_steps` x processes entered the hash of a training stage)"
+        )
     raise ConfigChangedError(
         f"--resume: the config differs from the one {out_dir} was run with, in "
-        f"{', '.join(keys) or 'nothing listed'}; resuming would restart {', '.join(stages)} and "
-        "discard the results and checkpoints there. Pass --restart-changed to do that, or "
-        "restore the config"
+        f"{', '.join(keys)}; resuming would restart {', '.join(stages)} and discard the results "
+        "and checkpoints there. Pass --restart-changed to do that, or restore the config"
     )
 
 
