@@ -4,7 +4,8 @@ One chain of world sizes 1 -> 2 -> 4 -> 2 -> 1 (covering 1->2, 2->4, 4->2, 2->1)
 steps per phase with Adafactor and CAME, saves, and the next phase loads at the new world size
 and continues. The end result must equal one uninterrupted single-process run, and every load
 records what it read from the files (safetensors slices) to show a rank never materialises
-another rank's shard.
+another rank's shard. The world-4 checkpoint also loads into a plain (unprepared) model and
+optimizer, which then trains on like one process.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from torch import nn
 
 import shard_zero
 import shard_zero._checkpoint as ckpt_module
-from leanlm_testing.models import random_batches
+from leanlm_testing.models import random_batches, tiny_llama
 from leanlm_testing.reshard import (
     Read,
     assert_like_one_process,
     recording_safe_open,
     reshard_phase,
     spawn_chain,
+    train_rank_share,
 )
 from optim_adafactor import Adafactor
 from optim_came import CAME
@@ -100,4 +102,19 @@ def test_factored_state_reshards_1_2_4_2_1_and_reads_only_own_rows(tmp_path: Pat
     last = len(CHAIN) - 1
     assert_like_one_process(
         OPTIMIZERS, _batches(), lambda name: tmp_path / f"{name}-{last}.sd", "1->2->4->2->1"
+    )
+    # The world-4 ZeRO-3 checkpoint of phase 2 into a plain model and optimizer, in this process
+    # (no process group): the weights as saved, and training on from there like one process.
+    for name, make in OPTIMIZERS.items():
+        model = tiny_llama(seed=7).train()
+        opt = make(list(model.parameters()))
+        load_checkpoint(tmp_path / f"{name}-2", model, opt)
+        saved = torch.load(tmp_path / f"{name}-2.sd", weights_only=True)
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, saved[key]), f"{name}: {key} differs after a plain load"
+        assert all(opt.state[p] for p in model.parameters()), f"{name}: optimizer state missing"
+        train_rank_share(model, opt, 0, 1, _batches()[3 * STEPS :])
+        torch.save(model.state_dict(), tmp_path / f"{name}-plain.sd")
+    assert_like_one_process(
+        OPTIMIZERS, _batches(), lambda name: tmp_path / f"{name}-plain.sd", "1->2->4->plain"
     )

@@ -47,7 +47,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from shard_zero._api import engine_of
+from shard_zero._api import ENGINE_ATTR, engine_of
 from shard_zero._layout import Entry
 from shard_zero._optimizer import ZeroOptimizer
 
@@ -169,19 +169,26 @@ class _Files:
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str], model: nn.Module, optimizer: ZeroOptimizer
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: ZeroOptimizer | torch.optim.Optimizer,
 ) -> None:
     """Load a `save_checkpoint` directory into a prepared model and optimizer (collective).
 
     The saving world size, stage and `min_shard_numel` may differ from the current ones; each
-    rank reads only the rows it holds (see the module docstring).
+    rank reads only the rows it holds (see the module docstring). A plain model (not prepared)
+    and its optimizer are loaded whole instead, in one process without a process group: every
+    trainable parameter gets all its rows (its fp32 master, cast to its dtype) and the optimizer
+    its state, as if the training had run unsharded.
 
     Raises:
         FileNotFoundError: `path` holds no shard-zero checkpoint.
         ValueError: the checkpoint's parameters do not match the model's, a rank file is
             missing, or an optimizer state tensor cannot be resharded.
     """
-    engine = engine_of(model)
+    prepared = getattr(model, ENGINE_ATTR, None) is not None
+    engine = engine_of(model) if prepared else None
+    entries = engine.entries if engine is not None else _whole_entries(model)
     root = Path(path)
     meta_path = root / _meta_file(0)
     if not meta_path.is_file():
@@ -194,22 +201,39 @@ def load_checkpoint(
     if meta.get("format") != _FORMAT:
         raise ValueError(f"checkpoint format {meta.get('format')!r} != {_FORMAT}")
     shapes = {k: tuple(v) for k, v in meta["shapes"].items()}
-    differ = sorted({e.name for e in engine.entries} ^ set(shapes))
+    differ = sorted({e.name for e in entries} ^ set(shapes))
     if differ:
         raise ValueError(f"checkpoint and model parameters differ: {differ[:8]}")
-    for e in engine.entries:
+    for e in entries:
         if shapes[e.name] != e.shape:
             raise ValueError(
                 f"parameter {e.name!r}: checkpoint shape {shapes[e.name]} != model shape {e.shape}"
             )
-    inner = optimizer.optimizer
+    inner = optimizer.optimizer if isinstance(optimizer, ZeroOptimizer) else optimizer
     with ExitStack() as stack:
         files = _Files(root, int(meta["world_size"]), stack)
-        for e in engine.entries:
-            _load_entry(e, files, engine.rank, meta["scalars"][e.name], inner)
+        for e in entries:
+            rank = engine.rank if engine is not None else 0
+            _load_entry(e, files, rank, meta["scalars"][e.name], inner)
     for group, saved_group in zip(inner.param_groups, meta["param_groups"], strict=True):
         group.update(saved_group)
-    engine.push_params()
+    if engine is not None:
+        engine.push_params()
+
+
+def _whole_entries(model: nn.Module) -> list[Entry]:
+    """The trainable parameters of a plain model as entries that hold every row.
+
+    Each is its own master: `load_checkpoint` copies the saved fp32 masters into them.
+    """
+    entries = []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            shape = tuple(p.shape)
+            rows = shape[0] if shape else 1
+            row_numel = p[0].numel() if p.dim() >= 1 and rows > 0 else 1
+            entries.append(Entry(name, p, p, False, shape, 0, rows, 1, row_numel))
+    return entries
 
 
 def _load_entry(
