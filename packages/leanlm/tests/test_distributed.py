@@ -124,47 +124,63 @@ def test_prune_search_on_two_processes_saves_what_one_saves(tmp_path, tiny_confi
         assert torch.equal(a[name], b[name]), name
 
 
+def _cut(run_dir, out, step):
+    """A copy of `run_dir` as a kill right after its `step` checkpoint leaves it, in `out`."""
+    shutil.copytree(run_dir, out)
+    stage = out / "pretrain"
+    (stage / "result.json").unlink()
+    shutil.rmtree(stage / "model")
+    assert (stage / "checkpoints" / f"step-{step:08d}").is_dir()
+    for later in (stage / "checkpoints").glob("step-*"):
+        if later.name > f"step-{step:08d}":
+            shutil.rmtree(later)
+    rows = (stage / "metrics.jsonl").read_text().splitlines()
+    kept = [r for r in rows if json.loads(r).get("step", 0) <= step]
+    (stage / "metrics.jsonl").write_text("".join(r + "\n" for r in kept))
+    return out
+
+
+def _assert_ends_like(run_dir, reference, processes):
+    """`run_dir` ended where `reference` did, within the last bits (other splits and sums)."""
+    result = json.loads((run_dir / "pretrain" / "result.json").read_text())
+    assert result["metrics"]["processes"] == processes
+    torch.testing.assert_close(_losses(run_dir), _losses(reference), atol=1e-5, rtol=1e-5)
+    a = load_file(reference / "pretrain" / "model" / "model.safetensors")
+    b = load_file(run_dir / "pretrain" / "model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "sharding", [{}, {"zero_stage": 3}, {"engine": "fsdp2"}], ids=["ddp", "zero3", "fsdp2"]
 )
-def test_two_process_run_resumes_on_three_with_the_same_global_batch(
+def test_two_process_run_resumes_on_three_and_on_one_with_the_same_global_batch(
     tmp_path, tiny_config, sharding
 ):
-    # 2 processes x 3 micro-batches of 2 = 3 processes x 2 x 2: the same 12 sequences per step,
-    # so the 2-process run's step-4 checkpoint (CAME state sharded 2 ways) continues on 3
-    # processes and must end where the uninterrupted 2-process run ended.
+    # 2 processes x 3 micro-batches of 2 = 3 processes x 2 x 2 = 1 process x 6 x 2: the same
+    # 12 sequences per step, so the 2-process run's step-4 checkpoint (CAME state sharded 2
+    # ways) continues on 3 processes, and on 1 (which runs unsharded: the shards load whole),
+    # and each must end where the uninterrupted 2-process run ended.
     common = {"steps": 8, "micro_batch_size": 2, "optimizer": "came", **sharding}
     common |= {"checkpoint_every": 4, "eval_every": 4, "warmup_steps": 2}
     two = tiny_config(pretrain={**common, "grad_accum_steps": 3})
-    three = tiny_config(pretrain={**common, "grad_accum_steps": 2})
     _leanlm_run(tmp_path, "two", two, processes=2)
-    cut = tmp_path / "cut"  # the run folder as a kill after the step-4 checkpoint leaves it
-    shutil.copytree(tmp_path / "two", cut)
-    stage = cut / "pretrain"
-    (stage / "result.json").unlink()
-    shutil.rmtree(stage / "model")
-    assert (stage / "checkpoints" / "step-00000004").is_dir()
-    for later in (stage / "checkpoints").glob("step-*"):
-        if later.name > "step-00000004":
-            shutil.rmtree(later)
-    rows = (stage / "metrics.jsonl").read_text().splitlines()
-    kept = [r for r in rows if json.loads(r).get("step", 0) <= 4]
-    (stage / "metrics.jsonl").write_text("".join(r + "\n" for r in kept))
+    cut = _cut(tmp_path / "two", tmp_path / "cut", 4)
 
     # the same config on 3 processes would make 18 sequences per step: refused, with the fix
     log = _leanlm_run(tmp_path, "two", two, processes=3, out=cut, resume=True, fails=True)
     assert "pretrain ran on 2, this run has 3" in log, log[-2000:]
     assert "`grad_accum_steps` x processes" in log
 
+    three = tiny_config(pretrain={**common, "grad_accum_steps": 2})
     log = _leanlm_run(tmp_path, "three", three, processes=3, out=cut, resume=True)
     assert "resuming from step-00000004 (step 4, written on 2 process(es))" in log
-    result = json.loads((stage / "result.json").read_text())
-    assert result["metrics"]["processes"] == 3
-    # other row splits and reduction orders: the last bits differ (as 2 processes vs 1 above)
-    torch.testing.assert_close(_losses(cut), _losses(tmp_path / "two"), atol=1e-5, rtol=1e-5)
-    a = load_file(tmp_path / "two" / "pretrain" / "model" / "model.safetensors")
-    b = load_file(stage / "model" / "model.safetensors")
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=2e-5, rtol=1e-4, msg=name)
+    _assert_ends_like(cut, tmp_path / "two", 3)
+
+    one = tiny_config(pretrain={**common, "grad_accum_steps": 6})
+    alone = _cut(tmp_path / "two", tmp_path / "alone", 4)
+    log = _leanlm_run(tmp_path, "one", one, processes=1, out=alone, resume=True)
+    assert "resuming from step-00000004 (step 4, written on 2 process(es))" in log
+    _assert_ends_like(alone, tmp_path / "two", 1)

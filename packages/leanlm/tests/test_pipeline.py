@@ -129,19 +129,21 @@ def test_stored_work_under_another_hash_rule_is_named_as_such(tmp_path, finished
         check_reuse(copy, config, resume=True)
 
 
-def test_a_sharded_checkpoint_on_one_process_names_its_engine_and_process_count(tmp_path):
+def test_a_one_process_checkpoint_in_a_sharded_run_names_both(tmp_path):
+    from types import SimpleNamespace
+
     from leanlm.checkpoint import TRAINER_STATE, Checkpointer
 
-    step = tmp_path / "step-00000004"
-    (step / "fsdp2").mkdir(parents=True)
-    (step / TRAINER_STATE).write_text(json.dumps({"step": 4, "processes": 2}))
+    step = tmp_path / "step-00000004"  # written by one process: unsharded (DDP's format)
+    step.mkdir()
+    (step / TRAINER_STATE).write_text(json.dumps({"step": 4, "processes": 1}))
     checkpoints = Checkpointer(tmp_path, accelerator=None, keep=1)  # refused before any load
     with pytest.raises(
         ValueError,
-        match=r"with fsdp2 sharding on 2 process\(es\), but this run "
-        r"is not sharded \(one process always runs unsharded\)",
+        match=r"without sharding on 1 process\(es\), but this run is sharded with fsdp2: "
+        r"resume with the engine it was written with",
     ):
-        checkpoints.load(step, scheduler=None, sharded=None)
+        checkpoints.load(step, scheduler=None, sharded=SimpleNamespace(folder="fsdp2"))
 
 
 def test_pretrain_with_adafactor(tmp_path, tiny_config):

@@ -24,12 +24,14 @@ import logging
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator
+from accelerate.checkpointing import load_accelerator_state
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 TRAINER_STATE = "trainer_state.json"
@@ -165,25 +167,41 @@ class Checkpointer:
         return final
 
     def load(
-        self, path: Path, scheduler: Any, *, sharded: ShardedState | None = None
+        self,
+        path: Path,
+        scheduler: Any,
+        *,
+        sharded: ShardedState | None = None,
+        reader: Callable[[str], ShardedState | None] | None = None,
     ) -> dict[str, Any]:
         """Restore prepared objects, RNG and `scheduler` from `path`; returns the trainer state.
 
+        `reader(folder)` loads a sharding engine's folder into an unsharded run (one process
+        resuming a multi-process run); the RNG states are then restored alone.
+
         Raises:
-            ValueError: the checkpoint was written by another engine than this run's.
+            ValueError: the checkpoint was written by another engine than this run's, and
+                `reader` cannot load it.
         """
         written = sorted(e for e in SHARDED_DIRS if (path / e).is_dir())
         mine = [sharded.folder] if sharded is not None else []
-        if written != mine:
+        whole = reader(written[0]) if written and not mine and reader is not None else None
+        if written != mine and whole is None:
             processes = json.loads((path / TRAINER_STATE).read_text()).get("processes", "?")
-            one = " (one process always runs unsharded)" if written and not mine else ""
             raise ValueError(
                 f"{path} was written {f'with {written[0]}' if written else 'without'} sharding "
                 f"on {processes} process(es), but this run is "
-                f"{f'sharded with {mine[0]}' if mine else 'not sharded'}{one}: resume with "
-                "the engine it was written with"
+                f"{f'sharded with {mine[0]}' if mine else 'not sharded'}: resume with the "
+                "engine it was written with"
             )
-        self.accelerator.load_state(str(path))
+        if whole is not None:
+            with warnings.catch_warnings():  # DCP: "... assuming ... a single process" (it is)
+                warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                whole.load(path / written[0])
+            acc = self.accelerator
+            load_accelerator_state(str(path), [], [], [], [], process_index=acc.process_index)
+        else:
+            self.accelerator.load_state(str(path))
         if sharded is not None:
             sharded.load(path / sharded.folder)
         scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from leanlm.checkpoint import ShardedState
 from leanlm.optim import decay_param_groups, optimizer_over
 from leanlm.sections import TrainConfig
 from leanlm.stages import StageContext
@@ -246,6 +247,19 @@ class Parallel:
             kept |= {name for name, _ in self.model.named_buffers()}
             return {name: tensor for name, tensor in full.items() if name in kept}
         return None
+
+    def reader(self, folder: str) -> ShardedState | None:
+        """What loads a checkpoint's `folder` (`zero` / `fsdp2`) into this unsharded run.
+
+        On one process (always unsharded) a checkpoint of a sharded engine loads whole into
+        the plain model and optimizer: shard-zero's `load_checkpoint` and DCP both read every
+        row without a process group. None when this run is sharded itself.
+        """
+        if self.sharded is not None or self.acc.num_processes != 1:
+            return None
+        model = self.acc.unwrap_model(self.model)
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
+        return _ZeroState(model, optimizer) if folder == "zero" else _Fsdp2State(model, optimizer)
 
     def model_state_mib(self) -> float | None:
         """Model-state bytes (params, grads, optimizer state) of this process, if sharded."""

@@ -134,7 +134,9 @@ class _Loop:
             acc.print(f"[{self.name}] config changed: dropped {stale} checkpoint(s), starting over")
         if latest is None:
             return
-        state = self.checkpoints.load(latest, self.scheduler, sharded=self.par.sharded)
+        state = self.checkpoints.load(
+            latest, self.scheduler, sharded=self.par.sharded, reader=self.par.reader
+        )
         self.counters = _Counters(
             step=state["step"],
             tokens=state["tokens"],
