@@ -253,7 +253,7 @@ class Parallel:
 
         On one process (always unsharded) a checkpoint of a sharded engine loads whole into
         the plain model and optimizer: shard-zero's `load_checkpoint` and DCP both read every
-        row without a process group. None when this run is sharded itself.
+        row without a process group. None on several processes (sharded, or DDP).
         """
         if self.sharded is not None or self.acc.num_processes != 1:
             return None
