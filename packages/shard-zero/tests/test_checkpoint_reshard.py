@@ -5,7 +5,7 @@ steps per phase with Adafactor and CAME, saves, and the next phase loads at the 
 and continues. The end result must equal one uninterrupted single-process run, and every load
 records what it read from the files (safetensors slices) to show a rank never materialises
 another rank's shard. The world-4 checkpoint also loads into a plain (unprepared) model and
-optimizer, which then trains on like one process.
+optimizer, whose own checkpoint (a world-1 one) loads back at world 2: like one process.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch import nn
 
 import shard_zero
 import shard_zero._checkpoint as ckpt_module
+from leanlm_testing import spawn
 from leanlm_testing.models import random_batches, tiny_llama
 from leanlm_testing.reshard import (
     Read,
@@ -32,7 +33,7 @@ from leanlm_testing.reshard import (
 )
 from optim_adafactor import Adafactor
 from optim_came import CAME
-from shard_zero import load_checkpoint
+from shard_zero import load_checkpoint, save_checkpoint
 
 OPTIMIZERS = {
     "adafactor": lambda params: Adafactor(params, beta1=0.9, weight_decay=0.1),
@@ -104,7 +105,10 @@ def test_factored_state_reshards_1_2_4_2_1_and_reads_only_own_rows(tmp_path: Pat
         OPTIMIZERS, _batches(), lambda name: tmp_path / f"{name}-{last}.sd", "1->2->4->2->1"
     )
     # The world-4 ZeRO-3 checkpoint of phase 2 into a plain model and optimizer, in this process
-    # (no process group): the weights as saved, and training on from there like one process.
+    # (no process group): the weights as saved; it trains phase 3 and saves a plain (world-1)
+    # checkpoint, which phase 4 loads at world 2, ZeRO-3: like one process at the end.
+    plain = tmp_path / "plain"
+    plain.mkdir()
     for name, make in OPTIMIZERS.items():
         model = tiny_llama(seed=7).train()
         opt = make(list(model.parameters()))
@@ -113,8 +117,10 @@ def test_factored_state_reshards_1_2_4_2_1_and_reads_only_own_rows(tmp_path: Pat
         for key, value in model.state_dict().items():
             assert torch.equal(value, saved[key]), f"{name}: {key} differs after a plain load"
         assert all(opt.state[p] for p in model.parameters()), f"{name}: optimizer state missing"
-        train_rank_share(model, opt, 0, 1, _batches()[3 * STEPS :])
-        torch.save(model.state_dict(), tmp_path / f"{name}-plain.sd")
+        train_rank_share(model, opt, 0, 1, _batches()[3 * STEPS : 4 * STEPS])
+        save_checkpoint(plain / f"{name}-3", model, opt)
+        torch.save(model.state_dict(), plain / f"{name}-3.sd")
+    spawn(_phase, 4, 3, str(plain), world_size=2, tmp_path=tmp_path)
     assert_like_one_process(
-        OPTIMIZERS, _batches(), lambda name: tmp_path / f"{name}-plain.sd", "1->2->4->plain"
+        OPTIMIZERS, _batches(), lambda name: plain / f"{name}-4.sd", "1->2->4->plain->2"
     )

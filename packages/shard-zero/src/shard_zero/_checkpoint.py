@@ -64,35 +64,43 @@ def _meta_file(rank: int) -> str:
     return f"rank{rank:05d}.meta.pt"
 
 
-def _barrier(group: Any) -> None:
-    dist.barrier(group=group)
+def _barrier(group: Any, distributed: bool = True) -> None:
+    if distributed:  # a plain model's checkpoint is written by its one process alone
+        dist.barrier(group=group)
 
 
 def save_checkpoint(
-    path: str | os.PathLike[str], model: nn.Module, optimizer: ZeroOptimizer
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: ZeroOptimizer | torch.optim.Optimizer,
 ) -> None:
     """Write this rank's master shards and optimizer state to the directory `path` (collective).
 
     Args:
         path: the checkpoint directory (replaced atomically if it exists).
-        model: the model returned by `prepare`.
-        optimizer: the optimizer returned by `prepare`.
+        model: the model returned by `prepare`, or a plain model: in one process without a
+            process group, it is written as the one rank of a world-1 checkpoint (its
+            parameters as the masters), which `load_checkpoint` reshards at any world size.
+        optimizer: the optimizer returned by `prepare`, or the plain model's optimizer.
 
     Raises:
         TypeError: an optimizer state key is not a string.
     """
-    engine = engine_of(model)
+    engine = engine_of(model) if getattr(model, ENGINE_ATTR, None) is not None else None
+    rank, world = (engine.rank, engine.world) if engine is not None else (0, 1)
+    group = engine.group if engine is not None else None
+    entries = engine.entries if engine is not None else _whole_entries(model)
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
-    if engine.rank == 0:
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier(engine.group)
-    inner = optimizer.optimizer
+    _barrier(group, engine is not None)
+    inner = optimizer.optimizer if isinstance(optimizer, ZeroOptimizer) else optimizer
     tensors: dict[str, torch.Tensor] = {}
     rows: dict[str, tuple[int, int]] = {}
     scalars: dict[str, dict[str, Any]] = {}
-    for e in engine.entries:
+    for e in entries:
         tensors[e.name + _SEP + "master"] = _to_cpu(e.master)
         rows[e.name] = (e.start, e.end) if e.sharded else (0, e.rows)
         scalars[e.name] = {}
@@ -103,27 +111,27 @@ def save_checkpoint(
                 tensors[e.name + _SEP + "state" + _SEP + key] = _to_cpu(value)
             else:
                 scalars[e.name][key] = value
-    header = {"format": _FORMAT, "rank": engine.rank, "world_size": engine.world, "rows": rows}
-    save_file(tensors, tmp / _tensors_file(engine.rank), metadata={_META_KEY: json.dumps(header)})
+    header = {"format": _FORMAT, "rank": rank, "world_size": world, "rows": rows}
+    save_file(tensors, tmp / _tensors_file(rank), metadata={_META_KEY: json.dumps(header)})
     groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
     meta = {
         "format": _FORMAT,
-        "world_size": engine.world,
-        "rank": engine.rank,
+        "world_size": world,
+        "rank": rank,
         "param_groups": groups,
-        "shapes": {e.name: e.shape for e in engine.entries},
+        "shapes": {e.name: e.shape for e in entries},
         "scalars": scalars,
     }
-    torch.save(meta, tmp / _meta_file(engine.rank))
-    _barrier(engine.group)
-    if engine.rank == 0:
+    torch.save(meta, tmp / _meta_file(rank))
+    _barrier(group, engine is not None)
+    if rank == 0:
         old = final.with_name(final.name + ".old")
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
         tmp.rename(final)
         shutil.rmtree(old, ignore_errors=True)
-    _barrier(engine.group)
+    _barrier(group, engine is not None)
 
 
 class _Files:
