@@ -156,18 +156,19 @@ def _assert_ends_like(run_dir, reference, processes):
 @pytest.mark.parametrize(
     "sharding", [{}, {"zero_stage": 3}, {"engine": "fsdp2"}], ids=["ddp", "zero3", "fsdp2"]
 )
-def test_two_process_run_resumes_on_three_and_on_one_with_the_same_global_batch(
+def test_a_run_moves_between_two_three_and_one_process_with_the_same_global_batch(
     tmp_path, tiny_config, sharding
 ):
     # 2 processes x 3 micro-batches of 2 = 3 processes x 2 x 2 = 1 process x 6 x 2: the same
-    # 12 sequences per step, so the 2-process run's step-4 checkpoint (CAME state sharded 2
-    # ways) continues on 3 processes, and on 1 (which runs unsharded: the shards load whole),
-    # and each must end where the uninterrupted 2-process run ended.
+    # 12 sequences per step. The 2-process run's step-2 checkpoint (CAME state sharded 2 ways)
+    # continues on 3 processes, and on 1 (which runs unsharded: its checkpoints keep the
+    # engine's format, written from the whole model); the 1-process run's step-4 checkpoint
+    # continues on 2 again. Each must end where the uninterrupted 2-process run ended.
     common = {"steps": 8, "micro_batch_size": 2, "optimizer": "came", **sharding}
-    common |= {"checkpoint_every": 4, "eval_every": 4, "warmup_steps": 2}
+    common |= {"checkpoint_every": 2, "keep_checkpoints": 4, "eval_every": 4, "warmup_steps": 2}
     two = tiny_config(pretrain={**common, "grad_accum_steps": 3})
     _leanlm_run(tmp_path, "two", two, processes=2)
-    cut = _cut(tmp_path / "two", tmp_path / "cut", 4)
+    cut = _cut(tmp_path / "two", tmp_path / "cut", 2)
 
     # the same config on 3 processes would make 18 sequences per step: refused, with the fix
     log = _leanlm_run(tmp_path, "two", two, processes=3, out=cut, resume=True, fails=True)
@@ -176,11 +177,21 @@ def test_two_process_run_resumes_on_three_and_on_one_with_the_same_global_batch(
 
     three = tiny_config(pretrain={**common, "grad_accum_steps": 2})
     log = _leanlm_run(tmp_path, "three", three, processes=3, out=cut, resume=True)
-    assert "resuming from step-00000004 (step 4, written on 2 process(es))" in log
+    assert "resuming from step-00000002 (step 2, written on 2 process(es))" in log
     _assert_ends_like(cut, tmp_path / "two", 3)
 
     one = tiny_config(pretrain={**common, "grad_accum_steps": 6})
-    alone = _cut(tmp_path / "two", tmp_path / "alone", 4)
+    alone = _cut(tmp_path / "two", tmp_path / "alone", 2)
     log = _leanlm_run(tmp_path, "one", one, processes=1, out=alone, resume=True)
-    assert "resuming from step-00000004 (step 4, written on 2 process(es))" in log
+    assert "resuming from step-00000002 (step 2, written on 2 process(es))" in log
     _assert_ends_like(alone, tmp_path / "two", 1)
+    # its own checkpoints: the engine's folder written from the whole model (DDP: accelerate's)
+    files = {p.name for p in (alone / "pretrain" / "checkpoints" / "step-00000004").iterdir()}
+    folder = "zero" if "zero_stage" in sharding else "fsdp2" if sharding else "model.safetensors"
+    assert folder in files, files
+    assert sharding == {} or "model.safetensors" not in files, files
+
+    back = _cut(alone, tmp_path / "back", 4)
+    log = _leanlm_run(tmp_path, "two", two, processes=2, out=back, resume=True)
+    assert "resuming from step-00000004 (step 4, written on 1 process(es))" in log
+    _assert_ends_like(back, tmp_path / "two", 2)

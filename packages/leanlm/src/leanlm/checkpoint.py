@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator
-from accelerate.checkpointing import load_accelerator_state
+from accelerate.checkpointing import load_accelerator_state, save_accelerator_state
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 TRAINER_STATE = "trainer_state.json"
@@ -136,11 +136,14 @@ class Checkpointer:
         state: dict[str, Any],
         *,
         sharded: ShardedState | None = None,
+        whole: ShardedState | None = None,
     ) -> Path:
         """Write the checkpoint of `step` atomically; every process must call this.
 
-        `sharded` is the model and optimizer state of a sharding engine. Half-written folders
-        of a killed run (`.tmp-step-*`) are deleted first.
+        `sharded` is the model and optimizer state of a sharding engine. `whole` is a sharding
+        engine's format over an unsharded model (one process): it replaces accelerate's model
+        and optimizer files, next to the RNG state. Half-written folders of a killed run
+        (`.tmp-step-*`) are deleted first.
         """
         acc = self.accelerator
         final = self.directory / f"step-{step:08d}"
@@ -150,7 +153,13 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
-        acc.save_state(str(tmp))  # prepared model and optimizer, per-process RNG states
+        if whole is not None:
+            save_accelerator_state(str(tmp), [], [], [], [], acc.process_index, acc.step)
+            with warnings.catch_warnings():  # DCP: "... assuming ... a single process" (it is)
+                warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                whole.save(tmp / whole.folder)
+        else:
+            acc.save_state(str(tmp))  # prepared model and optimizer, per-process RNG states
         if sharded is not None:
             sharded.save(tmp / sharded.folder)
         acc.wait_for_everyone()
@@ -172,21 +181,22 @@ class Checkpointer:
         scheduler: Any,
         *,
         sharded: ShardedState | None = None,
-        reader: Callable[[str], ShardedState | None] | None = None,
+        whole: ShardedState | None = None,
     ) -> dict[str, Any]:
         """Restore prepared objects, RNG and `scheduler` from `path`; returns the trainer state.
 
-        `reader(folder)` loads a sharding engine's folder into an unsharded run (one process
-        resuming a multi-process run); the RNG states are then restored alone.
+        `whole` (see `save`) reads the engine's folder, written by any number of processes,
+        into the unsharded model and optimizer; the RNG states are then restored alone. A
+        checkpoint without that folder (accelerate's files) loads as one of an unsharded run.
 
         Raises:
-            ValueError: the checkpoint was written by another engine than this run's, and
-                `reader` cannot load it.
+            ValueError: the checkpoint was written by another engine than this run's.
         """
         written = sorted(e for e in SHARDED_DIRS if (path / e).is_dir())
-        mine = [sharded.folder] if sharded is not None else []
-        whole = reader(written[0]) if written and not mine and reader is not None else None
-        if written != mine and whole is None:
+        if whole is not None and not written:
+            whole = None  # written unsharded (by an earlier leanlm): accelerate's own files
+        mine = [s.folder for s in (sharded, whole) if s is not None]
+        if written != mine:
             processes = json.loads((path / TRAINER_STATE).read_text()).get("processes", "?")
             raise ValueError(
                 f"{path} was written {f'with {written[0]}' if written else 'without'} sharding "
@@ -197,7 +207,7 @@ class Checkpointer:
         if whole is not None:
             with warnings.catch_warnings():  # DCP: "... assuming ... a single process" (it is)
                 warnings.filterwarnings("ignore", "torch.distributed is disabled")
-                whole.load(path / written[0])
+                whole.load(path / whole.folder)
             acc = self.accelerator
             load_accelerator_state(str(path), [], [], [], [], process_index=acc.process_index)
         else:

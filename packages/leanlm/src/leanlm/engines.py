@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from leanlm.checkpoint import ShardedState
 from leanlm.optim import decay_param_groups, optimizer_over
 from leanlm.sections import TrainConfig
 from leanlm.stages import StageContext
@@ -155,7 +154,7 @@ class Parallel:
     def __init__(self, ctx: StageContext, model: torch.nn.Module, cfg: TrainConfig) -> None:
         acc = ctx.accelerator
         self.acc = acc
-        engine = cfg.resolved_engine
+        engine = configured = cfg.resolved_engine
         if engine != "ddp" and acc.num_processes == 1:
             what = f"zero_stage={cfg.zero_stage}" if engine == "zero" else f"engine={engine!r}"
             acc.print(f"[{ctx.stage_dir.name}] {what} ignored: 1 process")
@@ -186,6 +185,15 @@ class Parallel:
             self.sharded = _Fsdp2State(self.model, self.optimizer)
         else:
             self.model, self.optimizer = acc.prepare(model, make_optimizer(model.parameters()))
+        # One process runs unsharded, but its checkpoints keep the configured engine's format,
+        # written from (and read into) the whole model and optimizer: shard-zero's checkpoints
+        # and DCP need no process group, and reshard when a later run has several processes.
+        self.whole: _ZeroState | _Fsdp2State | None = None
+        if configured != engine:
+            plain = acc.unwrap_model(self.model)
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
+            state = _ZeroState if configured == "zero" else _Fsdp2State
+            self.whole = state(plain, inner)
 
     def no_sync(self) -> Any:
         """A context in which backward accumulates gradients without reducing them."""
@@ -247,19 +255,6 @@ class Parallel:
             kept |= {name for name, _ in self.model.named_buffers()}
             return {name: tensor for name, tensor in full.items() if name in kept}
         return None
-
-    def reader(self, folder: str) -> ShardedState | None:
-        """What loads a checkpoint's `folder` (`zero` / `fsdp2`) into this unsharded run.
-
-        On one process (always unsharded) a checkpoint of a sharded engine loads whole into
-        the plain model and optimizer: shard-zero's `load_checkpoint` and DCP both read every
-        row without a process group. None on several processes (sharded, or DDP).
-        """
-        if self.sharded is not None or self.acc.num_processes != 1:
-            return None
-        model = self.acc.unwrap_model(self.model)
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
-        return _ZeroState(model, optimizer) if folder == "zero" else _Fsdp2State(model, optimizer)
 
     def model_state_mib(self) -> float | None:
         """Model-state bytes (params, grads, optimizer state) of this process, if sharded."""

@@ -135,7 +135,7 @@ class _Loop:
         if latest is None:
             return
         state = self.checkpoints.load(
-            latest, self.scheduler, sharded=self.par.sharded, reader=self.par.reader
+            latest, self.scheduler, sharded=self.par.sharded, whole=self.par.whole
         )
         self.counters = _Counters(
             step=state["step"],
@@ -163,6 +163,7 @@ class _Loop:
                 "processes": self.world,
             },
             sharded=self.par.sharded,
+            whole=self.par.whole,
         )
 
     # -- one optimizer step -----------------------------------------------------------------
