@@ -157,7 +157,10 @@ class Parallel:
         engine = configured = cfg.resolved_engine
         if engine != "ddp" and acc.num_processes == 1:
             what = f"zero_stage={cfg.zero_stage}" if engine == "zero" else f"engine={engine!r}"
-            acc.print(f"[{ctx.stage_dir.name}] {what} ignored: 1 process")
+            acc.print(
+                f"[{ctx.stage_dir.name}] {what}: 1 process runs unsharded (its checkpoints keep "
+                "the engine's format)"
+            )
             engine = "ddp"
         self.engine = engine
         self.zero_stage = cfg.zero_stage if engine == "zero" else 0

@@ -147,7 +147,8 @@ class TrainConfig:
     (accelerate's DDP); `"zero"` shards it with shard-zero at `zero_stage`; `"fsdp2"` shards
     parameters, gradients and optimizer state with PyTorch's FSDP2 (`fully_shard` per decoder
     layer; any `optimizer`; checkpoints reshard). Unset: `"zero"` when `zero_stage` > 0, else
-    `"ddp"`. Ignored with one process."""
+    `"ddp"`. One process runs unsharded, but its checkpoints keep this engine's format, so
+    they resume on several processes (and theirs on one)."""
     zero_stage: Literal[0, 1, 2, 3] = 0
     """For `engine = "zero"` (the default engine when this is > 0): 1/2/3 = shard optimizer
     state / + gradients / + parameters across processes with shard-zero (tested on CPU/gloo);
