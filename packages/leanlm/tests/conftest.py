@@ -2,7 +2,14 @@ import dataclasses
 
 import pytest
 
-from leanlm.config import DataConfig, ModelConfig, PretrainConfig, RunConfig, TokenizerConfig
+from leanlm.config import (
+    DataConfig,
+    ModelConfig,
+    PretrainConfig,
+    PruneConfig,
+    RunConfig,
+    TokenizerConfig,
+)
 
 
 @pytest.fixture(scope="session")
@@ -42,5 +49,23 @@ def tiny_config(cache_dir):
         if pretrain:
             changes["pretrain"] = dataclasses.replace(base.pretrain, **pretrain)
         return dataclasses.replace(base, **changes)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_search():
+    """A `[prune]` architecture search over shapes of the tiny model; `**changes` on top."""
+
+    def make(**changes):
+        space = {
+            "search_hidden_size": (16, 24, 32),
+            "search_intermediate_size": (32, 64),
+            "search_num_hidden_layers": (1, 2),
+            "search_tolerance": 0.1,
+            "search_batch_size": 4,
+            "calibration_samples": 16,
+        }
+        return PruneConfig(search=True, **{**space, **changes})
 
     return make

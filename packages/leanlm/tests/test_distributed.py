@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import load_file
 
 from leanlm.config import dumps_toml
-from leanlm.prune import PruneConfig
 
 
 def _leanlm_run(tmp_path, name, config, *, processes, out=None, resume=False, fails=False):
@@ -88,24 +87,14 @@ def test_two_processes_match_one_with_the_same_global_batch(
 
 
 @pytest.mark.distributed
-def test_prune_search_on_two_processes_saves_what_one_saves(tmp_path, tiny_config):
+def test_prune_search_on_two_processes_saves_what_one_saves(tmp_path, tiny_config, tiny_search):
     # Every process runs the same search (the same seeded batches, no gradient exchange) and
     # the main process's ranking is broadcast: two processes must rank the shapes and save the
     # pruned model exactly as one process does.
     _leanlm_run(tmp_path, "pre", tiny_config(stages=("pretrain",)), processes=1)
     pretrained = tmp_path / "pre" / "pretrain"
     params = json.loads((pretrained / "result.json").read_text())["metrics"]["params"]
-    prune = PruneConfig(
-        search=True,
-        search_params=int(0.6 * params),
-        search_hidden_size=(16, 24, 32),
-        search_intermediate_size=(32, 64),
-        search_num_hidden_layers=(1, 2),
-        search_tolerance=0.1,
-        search_steps=4,
-        search_batch_size=4,
-        calibration_samples=16,
-    )
+    prune = tiny_search(search_params=int(0.6 * params), search_steps=4)
     config = tiny_config(stages=("prune",), init_model=str(pretrained / "model"), prune=prune)
     _leanlm_run(tmp_path, "one", config, processes=1)
     _leanlm_run(tmp_path, "two", config, processes=2)

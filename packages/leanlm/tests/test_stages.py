@@ -224,32 +224,21 @@ def test_pruned_layer_map_is_used_only_for_the_pruned_source(tmp_path):
     assert pruned_layer_map_for(run, student, other) == {}  # another teacher: even map instead
 
 
-def _search_pretrained(tiny_config, out, **search):
+def _search_pretrained(tiny_config, tiny_search, out, **search):
     """`prune` alone on the full run's pretrained model, its shape found by the search."""
     base = _full_config(tiny_config)
-    prune = PruneConfig(
-        search=True,
-        search_hidden_size=(16, 24, 32),
-        search_intermediate_size=(32, 64),
-        search_num_hidden_layers=(1, 2),
-        search_tolerance=0.1,
-        search_steps=8,
-        search_batch_size=4,
-        search_lr=3e-3,
-        calibration_samples=16,
-        **search,
-    )
+    prune = tiny_search(search_steps=8, search_lr=3e-3, **search)
     return dataclasses.replace(
         base, init_model=str(out / "pretrain" / "model"), stages=("prune",), prune=prune
     )
 
 
 def test_prune_search_saves_the_shape_with_the_lowest_distilled_loss(
-    full_run, tmp_path, tiny_config
+    full_run, tmp_path, tiny_config, tiny_search
 ):
     config, out, original = full_run
     budget = int(0.6 * original["pretrain"].metrics["params"])  # 20,985 (34,976 params)
-    search = _search_pretrained(tiny_config, out, search_params=budget)
+    search = _search_pretrained(tiny_config, tiny_search, out, search_params=budget)
     (result,) = run_pipeline(search, tmp_path / "run")
     m = result.metrics
     rows = m["search"]
@@ -286,9 +275,9 @@ def test_prune_search_saves_the_shape_with_the_lowest_distilled_loss(
     assert "- `prune`: search rank 3: " in report
 
 
-def test_prune_search_budget_no_shape_fits(full_run, tmp_path, tiny_config):
+def test_prune_search_budget_no_shape_fits(full_run, tmp_path, tiny_config, tiny_search):
     _, out, _ = full_run
-    search = _search_pretrained(tiny_config, out, search_params=9_000)
+    search = _search_pretrained(tiny_config, tiny_search, out, search_params=9_000)
     with pytest.raises(ConfigError) as info:
         run_pipeline(search, tmp_path / "run")
     assert info.value.key == "prune.search_params"
