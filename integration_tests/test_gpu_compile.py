@@ -50,6 +50,21 @@ def test_gate_passes_a_clean_record_and_flags_each_violation(tool):
     assert tool.gate([_record(arch="sm_90", shared_bytes=200_000)]) == []
 
 
+def test_gate_on_the_fp32_dot_precision_a_launch_asks_for(tool):
+    ieee = {"BLOCK": 64, "PRECISION": "ieee"}
+    # exact fp32 cannot run on tensor cores: allowed off them when the launch asks for it
+    assert tool.gate([_record(config=ieee, tensor_core=False, input_precision="ieee")]) == []
+    tf32 = {"BLOCK": 64, "PRECISION": "tf32"}
+    assert tool.gate([_record(config=tf32, input_precision="tf32")]) == []
+    # a dot compiled at another precision than asked, and a TF32 dot off the tensor cores
+    failures = tool.gate([_record(config=ieee, tensor_core=True, input_precision="tf32")])
+    assert failures == [f"fp32 tl.dot compiled as 'tf32', the launch asks 'ieee': "
+                        f"pkg._kernels:_k sm_80 {ieee}"]  # fmt: skip
+    failures = tool.gate([_record(config=tf32, tensor_core=False, input_precision="tf32")])
+    assert len(failures) == 1
+    assert "tl.dot without tensor-core" in failures[0]
+
+
 TOY = """
 import torch
 import triton
@@ -64,6 +79,17 @@ def _fp32_dot_kernel(a_ptr, b_ptr, c_ptr, K, BLOCK: tl.constexpr):
         a = tl.load(a_ptr + offs[:, None] * K + k0 + offs[None, :])
         b = tl.load(b_ptr + (k0 + offs[:, None]) * BLOCK + offs[None, :])
         acc += tl.dot(a, b, input_precision="ieee")  # FMA path: no tensor cores
+    tl.store(c_ptr + offs[:, None] * BLOCK + offs[None, :], acc)
+
+
+@triton.jit
+def _asked_dot_kernel(a_ptr, b_ptr, c_ptr, K, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        a = tl.load(a_ptr + offs[:, None] * K + k0 + offs[None, :])
+        b = tl.load(b_ptr + (k0 + offs[:, None]) * BLOCK + offs[None, :])
+        acc += tl.dot(a, b, input_precision=PRECISION)
     tl.store(c_ptr + offs[:, None] * BLOCK + offs[None, :], acc)
 
 
@@ -93,6 +119,9 @@ def gpu_launch_configs():
     return [
         {{"kernel": _fp32_dot_kernel, "options": {{"num_warps": 4, "num_stages": 3}},
           "args": {{"a_ptr": f32, "b_ptr": f32, "c_ptr": f32, "K": 256, "BLOCK": 32}}}},
+        *({{"kernel": _asked_dot_kernel, "options": {{"num_warps": 4, "num_stages": 3}},
+           "args": {{"a_ptr": f32, "b_ptr": f32, "c_ptr": f32, "K": 256, "BLOCK": 64,
+                    "PRECISION": p}}}} for p in ("ieee", "tf32")),
         {{"kernel": _copy_kernel, "options": {{"num_warps": 4}},
           "args": {{"x_ptr": f32, "y_ptr": f32, "n": 4096, "BLOCK": 1024}}}},
         {{"kernel": _spill_kernel, "options": {{"num_warps": 1, "maxnreg": 32}},
@@ -123,19 +152,32 @@ def test_real_compile_flags_a_dot_without_tensor_cores_and_a_spill(tmp_path):
     proc = _run_tool(_toy_package(tmp_path), out)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     records = json.loads(out.read_text())["records"]
-    by_key = {(r["kernel"].split(":")[1], r["arch"]): r for r in records}
-    kernels = ("_fp32_dot_kernel", "_copy_kernel", "_spill_kernel")
-    assert set(by_key) == {(k, a) for k in kernels for a in ("sm_80", "sm_90")}
+    by_key = {
+        (r["kernel"].split(":")[1], r["config"].get("PRECISION"), r["arch"]): r for r in records
+    }
+    kernels = [("_fp32_dot_kernel", None), ("_copy_kernel", None), ("_spill_kernel", None)]
+    kernels += [("_asked_dot_kernel", "ieee"), ("_asked_dot_kernel", "tf32")]
+    assert set(by_key) == {(*k, a) for k in kernels for a in ("sm_80", "sm_90")}
     for arch in ("sm_80", "sm_90"):
-        dot, copy = by_key["_fp32_dot_kernel", arch], by_key["_copy_kernel", arch]
+        dot, copy = by_key["_fp32_dot_kernel", None, arch], by_key["_copy_kernel", None, arch]
         assert dot["ok"]
         assert copy["ok"]
         assert dot["uses_dot"]
         assert not dot["tensor_core"]
+        assert dot["input_precision"] == "ieee"
+        assert not dot["wgmma"]
+        assert not dot["tma"]
+        ieee, tf32 = (by_key["_asked_dot_kernel", p, arch] for p in ("ieee", "tf32"))
+        assert (ieee["input_precision"], tf32["input_precision"]) == ("ieee", "tf32")
+        assert not ieee["tensor_core"]  # passes the gate: the launch asks for IEEE
+        assert tf32["tensor_core"]
+        assert tf32["wgmma"] == (arch == "sm_90")
+        assert not tf32["tma"]  # pointer loads, no tensor descriptors
         assert not copy["uses_dot"]
+        assert copy["input_precision"] is None
         assert copy["registers"] > 0
         assert copy["spills"] == 0
-        spill = by_key["_spill_kernel", arch]
+        spill = by_key["_spill_kernel", None, arch]
         assert spill["registers"] <= 32
         assert spill["spills"] > 0
     assert proc.stdout.count("FAIL tl.dot without tensor-core instructions") == 2

@@ -17,9 +17,15 @@ One JSON record per compile: kernel (`module:function`), arch, config, ok, error
 spills (bytes stored + loaded), shared_bytes, num_stages (the launch option), pipeline_buffers
 (buffers of the multi-buffered shared-memory operands in the TTGIR; 1 = not pipelined),
 uses_dot (`tt.dot` in the TTIR), tensor_core (`mma.sync` on sm_80, `wgmma` or `mma` on sm_90 in
-the PTX). The gate fails on a compile error, any spill, shared memory over the arch's limit, a
-`tl.dot` without tensor-core instructions, or a GEMM loop (a kernel with `tl.dot`) launched
-with `num_stages` < 2 or not pipelined (fewer than 2 buffers).
+the PTX), wgmma (`wgmma.` in the PTX: Hopper warpgroup MMA), tma (`cp.async.bulk.tensor` in the
+PTX: loads/stores through TMA descriptors) and input_precision (of the `tt.dot`s with fp32
+operands in the TTIR: "ieee" where it prints no `inputPrecision`, else its value, e.g. "tf32";
+None without such a dot). The gate fails on a compile error, any spill, shared memory over the
+arch's limit, a `tl.dot` without tensor-core instructions, a GEMM loop (a kernel with `tl.dot`)
+launched with `num_stages` < 2 or not pipelined (fewer than 2 buffers), or an fp32 dot compiled
+at another precision than the launch's `PRECISION` constexpr asks for. A launch that asks for
+`PRECISION="ieee"` (exact fp32, which tensor cores cannot do) may run its dots off the tensor
+cores; tma and wgmma are recorded, not gated.
 
 This is compile evidence, not a GPU run: it says what the compiler makes of the kernels, not
 how fast or how correct they are. Needs no GPU and must run without TRITON_INTERPRET.
@@ -162,7 +168,7 @@ def compile_one(module_name: str, index: int, arch: str) -> dict[str, Any]:
         "kernel": f"{module_name}:{fn.__name__}", "arch": arch, "config": _config(spec),
         "ok": False, "error": None, "registers": None, "spills": None, "shared_bytes": None,
         "num_stages": spec.get("options", {}).get("num_stages", 3), "pipeline_buffers": None,
-        "uses_dot": None, "tensor_core": None,
+        "uses_dot": None, "tensor_core": None, "wgmma": None, "tma": None, "input_precision": None,
     }  # fmt: skip
     try:
         target = GPUTarget("cuda", ARCHS[arch], 32)
@@ -183,6 +189,9 @@ def compile_one(module_name: str, index: int, arch: str) -> dict[str, Any]:
         record["uses_dot"] = "tt.dot " in kernel.asm["ttir"]
         tc = ("mma.sync",) if arch == "sm_80" else ("wgmma", "mma.sync")
         record["tensor_core"] = any(t in ptx for t in tc)
+        record["wgmma"] = "wgmma." in ptx
+        record["tma"] = "cp.async.bulk.tensor" in ptx
+        record["input_precision"] = fp32_dot_precision(kernel.asm["ttir"])
         buffers = [int(b) for b in re.findall(r"!ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)]
         record["pipeline_buffers"] = max(buffers, default=1)
         record["registers"], record["spills"] = _ptxas(ptx, arch)
@@ -190,6 +199,20 @@ def compile_one(module_name: str, index: int, arch: str) -> dict[str, Any]:
     except Exception as exc:  # a compile error is a result, not a crash
         record["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
     return record
+
+
+def fp32_dot_precision(ttir: str) -> str | None:
+    """Input precision of the `tt.dot`s with fp32 operands in `ttir` ("/"-joined if they differ).
+
+    The TTIR prints `inputPrecision = <p>` on a dot unless it is IEEE (the enum's default).
+    """
+    found = set()
+    for line in ttir.splitlines():
+        dot = re.search(r"tt\.dot .*: tensor<[0-9x]+x(\w+)>", line)
+        if dot and dot.group(1) == "f32":
+            precision = re.search(r"inputPrecision = (\w+)", line)
+            found.add(precision.group(1) if precision else "ieee")
+    return "/".join(sorted(found)) or None
 
 
 # -------------------------------------------------------------------------------------- gate
@@ -206,7 +229,11 @@ def gate(records: list[dict[str, Any]]) -> list[str]:
         limit = SHARED_LIMIT[r["arch"]]
         if r["shared_bytes"] > limit:
             bad.append(f"shared memory {r['shared_bytes']} > {limit} bytes: {where}")
-        if r["uses_dot"] and not r["tensor_core"]:
+        asked = r["config"].get("PRECISION")
+        compiled = r.get("input_precision")
+        if asked is not None and compiled is not None and compiled != asked:
+            bad.append(f"fp32 tl.dot compiled as {compiled!r}, the launch asks {asked!r}: {where}")
+        if r["uses_dot"] and not r["tensor_core"] and not (asked == compiled == "ieee"):
             bad.append(f"tl.dot without tensor-core instructions in the PTX: {where}")
         if r["uses_dot"] and (r["num_stages"] < 2 or r["pipeline_buffers"] < 2):
             bad.append(
@@ -219,8 +246,9 @@ def gate(records: list[dict[str, Any]]) -> list[str]:
 def markdown(records: list[dict[str, Any]]) -> str:
     """The records as a markdown table."""
     lines = [
-        "| kernel | arch | config | ok | regs | spills | shared B | stages | buffers | dot | TC |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| kernel | arch | config | ok | regs | spills | shared B | stages | buffers | dot | TC "
+        "| wgmma | TMA | fp32 dot |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         cfg = ", ".join(f"{k}={v}" for k, v in r["config"].items())
@@ -229,7 +257,8 @@ def markdown(records: list[dict[str, Any]]) -> str:
             f"| `{r['kernel']}` | {r['arch']} | {cfg} | {'yes' if r['ok'] else 'NO'} | "
             f"{r['registers']} | {r['spills']} | {r['shared_bytes']} | {r['num_stages']} | "
             f"{r['pipeline_buffers']} | {dot[r['uses_dot']]} | "
-            f"{dot[r['tensor_core']] if r['uses_dot'] else '-'} |"
+            f"{dot[r['tensor_core']] if r['uses_dot'] else '-'} | {dot[r.get('wgmma')]} | "
+            f"{dot[r.get('tma')]} | {r.get('input_precision') or '-'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -237,7 +266,9 @@ def markdown(records: list[dict[str, Any]]) -> str:
 def summary(records: list[dict[str, Any]], prefix: str = "") -> str:
     """One markdown row per kernel and arch (modules starting with `prefix`).
 
-    Launches compiled, and the worst registers, spills, shared memory and pipelining over them.
+    Launches compiled, and the worst registers, spills, shared memory and pipelining over them;
+    tensor cores over the dots not asked to be IEEE fp32; how many GEMM launches compiled with
+    wgmma and with TMA; the precisions of the fp32 dots.
     """
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in records:
@@ -245,20 +276,24 @@ def summary(records: list[dict[str, Any]], prefix: str = "") -> str:
             rows.setdefault((r["kernel"], r["arch"]), []).append(r)
     lines = [
         "| kernel | arch | launches | compiled | max regs | spills (B) | max shared (KB) | "
-        "min buffers | tensor cores |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "min buffers | tensor cores | wgmma | TMA | fp32 dot |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (kernel, arch), rs in rows.items():
         ok = [r for r in rs if r["ok"]]
         dots = [r for r in ok if r["uses_dot"]]
-        tc = "-" if not dots else "all" if all(r["tensor_core"] for r in dots) else "NOT all"
+        mma = [r for r in dots if r.get("input_precision") != "ieee"]
+        tc = "-" if not mma else "all" if all(r["tensor_core"] for r in mma) else "NOT all"
         buffers = min((r["pipeline_buffers"] for r in dots), default=None)
+        wgmma, tma = (f"{sum(bool(r.get(k)) for r in dots)}/{len(dots)}" for k in ("wgmma", "tma"))
+        fp32 = "/".join(sorted({r["input_precision"] for r in dots if r.get("input_precision")}))
         lines.append(
             f"| `{kernel}` | {arch} | {len(rs)} | {len(ok)} | "
             f"{max((r['registers'] for r in ok), default='-')} | "
             f"{max((r['spills'] for r in ok), default='-')} | "
             f"{max((r['shared_bytes'] for r in ok), default=0) / 1024:.0f} | "
-            f"{'-' if buffers is None else buffers} | {tc} |"
+            f"{'-' if buffers is None else buffers} | {tc} | "
+            f"{wgmma if dots else '-'} | {tma if dots else '-'} | {fp32 or '-'} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -28,9 +28,10 @@ density x dense FLOPs / sparse time; efficiency = useful / dense TFLOP/s = densi
 (1.0 = the sparse kernel is as fast per non-zero FLOP as cuBLAS is per FLOP). Before timing,
 the output (forward points) or dX and the stored dW tiles (forward+backward points) are
 checked against cuBLAS on the masked dense weight: `check` = max |error| / max |reference|.
-On an A100 or H100 each point also gets a predicted roofline time for the dense anchor and the
-sparse kernels (bytes and FLOPs from the kernels' launch configuration, datasheet peaks:
-`roofline.py` states the counts and assumptions) and measured / predicted.
+On an A100 or H100 each point also gets a predicted time for the dense anchor and the sparse
+kernels (FLOPs, HBM and L2 bytes from the kernels' launch configuration; L2-resident re-reads
+at L2 bandwidth: `roofline.py` states the counts, `leanlm_testing.roofline` the constants, printed
+in the header) and measured / predicted.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from roofline import GpuPoint, GpuResult, predictions
 from torch import nn
 
 from leanlm_testing import bench
+from leanlm_testing.roofline import kernel_assumptions
 
 
 @dataclass(frozen=True)
@@ -265,7 +267,8 @@ def run_gpu(args: argparse.Namespace) -> None:
     bench_fn = "do_bench_cudagraph" if args.cuda_graphs else "do_bench"
     timing = f"{bench_fn} median, rep {args.rep_ms} ms" if device.type == "cuda" else "perf_counter"
     anchor = "F.linear (cuBLAS)" if device.type == "cuda" else "F.linear (CPU)"
-    print(f"# timing: {timing}; anchor {anchor} on the dense weight\n")
+    print(f"# timing: {timing}; anchor {anchor} on the dense weight")
+    print(f"# predictions: {kernel_assumptions()}\n")
     timer = make_timer(device, args)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(

@@ -1,22 +1,30 @@
-"""GPU benchmark points of bench_sparse.py and their predicted roofline times.
+"""GPU benchmark points of bench_sparse.py and their predicted times (a model, not a measurement).
 
 For each point the FLOPs and the bytes every kernel moves are counted from its launch
-configuration (`sparse_kernels._bsr_launch.kernel_config` / `sdd_splits`, the same functions
-the launchers use), and the predicted time is `max(FLOPs / peak, bytes / bandwidth)`, printed
-beside the measured time so the first GPU run is checked against a prediction.
+configuration (`sparse_kernels._bsr_launch.kernel_config` / `sdd_splits`, the same functions the
+launchers use) and priced by `leanlm_testing.roofline.kernel_seconds`: per kernel the slowest of
+tensor-core time, HBM time and L2 time, plus a pipeline fill/drain per wave of programs and a
+launch gap; a step is the sum of its kernels, or the host time to issue them if that is longer.
+`tests/test_roofline.py` checks the predictions against the H100 times of
+`shared/research/gpu-h100.md` section 3.
 
-Assumptions (state them with the numbers):
+Counts (bf16 = 2 bytes, fp32 partials = 4, index loads ignored):
 
-* Peaks are the dense bf16 tensor-core rate and the HBM bandwidth of the datasheets: A100 SXM4
-  80 GB 312 TFLOP/s, 2.0 TB/s (NVIDIA A100 datasheet: 1,935 GB/s PCIe / 2,039 GB/s SXM);
-  H100 SXM 989 TFLOP/s, 3.35 TB/s (NVIDIA H100 datasheet; 1,979 TFLOP/s is the 2:4 sparse
-  rate, used for the 2:4 rows). Other devices get no prediction.
-* Bytes count every global load and store of the kernel as written (no L2 reuse), e.g. the
-  forward re-reads a stored tile once per BLOCK_M token tile; the dense anchor counts each
-  operand once (cuBLAS tiles reuse through L2/shared memory). bf16 = 2 bytes, fp32 partials of
-  the split dW = 4 bytes, index loads ignored.
-* A prediction is a lower bound on time for a kernel that reaches the datasheet peaks; real
-  kernels reach ~60-80% of them.
+* L2 bytes: every load and store as the kernels issue them. The forward (DSD) loads, per stored
+  tile, its X columns for every token and the tile once per BLOCK_M-token tile; dX (DSDᵀ) the
+  same with dY; dW (SDD) loads dY and X columns of its tile for every token.
+* HBM bytes: each operand and output once, plus the re-reads of an operand too large to stay in
+  L2 (`fits_l2`: X for the forward, dY for dX). A stored tile is re-read by the programs of all
+  token tiles of its row at about the same time (token tiles vary fastest in the grid), and dW's
+  programs walk the tokens in step, so those re-reads stay in L2.
+* dW with token splits writes fp32 partials that a torch sum reads back (HBM).
+* The dense anchor (cuBLAS) reads each operand and writes once per GEMM, at the GEMM efficiency.
+* Host: a Triton launch or a torch op costs the host `HOST_TRITON_LAUNCH_S` / `HOST_TORCH_OP_S`;
+  the counts of torch ops per call are estimates (`TORCH_OPS`).
+
+Hardware constants (`leanlm_testing.roofline.kernel_assumptions()`): A100/H100 datasheet peaks,
+the H100 L2 bandwidth (calibrated once on that table), a GEMM efficiency and a per-wave latency.
+2:4 rows: torch's kernels at twice the dense rate (the sparse tensor cores' datasheet rate).
 """
 
 from __future__ import annotations
@@ -25,12 +33,15 @@ from dataclasses import dataclass
 
 import torch
 
-# name fragment in torch.cuda.get_device_name -> (bytes/s, dense bf16 FLOP/s, SM count)
-DEVICES = {
-    "A100": (2.0e12, 312e12, 108),
-    "H100": (3.35e12, 989e12, 132),
-}
+from leanlm_testing import roofline as R
+
 BF16 = 2
+FP32 = 4
+#: torch ops per call besides the Triton launches (host estimate): forward: reshape, padding
+#: check, contiguous, empty, reshape; forward + backward adds ones_like, dy.contiguous, the
+#: backward's empties, the split sum, gradient accumulation and the autograd bookkeeping.
+TORCH_OPS = {("sparse", "fwd"): 5, ("sparse", "fwd+bwd"): 14, ("dense", "fwd"): 1,
+             ("dense", "fwd+bwd"): 6}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -83,63 +94,135 @@ class GpuResult:
         return self.useful_tflops / self.dense_tflops
 
 
-def peaks(device_name: str) -> tuple[float, float, int] | None:
-    """(bandwidth B/s, dense bf16 FLOP/s, SMs) for an A100 or H100 name, else None."""
-    return next((v for k, v in DEVICES.items() if k in device_name), None)
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
-def dense_cost(pt: GpuPoint) -> tuple[float, float]:
-    """(FLOPs, bytes) of the cuBLAS anchor: each GEMM reads its operands and writes once."""
-    m, n, k = pt.tokens, pt.out_f, pt.in_f
-    gemm = (m * k + n * k + m * n) * BF16
-    return pt.dense_flops, gemm * (3 if pt.op == "fwd+bwd" else 1)
+def gpu_for(device_name: str) -> R.Gpu | None:
+    """The model's A100 or H100 for a CUDA device name, else None."""
+    return next((g for g in R.GPUS if g.name.split("-")[0] in device_name), None)
 
 
-def block_cost(pt: GpuPoint, nnzb: int, sms: int) -> tuple[float, float]:
-    """(FLOPs, bytes) of the Triton block-sparse kernels at this point's configuration."""
+@dataclass(frozen=True)
+class KernelCost:
+    """What one kernel launch does: FLOPs, bytes through HBM and L2, its grid and footprint."""
+
+    name: str
+    flops: float
+    hbm_bytes: float
+    l2_bytes: float
+    programs: int = 1
+    shared_bytes: int = 0
+    threads: int = 128
+
+    def seconds(self, gpu: R.Gpu) -> float:
+        """Predicted device time on `gpu` (`leanlm_testing.roofline.kernel_seconds`)."""
+        w = R.waves(gpu, programs=self.programs, shared_bytes=self.shared_bytes,
+                    threads=self.threads)  # fmt: skip
+        return R.kernel_seconds(
+            gpu, flops=self.flops, hbm_bytes=self.hbm_bytes, l2_bytes=self.l2_bytes, waves=w
+        )
+
+    def bound(self, gpu: R.Gpu) -> str:
+        """Which resource sets the time: "compute", "HBM" or "L2"."""
+        times = R.resource_seconds(
+            gpu, flops=self.flops, hbm_bytes=self.hbm_bytes, l2_bytes=self.l2_bytes
+        )
+        return max(times, key=lambda k: times[k])
+
+
+def _gemm_tile_cost(
+    name: str, pt: GpuPoint, nnzb: int, gpu: R.Gpu, *, out_f: int, in_f: int
+) -> KernelCost:
+    """DSD (forward: out_f = pt.out_f) or DSDᵀ (dX: the same with in/out swapped)."""
+    from sparse_kernels._bsr_launch import kernel_config
+
+    m, b = pt.tokens, pt.block
+    cfg = kernel_config("dsd" if name == "forward" else "dsdt", b, torch.bfloat16)
+    m_tiles = -(-m // cfg["BLOCK_M"])
+    operand = m * in_f * BF16  # X (forward) or dY (dX): its slices are re-read per stored tile
+    reads = m * b * nnzb * BF16
+    tiles = m_tiles * nnzb * b * b * BF16
+    out = m * out_f * BF16
+    hbm = operand + nnzb * b * b * BF16 + out
+    if not R.fits_l2(gpu, operand):
+        hbm += reads - operand
+    shared = cfg["num_stages"] * (cfg["BLOCK_M"] + b) * cfg["BK"] * BF16
+    return KernelCost(
+        name, 2.0 * m * nnzb * b * b, hbm, reads + tiles + out,
+        programs=m_tiles * -(-out_f // b), shared_bytes=shared, threads=32 * cfg["num_warps"],
+    )  # fmt: skip
+
+
+def block_kernels(pt: GpuPoint, nnzb: int, gpu: R.Gpu) -> list[KernelCost]:
+    """The kernel launches of one call of the Triton `BlockSparseLinear` at this point."""
     # imported here: bench_sparse sets TRITON_INTERPRET (dry run) before sparse_kernels loads
     from sparse_kernels._bsr_launch import kernel_config, sdd_splits
 
     m, b, n, k = pt.tokens, pt.block, pt.out_f, pt.in_f
-    flops = 2.0 * m * nnzb * b * b
-    tiles = b * b * nnzb
-    cfg = kernel_config("dsd", b, torch.bfloat16)
-    m_tiles = -(-m // cfg["BLOCK_M"])
-    # forward: per stored tile, its x columns for all tokens and the tile once per token tile
-    fwd = (m * b * nnzb + m_tiles * tiles + m * n) * BF16
+    kernels = [_gemm_tile_cost("forward", pt, nnzb, gpu, out_f=n, in_f=k)]
     if pt.op == "fwd":
-        return flops, fwd
-    cfg_t = kernel_config("dsdt", b, torch.bfloat16)
-    dx = (m * b * nnzb + -(-m // cfg_t["BLOCK_M"]) * tiles + m * k) * BF16
-    splits = sdd_splits(nnzb, m, kernel_config("sdd", b, torch.bfloat16)["BLOCK_M"], 2 * sms)
-    partials = 2 * splits * tiles * 4 if splits > 1 else 0  # fp32 write + read by the sum
-    dw = 2 * m * b * nnzb * BF16 + partials + tiles * BF16
-    return 3 * flops, fwd + dx + dw
+        return kernels
+    kernels.append(_gemm_tile_cost("dX", pt, nnzb, gpu, out_f=k, in_f=n))
+    cfg = kernel_config("sdd", b, torch.bfloat16)
+    splits = sdd_splits(nnzb, m, cfg["BLOCK_M"], 2 * gpu.sms)
+    per = _cdiv(_cdiv(m, splits), cfg["BLOCK_M"]) * cfg["BLOCK_M"]
+    splits = _cdiv(m, per)  # as the launcher rounds them
+    tiles = nnzb * b * b
+    out = splits * tiles * FP32 if splits > 1 else tiles * BF16
+    reads = 2 * m * b * nnzb * BF16
+    kernels.append(
+        KernelCost(
+            "dW",
+            2.0 * m * nnzb * b * b,
+            (m * n + m * k) * BF16 + out,
+            reads + out,
+            programs=nnzb * splits,
+            threads=32 * cfg["num_warps"],
+            shared_bytes=cfg["num_stages"] * 2 * cfg["BLOCK_M"] * b * BF16,
+        )
+    )
+    if splits > 1:  # the launcher's fp32 sum of the partials, cast to bf16
+        kernels.append(KernelCost("dW split sum", 0.0, out + tiles * BF16, out + tiles * BF16))
+    return kernels
 
 
-def semi24_cost(pt: GpuPoint) -> tuple[float, float]:
-    """(FLOPs, bytes) of a 2:4 forward: half the weight's values plus 2 bits of metadata each."""
+def dense_kernels(pt: GpuPoint) -> list[KernelCost]:
+    """The dense anchor's GEMMs (cuBLAS): each reads its operands and writes once."""
     m, n, k = pt.tokens, pt.out_f, pt.in_f
-    return 2.0 * m * n * k, (m * k + m * n) * BF16 + n * k // 2 * BF16 + n * k // 8
+    gemm = (m * k + n * k + m * n) * BF16
+    count = 3 if pt.op == "fwd+bwd" else 1
+    return [KernelCost("cuBLAS", 2.0 * m * n * k, gemm, gemm) for _ in range(count)]
 
 
-def predict_ms(flops: float, nbytes: float, bandwidth: float, rate: float) -> float:
-    """Roofline time in ms: the slower of compute at `rate` and traffic at `bandwidth`."""
-    return 1e3 * max(flops / rate, nbytes / bandwidth)
+def step_seconds(kernels: list[KernelCost], gpu: R.Gpu, *, launches: int, torch_ops: int) -> float:
+    """Sum of the kernels' device times, or the host time to issue the call if longer."""
+    device = sum(kc.seconds(gpu) for kc in kernels)
+    host = launches * R.HOST_TRITON_LAUNCH_S + torch_ops * R.HOST_TORCH_OP_S
+    return max(device, host)
+
+
+def predict_ms(pt: GpuPoint, nnzb: int, gpu: R.Gpu) -> tuple[float, float, str]:
+    """(dense ms, sparse ms, what bounds the sparse side) predicted on `gpu`."""
+    dense = 1e3 * step_seconds(
+        dense_kernels(pt), gpu, launches=0, torch_ops=TORCH_OPS["dense", pt.op]
+    )
+    if pt.kind == "2:4":
+        m, n, k = pt.tokens, pt.out_f, pt.in_f
+        nbytes = (m * k + m * n) * BF16 + n * k // 2 * BF16 + n * k // 8
+        # the sparse tensor cores' datasheet rate is twice the dense one: half the FLOPs
+        kc = KernelCost("2:4", m * n * k, nbytes, nbytes)
+        return dense, 1e3 * step_seconds([kc], gpu, launches=0, torch_ops=3), kc.bound(gpu)
+    kernels = block_kernels(pt, nnzb, gpu)
+    launches = sum(kc.name != "dW split sum" for kc in kernels)
+    sparse = step_seconds(kernels, gpu, launches=launches, torch_ops=TORCH_OPS["sparse", pt.op])
+    device = sum(kc.seconds(gpu) for kc in kernels)
+    slowest = max(kernels, key=lambda kc: kc.seconds(gpu))
+    bound = slowest.bound(gpu) if device >= sparse else "host"
+    return dense, 1e3 * sparse, bound
 
 
 def predictions(pt: GpuPoint, nnzb: int, device_name: str) -> tuple[float, float, str] | None:
     """(dense ms, sparse ms, bound of the sparse side) predicted on `device_name`, or None."""
-    peak = peaks(device_name)
-    if peak is None:
-        return None
-    bw, rate, sms = peak
-    dense = predict_ms(*dense_cost(pt), bw, rate)
-    if pt.kind == "2:4":
-        flops, nbytes = semi24_cost(pt)
-        sparse_rate = 2 * rate  # the sparse tensor cores' datasheet rate
-    else:
-        flops, nbytes = block_cost(pt, nnzb, sms)
-        sparse_rate = rate
-    bound = "compute" if flops / sparse_rate >= nbytes / bw else "memory"
-    return dense, predict_ms(flops, nbytes, bw, sparse_rate), bound
+    gpu = gpu_for(device_name)
+    return None if gpu is None else predict_ms(pt, nnzb, gpu)

@@ -12,8 +12,11 @@ so all three training GEMMs cost density x dense (the STK decomposition, Gale et
 "MegaBlocks", arXiv 2211.15841). Numerics: every kernel accumulates in fp32 (`tl.dot` with an
 fp32 accumulator) and casts once on store. Loads are upcast to fp32 when UPCAST is set (always
 under TRITON_INTERPRET=1, where bf16 arithmetic is wrong); on a GPU bf16/fp16 operands go to
-the tensor cores as they are, and fp32 operands use TF32 (Triton's default). dW splits the token
-sum over programs when there are few tiles: fp32 partials, summed in split order (deterministic).
+the tensor cores as they are. fp32 operands follow `torch.get_float32_matmul_precision()`
+through the PRECISION constexpr (`_bsr_launch.dot_precision`): "ieee" for "highest" (torch's
+default: exact fp32, as `nn.Linear`), "tf32" for "high"/"medium" (10-bit-mantissa operands on
+the tensor cores). dW splits the token sum over programs when there are few tiles: fp32
+partials, summed in split order (deterministic).
 Launch configurations: `_bsr_launch.kernel_config` (also compiled for sm_80/sm_90 by
 tools/gpu_compile.py).
 
@@ -30,7 +33,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sparse_kernels._bsr_launch import BLOCK_SIZES, aligned, kernel_config, sdd_splits, sm_count
+from sparse_kernels._bsr_launch import (
+    BLOCK_SIZES,
+    aligned,
+    dot_precision,
+    kernel_config,
+    sdd_splits,
+    sm_count,
+)
 from sparse_kernels.layout import BlockLayout
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -71,6 +81,7 @@ if HAS_TRITON:
         stride_ym,
         HAS_BIAS: tl.constexpr,
         UPCAST: tl.constexpr,
+        PRECISION: tl.constexpr,
         BS: tl.constexpr,
         BK: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -108,7 +119,7 @@ if HAS_TRITON:
             if UPCAST:
                 x = x.to(tl.float32)
                 w = w.to(tl.float32)
-            acc += tl.dot(x, tl.trans(w))
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         n = r * BS + offs_b
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
@@ -132,6 +143,7 @@ if HAS_TRITON:
         stride_dym,
         stride_dxm,
         UPCAST: tl.constexpr,
+        PRECISION: tl.constexpr,
         BS: tl.constexpr,
         BK: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -166,7 +178,7 @@ if HAS_TRITON:
             if UPCAST:
                 dy = dy.to(tl.float32)
                 w = w.to(tl.float32)
-            acc += tl.dot(dy, w)
+            acc += tl.dot(dy, w, input_precision=PRECISION)
         k = c * BS + offs_b
         tl.store(
             dx_ptr + offs_m[:, None].to(tl.int64) * stride_dxm + k[None, :],
@@ -189,6 +201,7 @@ if HAS_TRITON:
         stride_dym,
         stride_xm,
         UPCAST: tl.constexpr,
+        PRECISION: tl.constexpr,
         BS: tl.constexpr,
         BLOCK_M: tl.constexpr,
     ):
@@ -227,7 +240,7 @@ if HAS_TRITON:
             if UPCAST:
                 dy = dy.to(tl.float32)
                 x = x.to(tl.float32)
-            acc += tl.dot(tl.trans(dy), x)
+            acc += tl.dot(tl.trans(dy), x, input_precision=PRECISION)
         out = (s.to(tl.int64) * nnzb + p) * (BS * BS)
         tl.store(
             dv_ptr + out + offs_b[:, None] * BS + offs_b[None, :],
@@ -237,16 +250,21 @@ if HAS_TRITON:
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every kernel launch the launchers below make on a GPU (for tools/gpu_compile.py).
 
-        Per dtype and tile edge, the config of `kernel_config`, with representative arguments:
+        Per dtype (fp32 with both `dot_precision` values) and tile edge, the config of
+        `kernel_config`, with representative arguments:
         feature widths and strides are always multiples of 16 (the launchers pad), tokens M and
         stored tiles nnzb are listed both as a multiple of 16 and not (Triton specializes on it).
         """
         launches: list[dict[str, Any]] = []
         i32 = torch.int32
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        # fp32 is launched as "ieee" (matmul precision "highest") or "tf32" ("high"/"medium")
+        dtypes = [(torch.bfloat16, "tf32"), (torch.float16, "tf32")]
+        dtypes += [(torch.float32, "ieee"), (torch.float32, "tf32")]
+        for dtype, precision in dtypes:
             for bs in BLOCK_SIZES:
                 for M, nnzb in ((2048, 400), (2047, 409)) if bs == 64 else ((2048, 400),):
-                    common = {"M": M, "N": 4096, "K": 4096, "UPCAST": False, "BS": bs}
+                    common = {"M": M, "N": 4096, "K": 4096, "UPCAST": False, "BS": bs,
+                              "PRECISION": precision}  # fmt: skip
                     args = {"x_ptr": dtype, "v_ptr": dtype, "row_ptr": i32, "col_idx": i32,
                             "b_ptr": dtype, "y_ptr": dtype, "stride_xm": 4096,
                             "stride_ym": 4096, "HAS_BIAS": True, **common}  # fmt: skip
@@ -311,7 +329,8 @@ def dsd_triton(
     _dsd_kernel[grid](
         x, values, layout.row_ptr, layout.col_idx, bias if bias is not None else x, y,
         M, layout.out_features, x.shape[1], x.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, UPCAST=_INTERPRET, BS=layout.block_size, BK=cfg["BK"],
+        HAS_BIAS=bias is not None, UPCAST=_INTERPRET, PRECISION=dot_precision(x.dtype),
+        BS=layout.block_size, BK=cfg["BK"],
         BLOCK_M=cfg["BLOCK_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return y
@@ -331,7 +350,7 @@ def dsdt_triton(
     _dsdt_kernel[grid](
         dy, values, layout.col_ptr, layout.t_perm, layout.row_idx, dx,
         M, dy.shape[1], layout.in_features, dy.stride(0), dx.stride(0),
-        UPCAST=_INTERPRET, BS=layout.block_size, BK=cfg["BK"],
+        UPCAST=_INTERPRET, PRECISION=dot_precision(dy.dtype), BS=layout.block_size, BK=cfg["BK"],
         BLOCK_M=cfg["BLOCK_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return dx
@@ -372,7 +391,7 @@ def sdd_triton(
     _sdd_kernel[(nnzb, splits)](
         dy, x, layout.row_idx, layout.col_idx, out,
         M, dy.shape[1], x.shape[1], nnzb, per, dy.stride(0), x.stride(0),
-        UPCAST=_INTERPRET, BS=b,
+        UPCAST=_INTERPRET, PRECISION=dot_precision(x.dtype), BS=b,
         BLOCK_M=cfg["BLOCK_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out if splits == 1 else out.sum(0).to(values.dtype)

@@ -2,11 +2,14 @@
 
 Plain torch, no Triton: the tile edges the kernels take (`BLOCK_SIZES`), the GPU launch
 configuration of each kernel (`kernel_config`, which the launchers use and `tools/gpu_compile.py`
-compiles for sm_80/sm_90 through `_bsr_kernels.gpu_launch_configs`), the token splits of the dW
-kernel (`sdd_splits`, `sm_count`) and the 16-column padding of the operands (`aligned`).
+compiles for sm_80/sm_90 through `_bsr_kernels.gpu_launch_configs`), the precision of their fp32
+`tl.dot` (`dot_precision`), the token splits of the dW kernel (`sdd_splits`, `sm_count`) and the
+16-column padding of the operands (`aligned`).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -43,6 +46,25 @@ def kernel_config(kernel: str, block_size: int, dtype: torch.dtype) -> dict[str,
     per_stage = (64 * bk + block_size * bk) * elt
     stages = 3 if 3 * per_stage <= _SHARED_BUDGET else 2
     return {"BLOCK_M": 64, "BK": bk, "num_warps": warps, "num_stages": stages}
+
+
+DotPrecision = Literal["ieee", "tf32"]
+
+
+def dot_precision(dtype: torch.dtype) -> DotPrecision:
+    """`input_precision` of the kernels' `tl.dot` for operands of `dtype` (a launch constexpr).
+
+    fp32 operands follow `torch.get_float32_matmul_precision()`, as `nn.Linear` does on CUDA:
+    "highest" (torch's default) -> "ieee" (exact fp32 products and fp32 sums, on the FMA units,
+    not the tensor cores), "high" or "medium" -> "tf32" (operands rounded to a 10-bit mantissa,
+    products summed in fp32 on the tensor cores). 3xTF32 ("tf32x3") is not used for "highest":
+    whether it matches IEEE fp32 to the same tolerance has not been measured on a GPU.
+    bf16/fp16 operands get "tf32", Triton's default, which Triton ignores for 16-bit operands,
+    so their kernels compile exactly as without the argument.
+    """
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
 
 
 def sdd_splits(nnzb: int, tokens: int, block_m: int, programs: int) -> int:

@@ -12,6 +12,9 @@ revived by any optimizer, and forward, dX and dW all cost `density x dense` FLOP
 * `"torch"`: PyTorch ops in `_bsr_torch` (CPU fp32: torch's BSR x dense; other dtypes: one GEMM
   per tile);
 * `"auto"`: Triton on CUDA when installed and block_size is 16, 32, 64 or 128, else torch.
+
+fp32 on the Triton path follows `torch.get_float32_matmul_precision()` as `nn.Linear` does:
+"highest" runs IEEE fp32 dots, "high"/"medium" TF32 (`_bsr_launch.dot_precision`).
 """
 
 from __future__ import annotations
