@@ -49,6 +49,9 @@ SEARCH = {"search": True, "search_params": 100_000, "search_hidden_size": [128]}
         ({"data": 3}, "data", "must be a table"),
         ({"stages": ["pretrain", "quantize"]}, "stages", "unknown stage 'quantize'"),
         ({"stages": []}, "stages", "at least one stage"),
+        ({"collective_timeout_s": 0}, "collective_timeout_s", "(0.0) must be a positive number"),
+        ({"collective_timeout_s": float("nan")}, "collective_timeout_s", "(nan) must be"),
+        ({"collective_timeout_s": "10m"}, "collective_timeout_s", "must be float, got str"),
         (
             {"model": {"hidden_size": 30, "num_attention_heads": 4}},
             "model.num_attention_heads",
@@ -190,6 +193,8 @@ def test_prune_search_round_trips_and_fixed_sizes_are_single_choices(tmp_path):
 
 def test_int_is_accepted_where_float_is_expected():
     assert from_dict(RunConfig, {"pretrain": {"lr": 1}}).pretrain.lr == 1.0
+    assert from_dict(RunConfig, {"collective_timeout_s": 20}).collective_timeout_s == 20.0
+    assert RunConfig().collective_timeout_s == 600.0
 
 
 @given(

@@ -6,15 +6,12 @@ import multiprocessing
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import namedtuple
 from importlib.metadata import version
 
 import psutil
 import pytest
-import torch
-from safetensors.torch import load_file
 
 import leanlm.cli
 import leanlm.evaluate
@@ -22,51 +19,19 @@ from leanlm import rundir
 from leanlm.cli import main
 from leanlm.config import DataConfig, dumps_toml
 from leanlm.trainer import causal_lm_loss
-
-
-def _weights(run_dir):
-    return load_file(run_dir / "pretrain" / "model" / "model.safetensors")
-
-
-def _assert_same_weights(a_dir, b_dir):
-    a, b = _weights(a_dir), _weights(b_dir)
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"{name} differs after the resume"
-
-
-def _loss_rows(run_dir):
-    text = (run_dir / "pretrain" / "metrics.jsonl").read_text()
-    keep = ("step", "loss", "lr", "grad_norm", "val_loss")
-    return [{k: r[k] for k in keep if k in r} for r in map(json.loads, text.splitlines())]
-
-
-def _messages(err):
-    return [line for line in err.splitlines() if line.startswith("leanlm:")]
-
-
-def _leanlm(*args):
-    return [sys.executable, "-m", "leanlm", *map(str, args)]
+from leanlm_testing.cli_runs import (
+    ENV,
+    assert_same_weights,
+    leanlm_command,
+    loss_rows,
+    messages,
+    run_leanlm,
+    start_two_process_run,
+)
 
 
 def _snapshot(run_dir):
     return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()}
-
-
-def _start_two_process_run(path, out, **popen):
-    """Launch a 2-process run; return it and its process tree once step 10 is checkpointed."""
-    launcher = subprocess.Popen(
-        _leanlm("run", path, "--out", out, "--processes", "2"),
-        stderr=subprocess.PIPE,
-        text=True,
-        env=ENV,
-        **popen,
-    )
-    target = out / "pretrain" / "checkpoints" / "step-00000010"
-    deadline = time.monotonic() + 240
-    while not target.exists() and launcher.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return launcher, [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(True)]
 
 
 def _stop(launcher, run_tree, send, sig):
@@ -84,9 +49,6 @@ def _stop(launcher, run_tree, send, sig):
     return stderr
 
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
 @pytest.mark.distributed
 def test_sigterm_stops_every_process_then_resume_equals_uninterrupted(
     tmp_path, tiny_config, capsys
@@ -97,9 +59,11 @@ def test_sigterm_stops_every_process_then_resume_equals_uninterrupted(
     two = ["--processes", "2"]
 
     path.write_text(dumps_toml(config))
-    subprocess.run(_leanlm("run", path, "--out", full, *two), check=True, env=ENV, timeout=300)
+    subprocess.run(
+        leanlm_command("run", path, "--out", full, *two), check=True, env=ENV, timeout=300
+    )
 
-    launcher, run_tree = _start_two_process_run(path, killed)
+    launcher, run_tree = start_two_process_run(path, killed)
     # a second run into the same directory fails at once, naming the running launcher
     assert main(["run", str(path), "--out", str(killed), "--resume"]) == 2
     assert f"in use by a running leanlm (PID {launcher.pid})" in capsys.readouterr().err
@@ -109,7 +73,7 @@ def test_sigterm_stops_every_process_then_resume_equals_uninterrupted(
 
     stderr = _stop(launcher, run_tree, sigterm, signal.SIGTERM)
     assert not (killed / "pretrain" / "result.json").exists(), "the run finished before the kill"
-    stops = [m for m in _messages(stderr) if "interrupted" in m]
+    stops = [m for m in messages(stderr) if "interrupted" in m]
     assert len(stops) == 1, stderr
     assert stops[0].endswith("; continue with --resume")
     assert "Traceback" not in stderr
@@ -123,18 +87,11 @@ def test_sigterm_stops_every_process_then_resume_equals_uninterrupted(
     assert _snapshot(killed) == before
     assert not (killed / rundir.LOCK_FILE).exists()
 
-    resumed = subprocess.run(
-        _leanlm("run", path, "--out", killed, "--resume", *two),
-        check=False,
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=300,
-    )
+    resumed = run_leanlm("run", path, "--out", killed, "--resume", *two)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from step-{stopped_at:08d}" in resumed.stdout + resumed.stderr
-    _assert_same_weights(full, killed)
-    assert _loss_rows(full) == _loss_rows(killed)
+    assert_same_weights(full, killed)
+    assert loss_rows(full) == loss_rows(killed)
 
 
 @pytest.mark.distributed
@@ -144,15 +101,15 @@ def test_ctrl_c_to_the_process_group_stops_every_process_quietly(tmp_path, tiny_
     path, run = tmp_path / "run.toml", tmp_path / "run"
     path.write_text(dumps_toml(config))
     # its own process group, as a shell's foreground job: Ctrl-C signals the whole group
-    launcher, run_tree = _start_two_process_run(path, run, start_new_session=True)
+    launcher, run_tree = start_two_process_run(path, run, start_new_session=True)
     stderr = _stop(
         launcher, run_tree, lambda: os.killpg(launcher.pid, signal.SIGINT), signal.SIGINT
     )
     assert "Traceback" not in stderr, stderr
     assert "KeyboardInterrupt" not in stderr, stderr
-    assert len(_messages(stderr)) == 1, stderr
-    assert "interrupted at step " in _messages(stderr)[0]
-    stopped_at = int(_messages(stderr)[0].split("interrupted at step ")[1].split(";")[0])
+    assert len(messages(stderr)) == 1, stderr
+    assert "interrupted at step " in messages(stderr)[0]
+    stopped_at = int(messages(stderr)[0].split("interrupted at step ")[1].split(";")[0])
     assert (run / "pretrain" / "checkpoints" / f"step-{stopped_at:08d}").is_dir()
     assert not (run / rundir.LOCK_FILE).exists()
 
@@ -164,22 +121,19 @@ def test_a_worker_error_is_printed_once_then_the_corrected_rerun(tmp_path, tiny_
     # blocks the corrected run into the same directory.
     path, out = tmp_path / "run.toml", tmp_path / "run"
     path.write_text(dumps_toml(tiny_config(pretrain={"micro_batch_size": 10**8})))
-    bad = subprocess.run(
-        _leanlm("run", path, "--out", out, "--processes", "2"),
-        check=False,
-        capture_output=True,
-        text=True,
-        env=ENV,
-    )
+    bad = run_leanlm("run", path, "--out", out, "--processes", "2", timeout=None)
     assert bad.returncode == 2
-    (message,) = _messages(bad.stderr)
+    (message,) = messages(bad.stderr)
     assert "`pretrain.micro_batch_size`" in message
     assert "= 200000000 sequences" in message
     assert "Traceback" not in bad.stderr
     assert "ChildFailedError" not in bad.stderr
     path.write_text(dumps_toml(tiny_config(pretrain={"steps": 4, "checkpoint_every": 2})))
     subprocess.run(
-        _leanlm("run", path, "--out", out, "--processes", "2"), check=True, env=ENV, timeout=300
+        leanlm_command("run", path, "--out", out, "--processes", "2"),
+        check=True,
+        env=ENV,
+        timeout=300,
     )
     assert (out / "pretrain" / "result.json").is_file()
 
@@ -209,7 +163,7 @@ def test_interrupt_then_truncated_checkpoint_then_resume(
     _signal_on_call(monkeypatch, 9)  # Ctrl-C during step 9: it finishes, is saved, the run ends
     assert main(["run", str(path), "--out", str(run)]) == 130
     err = capsys.readouterr().err
-    assert _messages(err) == ["leanlm: [pretrain] interrupted at step 9; continue with --resume"]
+    assert messages(err) == ["leanlm: [pretrain] interrupted at step 9; continue with --resume"]
     assert "Traceback" not in err
     checkpoints = run / "pretrain" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000006", "step-00000009"]
@@ -225,8 +179,8 @@ def test_interrupt_then_truncated_checkpoint_then_resume(
     )
     assert "resuming from step-00000006" in log.out
     assert (checkpoints / ".damaged-step-00000009").is_dir()
-    _assert_same_weights(full, run)
-    assert _loss_rows(full) == _loss_rows(run)
+    assert_same_weights(full, run)
+    assert loss_rows(full) == loss_rows(run)
 
 
 def test_bad_starts_then_the_corrected_rerun(tmp_path, tiny_config, capsys, monkeypatch):
@@ -255,7 +209,7 @@ def test_bad_starts_then_the_corrected_rerun(tmp_path, tiny_config, capsys, monk
         path.write_text(dumps_toml(tiny_config(pretrain=pretrain, **changes)))
         assert main(["run", str(path), "--out", str(out)]) == 2, key
         err = capsys.readouterr().err
-        assert len(_messages(err)) == 1, err
+        assert len(messages(err)) == 1, err
         assert f"`{key}`" in err
         assert says in err
         assert "Traceback" not in err
@@ -265,7 +219,7 @@ def test_bad_starts_then_the_corrected_rerun(tmp_path, tiny_config, capsys, monk
     assert main(["run", str(path), "--out", str(path), "--processes", str(cores + 1)]) == 2
     err = capsys.readouterr().err
     assert f"--processes {cores + 1} is more than the {cores} CPU cores" in err
-    assert _messages(err)[-1] == f"leanlm: error: --out {path} is a file, not a directory; " + (
+    assert messages(err)[-1] == f"leanlm: error: --out {path} is a file, not a directory; " + (
         "choose another --out"
     )
     assert main(["run", str(path), "--out", str(path / "sub")]) == 2
@@ -285,15 +239,15 @@ def test_bad_starts_then_the_corrected_rerun(tmp_path, tiny_config, capsys, monk
         monkeypatch.setattr(leanlm.cli, "disk_full", lambda _, full=full: full)
         assert main(["run", str(path), "--out", str(out)]) == (2 if full else 1)
         err = capsys.readouterr().err
-        assert len(_messages(err)) == 1, err
-        assert says in _messages(err)[0]
+        assert len(messages(err)) == 1, err
+        assert says in messages(err)[0]
         assert "Traceback" not in err
-        assert full or _messages(err)[0].endswith("(--debug shows the traceback)")
+        assert full or messages(err)[0].endswith("(--debug shows the traceback)")
     # --debug: the same one line, plus the traceback that led to it
     monkeypatch.setattr(leanlm.cli, "disk_full", lambda _: False)
     assert main(["run", str(path), "--out", str(out), "--debug"]) == 1
     err = capsys.readouterr().err
-    assert len(_messages(err)) == 1, err
+    assert len(messages(err)) == 1, err
     assert "Traceback (most recent call last)" in err
     assert 'raise RuntimeError("[enforce fail' in err  # the frame that raised
     assert "--debug shows the traceback" not in err
@@ -309,7 +263,7 @@ def test_bad_starts_then_the_corrected_rerun(tmp_path, tiny_config, capsys, monk
     assert "Generating train split" not in log.err
 
     assert main(["run", str(path), "--out", str(out)]) == 2
-    assert _messages(capsys.readouterr().err) == [
+    assert messages(capsys.readouterr().err) == [
         f"leanlm: error: {out} already holds a run: pass --resume to continue it, or start "
         f"over with `rm -r {out}` (or another --out)"
     ]

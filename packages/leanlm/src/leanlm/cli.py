@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 import shlex
 import sys
 import traceback
@@ -119,19 +120,37 @@ def _is_lost_peer(err: BaseException) -> bool:
     return "gloo" in str(err).lower() or "connection closed by peer" in str(err).lower()
 
 
+def _is_collective_timeout(err: BaseException) -> bool:
+    """A collective gave up waiting for another process (gloo raises a RuntimeError)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return False
+    timed_out = re.search(r"timed out|timing out|timeout", str(err), re.IGNORECASE)
+    return isinstance(err, RuntimeError) and timed_out is not None
+
+
 def _message(err: BaseException) -> str:
     if isinstance(err, OSError) and err.errno in DISK_ERRNOS:
         return f"cannot write {err.filename or ''}: {err.strerror}".replace(" :", ":")
     return str(err)
 
 
-def report_failure(err: BaseException, *, debug: bool, out: Path | None = None) -> int:
+def report_failure(
+    err: BaseException,
+    *,
+    debug: bool,
+    out: Path | None = None,
+    collective_timeout_s: float | None = None,
+) -> int:
     """Print one clear line for `err` (this process's share of it); returns the exit code.
 
     An error while the disk of `out` is full (torch and safetensors report a failed write in
-    their own words) is reported as the full disk.
+    their own words) is reported as the full disk. A collective that timed out (after
+    `collective_timeout_s`) names the process that stopped answering, where it can be known
+    (`leanlm.status`). A collective that failed because another process ended is reported by
+    `leanlm`'s launcher (which knows how that process ended), else by the main process.
     """
-    from leanlm import interrupt
+    from leanlm import interrupt, status
 
     if isinstance(err, Interrupted | KeyboardInterrupt) or interrupt.requested():
         stop = err if isinstance(err, Interrupted) else interrupt.stopped()
@@ -148,7 +167,18 @@ def report_failure(err: BaseException, *, debug: bool, out: Path | None = None) 
             traceback.print_exception(err)
         err = OSError(errno.ENOSPC, "no space left on its disk", str(out))
         user = True
+    if not user and collective_timeout_s is not None and _is_collective_timeout(err):
+        if debug:
+            traceback.print_exception(err)
+        line, speak = status.timeout_message(collective_timeout_s)
+        if speak:
+            print(f"leanlm: error (process {_rank()}): {line}", file=sys.stderr, flush=True)
+        return 1
     lost = not user and _is_lost_peer(err)
+    if lost and LAUNCHER_ENV in os.environ:
+        if debug:
+            traceback.print_exception(err)
+        return 1
     if _rank() == 0 or not (user or lost):
         if debug:
             traceback.print_exception(err)
@@ -178,7 +208,8 @@ def _work(config: RunConfig, out: Path, args: argparse.Namespace) -> int:
             except BaseException as err:  # reported in one line, see report_failure
                 if isinstance(err, SystemExit):
                     raise
-                return report_failure(err, debug=args.debug, out=out)
+                timeout = config.collective_timeout_s
+                return report_failure(err, debug=args.debug, out=out, collective_timeout_s=timeout)
     finally:
         import torch.distributed as dist
 
@@ -190,6 +221,20 @@ def _work(config: RunConfig, out: Path, args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `leanlm` script and `python -m leanlm`."""
+    from leanlm.status import Heartbeat
+
+    # a worker of leanlm's launcher says what it is doing, for the launcher's report
+    heartbeat = Heartbeat.from_env() if LAUNCHED_ENV in os.environ else None
+    code = 1
+    try:
+        code = _main(argv)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop(code)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     args.argv = argv  # for the report

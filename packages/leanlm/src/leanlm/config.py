@@ -63,6 +63,11 @@ class RunConfig:
     """Seeds model initialisation and data order."""
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     """Autocast precision for training and evaluation (parameters stay fp32)."""
+    collective_timeout_s: float = 600.0
+    """Seconds a process waits for the others in a collective (all-reduce, barrier, ...) before
+    the run stops, naming the process that stopped answering. It is the `timeout` of the
+    process group, so it also bounds how long the other processes wait while the main process
+    prepares the corpus and tokenizer on first use: raise it for a corpus that takes longer."""
     cache_dir: str | None = None
     """Tokenizer / dataset cache; default `$LEANLM_CACHE_DIR` or `~/.cache/leanlm`."""
     stages: tuple[str, ...] = ("pretrain",)
@@ -90,6 +95,11 @@ class RunConfig:
     """Settings of the `control` stage."""
 
     def __post_init__(self) -> None:
+        if not 0 < self.collective_timeout_s < float("inf"):
+            raise ConfigError(
+                "collective_timeout_s",
+                f"({self.collective_timeout_s}) must be a positive number of seconds, e.g. 600",
+            )
         if not self.stages:
             raise ConfigError("stages", f"must list at least one stage of {list(STAGE_NAMES)}")
         for stage in self.stages:

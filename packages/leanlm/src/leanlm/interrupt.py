@@ -82,6 +82,11 @@ def progress(stage: str, step: int) -> None:
     _state.stage, _state.step = stage, step
 
 
+def where() -> tuple[str, int]:
+    """The stage and step `progress` last recorded."""
+    return _state.stage, _state.step
+
+
 def stopped(stage: str | None = None, step: int | None = None) -> Interrupted:
     """The exception that ends a stopped run (default: where `progress` last put it)."""
     quiet = _state.signum == signal.SIGTERM and LAUNCHER_ENV in os.environ

@@ -6,24 +6,35 @@ The launcher forwards SIGTERM / SIGINT to every worker as SIGINT (the workers st
 boundary, see `leanlm.interrupt`), and SIGKILLs whatever is left after `GRACE_S` seconds or on a
 second signal. torchrun gets SIGTERM if the launcher itself dies (`PR_SET_PDEATHSIG`), and its
 agent then stops the workers.
+
+When a worker fails, torchrun stops the others. The launcher watches the workers' status files
+(`leanlm.status`): it ends at once a worker that stopped answering (frozen, or stopped by
+SIGSTOP) after another failed, and reports a worker that died without reporting its own
+error: rank, PID, exit code or signal, stage and step, peak memory, and the command that resumes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
 import psutil  # type: ignore[import-untyped]
 
 from leanlm.interrupt import LAUNCHER_ENV
+from leanlm.status import FAILURES_FILE, STATUS_ENV, WorkerWatch
 
 GRACE_S = 25.0
 """Seconds the workers get to stop after a signal before they are killed."""
@@ -59,9 +70,18 @@ def relaunch(nproc: int, argv: Sequence[str]) -> int:
     then stopped at a step boundary), else torchrun's. Each process gets `cpu_count // nproc`
     threads (unless OMP_NUM_THREADS is set).
     """
+    status_dir = Path(tempfile.mkdtemp(prefix="leanlm-status-"))
+    try:
+        return _relaunch(nproc, argv, status_dir)
+    finally:
+        shutil.rmtree(status_dir, ignore_errors=True)
+
+
+def _relaunch(nproc: int, argv: Sequence[str], status_dir: Path) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     env[LAUNCHER_ENV] = str(os.getpid())
+    env[STATUS_ENV] = str(status_dir)
     args = ["--standalone", "--nproc_per_node", str(nproc), "-m", "leanlm", *argv]
     print(f"[leanlm] starting {nproc} processes: torchrun {' '.join(args)}", file=sys.stderr)
     child = subprocess.Popen(
@@ -69,6 +89,7 @@ def relaunch(nproc: int, argv: Sequence[str]) -> int:
     )
     received: list[int] = []
     seen: dict[int, psutil.Process] = {}
+    watch = WorkerWatch(status_dir)
 
     def forward(signum: int, frame: FrameType | None) -> None:
         received.append(signum)
@@ -84,6 +105,8 @@ def relaunch(nproc: int, argv: Sequence[str]) -> int:
                 code = child.wait(timeout=0.2)
                 break
             except subprocess.TimeoutExpired:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    watch.poll(psutil.Process(child.pid).children())  # torchrun's workers
                 if received and not deadline:
                     deadline = time.monotonic() + GRACE_S
                 if received:  # workers that torchrun started after the signal
@@ -98,7 +121,26 @@ def relaunch(nproc: int, argv: Sequence[str]) -> int:
         # workers run in sessions of their own: none may outlive torchrun
         _signal_all([p for p in seen.values() if p.is_running()], signal.SIGKILL)
         psutil.wait_procs(list(seen.values()), timeout=5)
-    return 128 + received[0] if received else code
+    if received:
+        return 128 + received[0]
+    if code:
+        _report(watch, status_dir, argv)
+    return code
+
+
+def _report(watch: WorkerWatch, status_dir: Path, argv: Sequence[str]) -> None:
+    """Print how the workers that did not report their own end ended, and how to resume."""
+    try:
+        rows = json.loads((status_dir / FAILURES_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    failures = {int(rank): (int(pid), int(code)) for rank, (pid, code) in rows.items()}
+    lines = watch.report(failures)
+    if lines:
+        resume = [*argv, "--resume"] if "--resume" not in argv else list(argv)
+        lines.append(f"continue with: leanlm {shlex.join(resume)}")
+    for line in lines:
+        print(f"leanlm: {line}", file=sys.stderr, flush=True)
 
 
 def _torchrun(args: list[str]) -> int:
@@ -114,6 +156,10 @@ def _torchrun(args: list[str]) -> int:
     try:
         run(get_args_parser().parse_args(args))  # type: ignore[no-untyped-call]
     except ChildFailedError as err:
+        if STATUS_ENV in os.environ:  # for the launcher's report
+            rows = {rank: [f.pid, f.exitcode] for rank, f in err.failures.items()}
+            with contextlib.suppress(OSError):
+                (Path(os.environ[STATUS_ENV]) / FAILURES_FILE).write_text(json.dumps(rows))
         _, failure = err.get_first_failure()
         return failure.exitcode if failure.exitcode > 0 else 1
     except SignalException as err:  # the launcher died: the agent has stopped the workers

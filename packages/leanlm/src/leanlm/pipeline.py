@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import shutil
 import time
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
 
 from leanlm import interrupt
 from leanlm.config import INIT_STAGE, RunConfig, dumps_toml  # registers the stages
@@ -25,9 +27,16 @@ def make_accelerator(config: RunConfig) -> Accelerator:
 
     Without CUDA it passes `cpu=True` itself: under `torchrun --nproc_per_node N` or
     `accelerate launch --multi_gpu --num_processes N` that is what makes accelerate join the N
-    processes into one gloo group instead of running N independent single-process jobs.
+    processes into one gloo group instead of running N independent single-process jobs. The
+    group's collectives time out after `config.collective_timeout_s` (FSDP2's mesh and
+    shard-zero use this group).
     """
-    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=config.mixed_precision)
+    timeout = datetime.timedelta(seconds=config.collective_timeout_s)
+    return Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=config.mixed_precision,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
+    )
 
 
 def run_pipeline(
