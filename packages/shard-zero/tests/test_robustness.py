@@ -21,6 +21,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from leanlm_testing import spawn
+from leanlm_testing.distributed import CPU_AND_CUDA, single_process_group
 from shard_zero import ZeroConfig, full_state_dict, load_checkpoint, prepare, save_checkpoint
 from shard_zero._api import engine_of
 from shard_zero._engine import model_device
@@ -190,38 +191,12 @@ def _world_one_on(device: torch.device, tmp: Path) -> None:
     assert all(torch.isfinite(v).all() for v in full_state_dict(model).values())
 
 
-def _single_process_group(backend: str, tmp: Path, device: torch.device) -> None:
-    store = dist.FileStore(str(tmp / "store"), 1)  # type: ignore[attr-defined]
-    # NCCL: bind the device (else `barrier()` in the checkpoint code warns, an error here)
-    bound = device if backend == "nccl" else None
-    dist.init_process_group(backend, store=store, rank=0, world_size=1, device_id=bound)
-
-
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_world_one_on_device_matches_plain_training(tmp_path: Path, device: str) -> None:
     """On CUDA: NCCL (gloo with CUDA tensors where NCCL is missing); on CPU: gloo, plus the
     check that no shard_zero line creates a tensor without a device (a CPU-only buffer)."""
-    backend = "nccl" if device == "cuda" and dist.is_nccl_available() else "gloo"
-    where = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-    if device == "cuda":
-        torch.cuda.set_device(where)
-    _single_process_group(backend, tmp_path, where)
-    try:
+    with single_process_group(device, tmp_path) as where:
         _world_one_on(where, tmp_path)
-    finally:
-        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------- divergent ranks

@@ -185,6 +185,32 @@ def test_an_offloaded_accumulator_adds_no_device_memory(
     assert off.calls["reduce_scatter"] == 4 * one.calls["reduce_scatter"]
 
 
+def test_an_offloaded_optimizer_keeps_masters_and_state_on_the_host(
+    config_path: str, adamw: SimReport
+) -> None:
+    off = _sim(config_path, stages=(2, 3), fsdp2=False, offload_optimizer=True)
+    local = adamw.psi / WORLD
+    for stage in (2, 3):
+        on, o = adamw.get(f"shard-zero-{stage}"), off.get(f"shard-zero-{stage}")
+        # the device never holds an fp32 master or optimizer state ...
+        assert o.maxima["masters"] == o.maxima["optimizer state"] == 0, o.maxima
+        assert _peak(o) <= _peak(on) - 0.95 * 12 * local  # 4 + 8 bytes per local element
+        assert o.formula is None  # the paper's formula counts them on the device
+        # ... the host does: fp32 masters, gradients and AdamW moments, and the bf16 rows
+        assert o.peak["host"] == pytest.approx((4 + 4 + 8 + 2) * local, rel=0.01)
+        assert on.peak["host"] == 0
+        # each gradient crosses once in fp32, the updated rows come back in bf16 (stage 3:
+        # read by every gather of a unit, twice per step, the root unit's once)
+        assert o.bytes["to_host"] == pytest.approx(4 * local, rel=0.01)
+        if stage == 2:
+            assert o.bytes["from_host"] == pytest.approx(2 * local, rel=0.01)
+        else:
+            assert 2 * local < o.bytes["from_host"] < 4 * local
+    # stage 2: gradients leave the device bucket by bucket as backward runs, so the sharded
+    # accumulator is never whole there (copying them at the end of backward would hold 4Ψ/N)
+    assert off.get("shard-zero-2").maxima["grads"] < 0.5 * 4 * local
+
+
 def test_bigger_buckets_mean_fewer_reduce_scatters_of_the_same_bytes(
     config_path: str, adamw: SimReport
 ) -> None:

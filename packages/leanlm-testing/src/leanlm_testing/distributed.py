@@ -6,10 +6,12 @@ import gc
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn as mp_spawn
@@ -46,6 +48,31 @@ def _worker(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+# `@pytest.mark.parametrize("device", CPU_AND_CUDA)`: the CUDA case is a `gpu` test (skipped
+# without CUDA by this package's pytest plugin)
+CPU_AND_CUDA = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@contextmanager
+def single_process_group(device: str, tmp_path: str | os.PathLike[str]) -> Iterator[torch.device]:
+    """A world-1 process group in this process for `device` ("cpu" or "cuda"); yields the device.
+
+    CUDA: device 0, NCCL bound to it (else `barrier()` warns), gloo where NCCL is missing;
+    CPU: gloo. The rendezvous is a file under `tmp_path`; the group is destroyed on exit.
+    """
+    where = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    backend = "nccl" if device == "cuda" and dist.is_nccl_available() else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(where)
+    store = dist.FileStore(str(Path(tmp_path) / "store"), 1)  # type: ignore[attr-defined]
+    bound = where if backend == "nccl" else None
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, device_id=bound)
+    try:
+        yield where
+    finally:
+        dist.destroy_process_group()
 
 
 def spawn(

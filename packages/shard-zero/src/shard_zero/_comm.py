@@ -65,6 +65,25 @@ def _timeout_group(group: Any, timeout: datetime.timedelta) -> Any:
     return dist.new_group(timeout=timeout, backend=dist.get_backend(group))
 
 
+def host_group(group: Any, device: torch.device, timeout: datetime.timedelta | None) -> Any:
+    """The group for collectives on host tensors (`offload_optimizer`'s row-shard statistics).
+
+    `group` itself when it can carry CPU tensors (gloo) or the model is not on CUDA; else a new
+    gloo group over the same ranks (a collective over the default group).
+    """
+    if device.type != "cuda" or dist.get_backend(group) == "gloo":
+        return group
+    if group is not None and dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError(
+            "`offload_optimizer` (True) on CUDA with a non-gloo `group` of "
+            f"{dist.get_world_size(group)} of {dist.get_world_size()} ranks is not supported: "
+            "the host optimizer's collectives need a gloo group over the same ranks, which "
+            "shard-zero creates for the default group only. Use the default group, or a gloo "
+            "`group`, or `offload_optimizer=False`"
+        )
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
 class Comm:
     """The process group plus per-kind counters of calls and bytes, and divergence checks.
 

@@ -54,6 +54,22 @@ class ZeroConfig:
             / `clip_grad_norm_()`). One host buffer per sharded parameter (this rank's rows,
             `accum_dtype`) is allocated at the first backward under `no_sync()` and kept.
             Stage 1 rejects it (it accumulates full gradients in `param.grad`).
+        offload_optimizer: ZeRO-Offload (stages 1-3): keep the fp32 master shards, their
+            gradients and the optimizer's state in host memory (pinned when the model is on
+            CUDA; on a CPU model, separate CPU tensors) and step the wrapped optimizer there, on
+            the CPU. `make_optimizer` gets the host masters, so any optimizer that runs on CPU
+            tensors works (torch's AdamW, optim-came / optim-adafactor's PyTorch paths).
+            Reduction is unchanged on the device; in the backward outside `no_sync()` each
+            parameter's reduced gradient rows are copied to the host as soon as its last
+            bucket's reduce-scatter completes (asynchronous copies on the current stream on
+            CUDA), and `step()` waits for them, steps on the host, then copies the updated
+            rows to the device in the compute dtype (cast on the host) for the parameter
+            all-gathers. The device keeps only the compute parameters and the gradient
+            accumulator until the boundary backward: no fp32 masters, no optimizer state.
+            On a model on CUDA with a non-gloo group, row-sharded optimizers (Adafactor, CAME)
+            all-reduce their host statistics over a gloo group over the same ranks that
+            `prepare` creates (a collective; a `group` smaller than the world raises
+            `ValueError`).
         min_shard_numel: parameters with fewer elements than this (and 0-dim ones) are not
             sharded: every rank keeps and steps a full replica, with gradients all-reduced.
         bucket_numel: most elements of one flat gradient or parameter communication buffer,
@@ -89,6 +105,7 @@ class ZeroConfig:
     reduce_dtype: torch.dtype | None = None
     accum_dtype: torch.dtype | None = None
     offload_accum: bool = False
+    offload_optimizer: bool = False
     min_shard_numel: int = 16384
     bucket_numel: int = 2**24
     wrap_policy: Callable[[str, nn.Module], bool] | None = None
@@ -131,7 +148,7 @@ class ZeroConfig:
             raise ValueError(f"`bucket_numel` ({self.bucket_numel}) must be >= 1")
         if self.wrap_policy is not None and not callable(self.wrap_policy):
             raise TypeError(f"`wrap_policy` must be callable or None, got {self.wrap_policy!r}")
-        for name in ("prefetch", "check_consistency", "offload_accum"):
+        for name in ("prefetch", "check_consistency", "offload_accum", "offload_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
         if self.timeout is not None:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shard_zero._comm import Comm, Gather, host_readable
+from shard_zero._comm import Comm, Gather, host_group, host_readable
 from shard_zero._config import ZeroConfig
 from shard_zero._layout import (
     Bucket,
@@ -64,6 +64,12 @@ class ZeroEngine:
         self.reduce_dtype = config.reduce_dtype or torch.float32
         self.accum_dtype = config.accum_dtype or torch.float32
         self.offload_accum = config.offload_accum
+        # ZeRO-Offload: masters, their gradients and the optimizer state in host memory
+        self.offload = config.offload_optimizer
+        self.pinned = self.device.type == "cuda"  # host buffers: pinned for async copies
+        self.host_group = (
+            host_group(self.group, self.device, config.timeout_delta) if self.offload else None
+        )
         self.sync = True
         self._released: dict[int, int] = {}  # entry -> bytes of a compute copy freed for step
         self._check_same_model(model)
@@ -118,21 +124,49 @@ class ZeroEngine:
         shape = tuple(p.shape)
         sharded = p.dim() >= 1 and p.numel() > 0 and p.numel() >= self.config.min_shard_numel
         compute = self.config.param_dtype or p.dtype
-        aliased = self.stage < 3 and p.dtype == torch.float32 and compute == torch.float32
+        aliased = (
+            self.stage < 3
+            and p.dtype == torch.float32
+            and compute == torch.float32
+            and not self.offload
+        )
         if sharded:
             chunk, start, end = row_split(shape[0], self.world, self.rank)
             rows = p.data[start:end]
-            master = nn.Parameter(rows if aliased else rows.to(torch.float32, copy=True))
-            info = RowShardInfo(global_shape=shape, row_offset=start, group=self.group)
+            master = nn.Parameter(rows if aliased else self._master_copy(rows))
+            group = self.host_group if self.offload else self.group
+            info = RowShardInfo(global_shape=shape, row_offset=start, group=group)
             setattr(master, ROW_SHARD_ATTR, info)
         else:
             chunk, start, end = 1, 0, shape[0] if shape else 1
-            data = p.data if aliased else p.data.to(torch.float32, copy=True)
-            master = nn.Parameter(data)
+            master = nn.Parameter(p.data if aliased else self._master_copy(p.data))
         row_numel = p[0].numel() if p.dim() >= 1 and shape[0] > 0 else 1
         if p.dtype != compute:
             p.data = p.data.to(compute)
         return Entry(name, p, master, sharded, shape, start, end, chunk, row_numel)
+
+    def _master_copy(self, data: torch.Tensor) -> torch.Tensor:
+        """An fp32 copy of `data`: on the device, or in host memory with `offload_optimizer`."""
+        if not self.offload:
+            return data.to(torch.float32, copy=True)
+        return self.host_empty(data.shape, torch.float32).copy_(data)
+
+    def host_empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised host tensor (pinned when the model is on CUDA)."""
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pinned)
+
+    def compute_rows(self, e: Entry) -> torch.Tensor:
+        """This rank's rows of `e` as the parameter all-gathers read them.
+
+        The fp32 master (cast while packed), or with `offload_optimizer` and a compute dtype
+        other than fp32 its host copy in that dtype (`host_rows`, refreshed by `push_params`).
+        """
+        return e.host_rows if e.host_rows is not None else e.master.detach()
+
+    def wait_for_host(self) -> None:
+        """`offload_optimizer` on CUDA: wait until the gradients copied to the host arrived."""
+        if self.offload and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     # ------------------------------------------------------------------ gradients
     def reduce_leftover(self) -> None:
@@ -143,6 +177,7 @@ class ZeroEngine:
         """
         self.reducer.reduce_leftover()
         self.reducer.materialize()
+        self.wait_for_host()  # the host optimizer (or the norm) reads them next
 
     # ------------------------------------------------------------------ parameters
     def release_params(self) -> None:
@@ -152,7 +187,7 @@ class ZeroEngine:
         temporaries never coexist with a full copy of the parameters (parameters whose master
         shares their memory, as in fp32, are kept).
         """
-        if self.stage == 3:
+        if self.stage == 3 or self.offload:  # offload: the step holds nothing on the device
             return
         for e in self.sharded:
             p = e.param.data
@@ -172,6 +207,13 @@ class ZeroEngine:
         for e in self.replicated:
             if not _same_memory(e.param, e.master):
                 e.param.data.copy_(e.master.detach())
+        if self.offload:  # cast on the host: the device receives the compute dtype's bytes
+            self.wait_for_host()  # no copy from the rows about to be rewritten is pending
+            for e in self.sharded:
+                if e.param.dtype != torch.float32:
+                    if e.host_rows is None:
+                        e.host_rows = self.host_empty(e.master.shape, e.param.dtype)
+                    e.host_rows.copy_(e.master.detach())
         if self.stage == 3:
             self.stage3.free_all()
             return
@@ -185,8 +227,8 @@ class ZeroEngine:
             gather = Gather(self.comm, _PARAMS_OF_BUCKET + i, bucket.size, dtype)
             for e, off in zip(bucket.entries, bucket.offsets, strict=True):
                 first, n = local_rows(e, bucket.span(e))
-                rows = e.master.detach()[first : first + n].reshape(-1)
-                gather.payload[off : off + rows.numel()].copy_(rows)
+                rows = self.compute_rows(e)[first : first + n].reshape(-1)
+                gather.payload[off : off + rows.numel()].copy_(rows, non_blocking=True)
             in_flight.append((gather.start(), bucket))
             if len(in_flight) >= GATHERS_IN_FLIGHT:
                 self._unpack(*in_flight.pop(0))

@@ -57,6 +57,13 @@ class Entry:
             accumulated in host memory (`accum_dtype`) over the backwards run under
             `no_sync()`; allocated once, holding data only while `host_has` is set.
         host_has: whether `host_acc` holds gradients not yet added into `master.grad`.
+        dev_grad: `offload_optimizer`: the fp32 gradient accumulator on the device (the role
+            `master.grad` plays without offload), until it is copied into `host_grad`.
+        host_grad: `offload_optimizer`: the host buffer the gradient is copied into (pinned on
+            CUDA), allocated once; it is `master.grad` while it holds a gradient.
+        host_rows: `offload_optimizer` with a compute dtype other than fp32: this rank's rows
+            of the master cast to the compute dtype on the host (pinned on CUDA), the source of
+            the parameter all-gathers.
         ready: whether this parameter's gradient was packed into its bucket in this backward.
         held: stages 2-3, a parameter travelling in pieces: its gradient (compute dtype) from
             its arrival until its last piece is packed.
@@ -75,6 +82,9 @@ class Entry:
     low_acc: torch.Tensor | None = None
     host_acc: torch.Tensor | None = None
     host_has: bool = False
+    dev_grad: torch.Tensor | None = None
+    host_grad: torch.Tensor | None = None
+    host_rows: torch.Tensor | None = None
     ready: bool = False
     held: torch.Tensor | None = None
 

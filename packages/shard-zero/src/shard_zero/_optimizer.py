@@ -58,10 +58,12 @@ class ZeroOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the shards' gradients and any gradient still accumulated under `no_sync()`."""
+        self.engine.wait_for_host()  # offload: no copy into the host gradients is pending
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for e in self.engine.entries:
             e.acc = None
             e.low_acc = None
+            e.dev_grad = None
             e.host_has = False
             e.param.grad = None
 
@@ -83,25 +85,27 @@ class ZeroOptimizer(Optimizer):
         if engine.rank != 0:
             replicated = []  # every rank holds the same replicated gradients: count them once
         grads = [g for g in sharded + replicated if g.numel() > 0]
+        # the norm is taken where the gradients are (the host with `offload_optimizer`)
+        where = engine.entries[0].master.device if engine.entries else engine.device
         if math.isinf(norm_type):
             local = (
                 torch.stack([g.abs().max() for g in grads]).max()
                 if grads
-                else torch.zeros((), device=engine.device)
+                else torch.zeros((), device=where)
             )
-            total = local.float().reshape(1)
+            total = local.float().reshape(1).to(engine.device, copy=True)
             engine.comm.all_reduce(total, ident=CLIP_IDENT, op=torch.distributed.ReduceOp.MAX)
             total_norm = total[0]
         else:
             local = (
                 torch.stack([g.float().abs().pow(norm_type).sum() for g in grads]).sum()
                 if grads
-                else torch.zeros((), device=engine.device)
+                else torch.zeros((), device=where)
             )
-            total = local.reshape(1).clone()
+            total = local.reshape(1).to(engine.device, copy=True)
             engine.comm.all_reduce(total, ident=CLIP_IDENT)
             total_norm = total[0].pow(1.0 / norm_type)
-        coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+        coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0).to(where)
         for e in engine.entries:
             if e.master.grad is not None:
                 e.master.grad.mul_(coef)

@@ -13,6 +13,13 @@
   accumulator can be bf16 (`accum_dtype`, `low_acc`) and, under `no_sync()`, live in host
   memory (`offload_accum`, `host_acc`); both are added into the fp32 master gradients at the
   accumulation boundary (`materialize`).
+* `offload_optimizer`: the device accumulator is `Entry.dev_grad` instead of `master.grad`
+  (a host tensor); in the backward outside `no_sync()` each parameter's complete gradient
+  (with its bf16 and host accumulators added exactly as `materialize` adds them) is copied into
+  its host `master.grad` as soon as its last bucket is retired (`_offload`), and the device
+  accumulator is dropped. A later backward that adds to a host gradient (no `zero_grad()` in
+  between) first copies it back to the device, so every sum runs on the device in the same
+  order as without offload.
 * Stage 1 (as DDP): gradients stay in `param.grad` in the compute dtype, accumulated by autograd
   over the micro-batches run under `no_sync()`; the first backward outside `no_sync()` (or
   `step()`) reduce-scatters them bucket by bucket at its end, releasing each full gradient as
@@ -68,6 +75,7 @@ class Reducer:
         self._contributed: set[int] = set()  # entries that had a gradient on this rank
         self._fresh: set[int] = set()  # entries whose master `.grad` this reduction created
         self._host_fresh: set[int] = set()  # entries whose host rows this reduction started
+        self._host_new: set[int] = set()  # offload: host gradients made of this reduction only
         self.unreduced = False  # stage 1: a backward under no_sync() left gradients unreduced
         engine.comm.names[REPLICATED_IDENT] = (
             "the gradients of the replicated (small) parameters and the per-parameter "
@@ -202,6 +210,7 @@ class Reducer:
         scale = 1.0 / engine.world
         low = engine.accum_dtype != torch.float32
         to_host = engine.offload_accum and not engine.sync
+        offload = engine.offload and engine.sync  # complete gradients go to the host now
         for e, off in zip(bucket.entries, bucket.offsets, strict=True):
             # a rank without rows gets an empty gradient, so that it still steps the parameter
             # (row-shard optimizers all-reduce their statistics over every rank)
@@ -210,16 +219,18 @@ class Reducer:
             if to_host:
                 self._add_on_host(e, piece, span, scale)
                 continue
-            acc = e.low_acc if low else e.master.grad
+            acc = e.low_acc if low else self._device_grad(e)
             if acc is None:
                 self._fresh.add(id(e))
                 if bucket.rows is None:  # the whole local gradient in one piece
                     acc = piece.to(torch.float32, copy=True).mul_(scale).to(engine.accum_dtype)
-                    _set_acc(e, acc, low)
+                    self._set_acc(e, acc, low)
+                    if offload:
+                        self._offload(e)
                     continue
                 # the first piece: the others fill the remaining rows
-                acc = torch.empty_like(e.master, dtype=engine.accum_dtype)
-                _set_acc(e, acc, low)
+                acc = torch.empty(e.master.shape, dtype=engine.accum_dtype, device=engine.device)
+                self._set_acc(e, acc, low)
             first, n = local_rows(e, span)
             rows = acc[first : first + n]
             if id(e) in self._fresh and low:
@@ -228,6 +239,8 @@ class Reducer:
                 rows.copy_(piece).mul_(scale)
             else:
                 rows.add_(piece, alpha=scale)
+            if offload and span[1] == e.chunk:  # its last piece: the gradient is complete
+                self._offload(e)
 
     def _add_on_host(
         self, e: Entry, piece: torch.Tensor, span: tuple[int, int], scale: float
@@ -265,6 +278,10 @@ class Reducer:
         """
         engine = self.engine
         for e in engine.sharded:
+            if engine.offload:
+                if e.dev_grad is not None or e.low_acc is not None or e.host_has:
+                    self._offload(e)
+                continue
             if e.low_acc is not None:
                 g, e.low_acc = e.low_acc, None
                 if e.master.grad is None:
@@ -280,6 +297,73 @@ class Reducer:
                 else:
                     e.master.grad.add_(g)
                 del g
+
+    # ------------------------------------------------------------------ offload_optimizer
+    def _set_acc(self, e: Entry, acc: torch.Tensor | None, low: bool) -> None:
+        """Store a sharded parameter's device accumulator (`low_acc`, `dev_grad`, `master.grad`).
+
+        `low_acc` with a bf16 `accum_dtype`, else `dev_grad` with `offload_optimizer`.
+        """
+        if low:
+            e.low_acc = acc
+        elif self.engine.offload:
+            e.dev_grad = acc
+        else:
+            e.master.grad = acc
+
+    def _device_grad(self, e: Entry) -> torch.Tensor | None:
+        """The fp32 gradient on the device: `master.grad`, or with offload `dev_grad`.
+
+        With `offload_optimizer`, a gradient already on the host is first copied back to the
+        device (and dropped there), so that what follows adds into it as without offload.
+        """
+        if not self.engine.offload:
+            return e.master.grad
+        if e.dev_grad is None and e.master.grad is not None:
+            e.dev_grad = e.master.grad.to(self.engine.device, copy=True, non_blocking=True)
+            e.master.grad = None
+        return e.dev_grad
+
+    def _offload(self, e: Entry) -> None:
+        """Copy `e`'s complete gradient into its host `master.grad` (`offload_optimizer`).
+
+        Its bf16 and host accumulators are first added into its device gradient, as
+        `materialize` does without offload; the device copy is then dropped.
+        """
+        engine = self.engine
+        if id(e) in self._fresh and e.master.grad is None and not e.host_has:
+            self._host_new.add(id(e))  # dropped again if no rank had a gradient (`_finish`)
+        g = self._device_grad(e)
+        if e.low_acc is not None:
+            low, e.low_acc = e.low_acc, None
+            g = low.to(torch.float32) if g is None else g.add_(low)
+            del low
+        if e.host_has and e.host_acc is not None:
+            e.host_has = False
+            part = e.host_acc.to(engine.device, torch.float32, non_blocking=True, copy=True)
+            g = part if g is None else g.add_(part)
+            del part
+        e.dev_grad = None
+        if g is None:
+            return
+        if e.host_grad is None:
+            e.host_grad = engine.host_empty(e.master.shape, torch.float32)
+        e.host_grad.copy_(g, non_blocking=True)
+        e.master.grad = e.host_grad
+
+    def _put_replicated(self, e: Entry, piece: torch.Tensor) -> None:
+        """Add a replicated parameter's reduced gradient into its `master.grad`.
+
+        With `offload_optimizer` the sum is formed on the device, then copied to the host.
+        """
+        if self.engine.offload:
+            g = self._device_grad(e)
+            self._set_acc(e, piece.clone() if g is None else g.add_(piece), False)
+            self._offload(e)
+        elif e.master.grad is None:
+            e.master.grad = piece.clone()
+        else:
+            e.master.grad.add_(piece)
 
     def _finish(self) -> None:
         """All-reduce the replicated gradients and the gradient flags, then wait for all.
@@ -312,11 +396,7 @@ class Reducer:
         for e in rep:
             n = e.master.numel()
             if id(e) in got:
-                piece = grads[offset : offset + n].view(e.master.shape)
-                if e.master.grad is None:
-                    e.master.grad = piece.clone()
-                else:
-                    e.master.grad.add_(piece)
+                self._put_replicated(e, grads[offset : offset + n].view(e.master.shape))
             offset += n
             e.acc = None
             e.param.grad = None
@@ -325,22 +405,17 @@ class Reducer:
         for e in engine.sharded:
             if id(e) in self._fresh and id(e) not in got:
                 # no rank had a gradient: none, as in one process
-                _set_acc(e, None, engine.accum_dtype != torch.float32)
+                self._set_acc(e, None, engine.accum_dtype != torch.float32)
+                if id(e) in self._host_new:  # already copied to the host
+                    e.master.grad = None
             if id(e) in self._host_fresh and id(e) not in got:
                 e.host_has = False
         self._contributed.clear()
         self._fresh.clear()
         self._host_fresh.clear()
+        self._host_new.clear()
         if engine.sync:  # the accumulation boundary: activations are gone
             self.materialize()
-
-
-def _set_acc(e: Entry, acc: torch.Tensor | None, low: bool) -> None:
-    """Store a sharded parameter's accumulated gradient: `low_acc` (bf16) or `master.grad`."""
-    if low:
-        e.low_acc = acc
-    else:
-        e.master.grad = acc
 
 
 def _full_grad(e: Entry) -> torch.Tensor | None:

@@ -86,36 +86,57 @@ def memory_stats(model: nn.Module, optimizer: ZeroOptimizer | None = None) -> di
     """Bytes of model state this rank holds now, and the last step's communication.
 
     Storages are counted once, at their allocated size (a stage-3 parameter counts only while
-    gathered; a master shard that aliases the model's parameter counts under `params`).
+    gathered; a master shard that aliases the model's parameter counts under `params`). What
+    lives on the model's device and what lives in host memory (`offload_accum`,
+    `offload_optimizer`) is reported apart, by role: on a CPU model both are CPU memory.
 
     Returns:
-        A dict with `params` (the model's compute parameters, all of them), `master_params`
-        (fp32 master shards not aliasing `params`), `grads` (shard gradients plus any full-size
-        accumulators), `optimizer_state` (tensors in the optimizer's state), `total` (their
-        sum), `host_grads` (the host buffers of `offload_accum`, allocated or not holding data;
-        not in `total`) and `communication`: `{kind: {"calls": n, "bytes": b}}` for the last
-        completed step.
+        A dict with, on the device: `params` (the model's compute parameters, all of them),
+        `master_params` (fp32 master shards not aliasing `params`), `grads` (shard gradients
+        plus any full-size accumulators), `optimizer_state` (tensors in the optimizer's
+        state), `total` (their sum); in host memory (not in `total`): `host_master_params`,
+        `host_grads` (the buffers of `offload_accum` and of `offload_optimizer`'s gradients,
+        allocated, whether or not they hold data), `host_optimizer_state`, `host_rows`
+        (`offload_optimizer`: the rows cast to the compute dtype for the all-gathers),
+        `host_total` (their sum); and `communication`: `{kind: {"calls": n, "bytes": b}}`
+        for the last completed step.
     """
     engine = engine_of(model)
+    entries = engine.entries
     seen: set[tuple[int, int]] = set()
     params = _bytes(list(model.parameters()), seen)
-    masters = _bytes([e.master for e in engine.entries], seen)
-    grad_tensors = [e.master.grad for e in engine.entries if e.master.grad is not None]
-    grad_tensors += [e.acc for e in engine.entries if e.acc is not None]
-    grad_tensors += [e.low_acc for e in engine.entries if e.low_acc is not None]
-    grad_tensors += [p.grad for p in model.parameters() if p.grad is not None]
-    grads = _bytes(grad_tensors, seen)
     state_tensors: list[torch.Tensor] = []
     if optimizer is not None:
         for state in optimizer.state.values():
             state_tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    host: dict[str, int] = {}
+    if engine.offload:  # the masters, their gradients and the state are host tensors
+        host["host_master_params"] = _bytes([e.master for e in entries], seen)
+        host["host_optimizer_state"] = _bytes(state_tensors, seen)
+        state_tensors = []
+    host_grads = [e.host_acc for e in entries] + [e.host_grad for e in entries]
+    host["host_grads"] = _bytes([g for g in host_grads if g is not None], seen)
+    host["host_rows"] = _bytes([e.host_rows for e in entries if e.host_rows is not None], seen)
+    masters = _bytes([e.master for e in entries], seen)
+    grad_tensors = [e.master.grad for e in entries if e.master.grad is not None]
+    grad_tensors += [e.dev_grad for e in entries if e.dev_grad is not None]
+    grad_tensors += [e.acc for e in entries if e.acc is not None]
+    grad_tensors += [e.low_acc for e in entries if e.low_acc is not None]
+    grad_tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    grads = _bytes(grad_tensors, seen)
     opt_state = _bytes(state_tensors, seen)
+    host_masters = host.get("host_master_params", 0)
+    host_state = host.get("host_optimizer_state", 0)
     return {
         "params": params,
         "master_params": masters,
         "grads": grads,
         "optimizer_state": opt_state,
         "total": params + masters + grads + opt_state,
-        "host_grads": _bytes([e.host_acc for e in engine.entries if e.host_acc is not None], seen),
+        "host_master_params": host_masters,
+        "host_grads": host["host_grads"],
+        "host_optimizer_state": host_state,
+        "host_rows": host["host_rows"],
+        "host_total": host_masters + host["host_grads"] + host_state + host["host_rows"],
         "communication": dict(engine.comm.last_step),
     }

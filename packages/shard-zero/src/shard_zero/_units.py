@@ -186,7 +186,8 @@ class Units:
         b = unit.layout
         gather = Gather(self.engine.comm, unit.ident, b.size, unit.full.dtype)
         for e, off in zip(b.entries, b.offsets, strict=True):
-            gather.payload[off : off + e.local_numel].copy_(e.master.detach().reshape(-1))
+            rows = self.engine.compute_rows(e).reshape(-1)
+            gather.payload[off : off + e.local_numel].copy_(rows, non_blocking=True)
         unit.gather = gather.start()
         unit.state = _GATHERING
 

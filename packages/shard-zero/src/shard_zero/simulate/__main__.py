@@ -65,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         "(ZeroConfig.offload_accum)",
     )
     p.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="shard-zero keeps the fp32 masters, their gradients and the optimizer state in "
+        "host memory and steps there (ZeroConfig.offload_optimizer)",
+    )
+    p.add_argument(
         "--bucket-numel",
         type=int,
         default=None,
@@ -107,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             micro_batches=args.micro_batches,
             accum_dtype=args.accum_dtype,
             offload_accum=args.offload_accum,
+            offload_optimizer=args.offload_optimizer,
             bucket_numel=args.bucket_numel,
             activation_checkpointing=args.activation_checkpointing,
             fsdp2=not args.no_fsdp2,

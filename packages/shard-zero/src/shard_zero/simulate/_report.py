@@ -38,6 +38,7 @@ def conditions(report: SimReport) -> str:
         f"{c.micro_batches} micro-batch(es) per step"
         f"{', bf16 gradient accumulator' if c.accum_dtype == 'bf16' else ''}"
         f"{', accumulator offloaded to host memory' if c.offload_accum else ''}"
+        f"{', shard-zero optimizer offloaded to the host' if c.offload_optimizer else ''}"
         f"{'' if c.bucket_numel is None else f', shard-zero bucket_numel {c.bucket_numel:,}'}, "
         "activation checkpointing "
         f"{'on' if c.activation_checkpointing else 'off'}; torch {report.versions['torch']}, "
@@ -49,7 +50,7 @@ def conditions(report: SimReport) -> str:
 def table(report: SimReport) -> str:
     """The Markdown table: peak per rank by category, collectives per step, the formula."""
     anchors = [_anchor(report, n) for n in ("fsdp2-reshard", "fsdp2-no-reshard")]
-    offload = report.config.offload_accum
+    offload = report.config.offload_accum or report.config.offload_optimizer
     columns = (*_COLUMNS, "host") if offload else _COLUMNS
     kinds = (*_KINDS, "to_host", "from_host") if offload else _KINDS
     head = (

@@ -60,6 +60,11 @@ class SimConfig:
         offload_accum: shard-zero stages 2-3 keep that accumulator in host memory between
             micro-batches (`ZeroConfig.offload_accum`); host bytes are reported apart (`host`)
             and left out of the per-rank peak, which counts the device only.
+        offload_optimizer: shard-zero keeps the fp32 masters, their gradients and the
+            optimizer's state in host memory and steps the optimizer there
+            (`ZeroConfig.offload_optimizer`); those bytes and the step's temporaries are
+            reported as `host`, the copies as `to_host` / `from_host`, and the ZeRO formula
+            column (device model states with masters and state) is left out.
         bucket_numel: shard-zero's `ZeroConfig.bucket_numel` (None: its default, 2**24):
             the most elements of one gradient reduce-scatter (stage 3: per unit's bucket).
         activation_checkpointing: recompute each decoder layer in backward.
@@ -81,6 +86,7 @@ class SimConfig:
     micro_batches: int = 1
     accum_dtype: Literal["fp32", "bf16"] = "fp32"
     offload_accum: bool = False
+    offload_optimizer: bool = False
     bucket_numel: int | None = None
     activation_checkpointing: bool = False
     fsdp2: bool = True
@@ -177,6 +183,8 @@ def simulate(config: SimConfig) -> SimReport:
     param_bytes = param_dtype.itemsize
     for result, (name, _, stage) in zip(results, runs, strict=True):
         opt_name = config.optimizer if name.startswith("shard-zero") else config.fsdp2_optimizer
+        if name.startswith("shard-zero") and config.offload_optimizer:
+            continue  # the formula counts masters and state on the device
         if name.startswith("fsdp2") and opt_name is None:
             opt_name = config.optimizer
         k = optimizer_k(optimizer_name(opt_name), param_bytes) if opt_name is not None else None
@@ -210,6 +218,7 @@ def _runs(
                 optimizer=optimizer,
                 accum_dtype=_DTYPES[config.accum_dtype] if s > 1 else None,
                 offload_accum=config.offload_accum and s > 1,
+                offload_optimizer=config.offload_optimizer,
                 bucket_numel=config.bucket_numel,
             )
 
@@ -250,6 +259,9 @@ def _run_one(name: str, build: Builder, model_cfg: Any, config: SimConfig) -> Sy
         tracker = StepTracker(built.masters, built.grads, host)
         opt = [built.optimizer] if built.optimizer is not None else []
         tracker.track_external(built.model, *opt, *built.masters, *host)
+        if built.host_optimizer is not None:  # its step's temporaries are host memory
+            built.host_optimizer.register_step_pre_hook(lambda *_: tracker.on_host(True))
+            built.host_optimizer.register_step_post_hook(lambda *_: tracker.on_host(False))
         counter = CollectiveCounter()
         counter.tracker = tracker
         with tracker, counter:

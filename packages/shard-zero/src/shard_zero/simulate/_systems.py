@@ -33,6 +33,7 @@ class Built:
     sync: Callable[[bool], contextlib.AbstractContextManager[None]]
     extra: dict[str, Any] = field(default_factory=dict)
     host: Callable[[], list[torch.Tensor]] = list  # buffers in host memory (not on the device)
+    host_optimizer: torch.optim.Optimizer | None = None  # an optimizer that steps on the host
 
 
 def make_optimizer(
@@ -98,6 +99,7 @@ def build_shard_zero(
     optimizer: OptimizerFactory,
     accum_dtype: torch.dtype | None = None,
     offload_accum: bool = False,
+    offload_optimizer: bool = False,
     bucket_numel: int | None = None,
 ) -> Built:
     """shard-zero at `stage` (consistency check off: no host reads on fake tensors)."""
@@ -106,6 +108,7 @@ def build_shard_zero(
         param_dtype=None if param_dtype == torch.float32 else param_dtype,
         accum_dtype=accum_dtype,
         offload_accum=offload_accum,
+        offload_optimizer=offload_optimizer,
         check_consistency=False,
         bucket_numel=ZeroConfig.bucket_numel if bucket_numel is None else bucket_numel,
     )
@@ -113,6 +116,8 @@ def build_shard_zero(
     engine = engine_of(model)
     params = {id(p.untyped_storage()) for p in model.parameters()}
     masters = [e.master for e in engine.entries if id(e.master.untyped_storage()) not in params]
+    if offload_optimizer:
+        masters = []  # host memory: labelled `host`
 
     def grads() -> Iterator[torch.Tensor | None]:
         for e in engine.entries:
@@ -120,6 +125,7 @@ def build_shard_zero(
             yield e.param.grad
             yield e.acc
             yield e.low_acc
+            yield e.dev_grad
 
     def sync(on: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext() if on else engine.no_sync()
@@ -130,9 +136,16 @@ def build_shard_zero(
     }
 
     def host() -> list[torch.Tensor]:
-        return [e.host_acc for e in engine.entries if e.host_acc is not None]
+        out = [e.host_acc for e in engine.entries if e.host_acc is not None]
+        if offload_optimizer:
+            out += [e.master for e in engine.entries]
+            out += [t for e in engine.entries for t in (e.host_grad, e.host_rows) if t is not None]
+            for state in opt.state.values():
+                out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return out
 
-    return Built(model, opt, masters, grads, sync, extra, host)
+    inner = opt.optimizer if offload_optimizer else None
+    return Built(model, opt, masters, grads, sync, extra, host, inner)
 
 
 def build_fsdp2(

@@ -7,8 +7,10 @@ on top of that:
 
 * the fp32 master shards (shard-zero's masters, FSDP2's sharded parameters under mixed
   precision) are pinned as `masters` whenever they are not the compute parameters themselves;
-* host-memory buffers (shard-zero's `offload_accum` accumulators) are pinned as `host`: tracked,
-  but left out of the device total (`total`, the timeline and the peak);
+* host-memory buffers (shard-zero's `offload_accum` accumulators; with `offload_optimizer` the
+  masters, their gradients, the optimizer state and the compute-dtype rows) are pinned as
+  `host`: tracked, but left out of the device total (`total`, the timeline and the peak); so
+  are the tensors made while an optimizer steps on the host (`on_host`);
 * gradients are re-labelled as `grads` before every new peak is recorded (they are created as
   backward temporaries and only then attached as `.grad`);
 * tensors made inside the optimizer step start as temporaries; the optimizer's state is
@@ -85,6 +87,7 @@ class StepTracker(MemTracker):  # type: ignore[no-untyped-call]
         self.marks: list[tuple[str, int]] = []
         self.category_max: dict[Any, int] = defaultdict(int)
         self._best = 0
+        self._on_host = False
 
     def mark(self, phase: str) -> None:
         """Record that `phase` ("forward", "backward", "step") starts here; label gradients."""
@@ -107,9 +110,20 @@ class StepTracker(MemTracker):  # type: ignore[no-untyped-call]
             reftype = pinned[0]
         return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
+    def on_host(self, on: bool) -> None:
+        """Label the tensors made from now on (`on`: an optimizer step on the host) `host`."""
+        self._on_host = on
+
+    @property
+    def stepping_on_host(self) -> bool:
+        """Whether an optimizer is stepping on the host now (see `on_host`)."""
+        return self._on_host
+
     def _track(self, reftype: Any, t: torch.Tensor) -> None:
         # tensors created inside the optimizer step are temporaries until the post-step hook
         # re-labels the optimizer's state
+        if self._on_host:
+            reftype = HOST
         super()._track(_MemRefType.TEMP if reftype == _MemRefType.OPT else reftype, t)
 
     def label(
@@ -237,13 +251,20 @@ class CollectiveCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self.log.events.append((self._ops, kind, nbytes, in_bw, phase, live))
         elif in_bw and packet[1] in _MATMULS:
             self.log.backward_matmuls.append(self._ops)
-        elif self.tracker is not None and packet[1] in _COPIES:
+        elif (
+            self.tracker is not None and packet[1] in _COPIES and not self.tracker.stepping_on_host
+        ):
             self._count_host_copy(packet[1], args)
         return func(*args, **(kwargs or {}))
 
     def _count_host_copy(self, op: str, args: Any) -> None:
-        """`copy_(dst, src)` / `_to_copy(src)` that write or read a host storage."""
+        """`copy_(dst, src)` / `_to_copy(src)` that write or read a host storage.
+
+        A copy between two host storages (a cast on the host) is neither.
+        """
         assert self.tracker is not None
+        if op == "copy_" and self.tracker.is_host(args[0]) and self.tracker.is_host(args[1]):
+            return
         if op == "copy_" and self.tracker.is_host(args[0]) and not self.tracker.is_host(args[1]):
             kind, t = "to_host", args[0]
         elif self.tracker.is_host(args[1] if op == "copy_" else args[0]):
