@@ -16,7 +16,7 @@
 * `offload_optimizer`: the device accumulator is `Entry.dev_grad` instead of `master.grad`
   (a host tensor); in the backward outside `no_sync()` each parameter's complete gradient
   (with its bf16 and host accumulators added exactly as `materialize` adds them) is copied into
-  its host `master.grad` as soon as its last bucket is retired (`_offload`), and the device
+  its host `master.grad` as soon as its last bucket is retired (`_offload.py`), and the device
   accumulator is dropped. A later backward that adds to a host gradient (no `zero_grad()` in
   between) first copies it back to the device, so every sum runs on the device in the same
   order as without offload.
@@ -40,6 +40,7 @@ import torch
 
 from shard_zero._comm import host_readable
 from shard_zero._layout import Bucket, Entry, local_piece, local_rows, pack_full
+from shard_zero._offload import OffloadGrads
 
 if TYPE_CHECKING:
     from shard_zero._engine import ZeroEngine
@@ -48,7 +49,7 @@ MAX_IN_FLIGHT = 1  # reduce-scatters left outstanding after a launch (plus the o
 REPLICATED_IDENT = 500_000
 
 
-class Reducer:
+class Reducer(OffloadGrads):
     """Owns the gradient buckets of one engine and reduces them into the master gradients."""
 
     def __init__(self, engine: ZeroEngine, buckets: list[Bucket]) -> None:
@@ -297,73 +298,6 @@ class Reducer:
                 else:
                     e.master.grad.add_(g)
                 del g
-
-    # ------------------------------------------------------------------ offload_optimizer
-    def _set_acc(self, e: Entry, acc: torch.Tensor | None, low: bool) -> None:
-        """Store a sharded parameter's device accumulator (`low_acc`, `dev_grad`, `master.grad`).
-
-        `low_acc` with a bf16 `accum_dtype`, else `dev_grad` with `offload_optimizer`.
-        """
-        if low:
-            e.low_acc = acc
-        elif self.engine.offload:
-            e.dev_grad = acc
-        else:
-            e.master.grad = acc
-
-    def _device_grad(self, e: Entry) -> torch.Tensor | None:
-        """The fp32 gradient on the device: `master.grad`, or with offload `dev_grad`.
-
-        With `offload_optimizer`, a gradient already on the host is first copied back to the
-        device (and dropped there), so that what follows adds into it as without offload.
-        """
-        if not self.engine.offload:
-            return e.master.grad
-        if e.dev_grad is None and e.master.grad is not None:
-            e.dev_grad = e.master.grad.to(self.engine.device, copy=True, non_blocking=True)
-            e.master.grad = None
-        return e.dev_grad
-
-    def _offload(self, e: Entry) -> None:
-        """Copy `e`'s complete gradient into its host `master.grad` (`offload_optimizer`).
-
-        Its bf16 and host accumulators are first added into its device gradient, as
-        `materialize` does without offload; the device copy is then dropped.
-        """
-        engine = self.engine
-        if id(e) in self._fresh and e.master.grad is None and not e.host_has:
-            self._host_new.add(id(e))  # dropped again if no rank had a gradient (`_finish`)
-        g = self._device_grad(e)
-        if e.low_acc is not None:
-            low, e.low_acc = e.low_acc, None
-            g = low.to(torch.float32) if g is None else g.add_(low)
-            del low
-        if e.host_has and e.host_acc is not None:
-            e.host_has = False
-            part = e.host_acc.to(engine.device, torch.float32, non_blocking=True, copy=True)
-            g = part if g is None else g.add_(part)
-            del part
-        e.dev_grad = None
-        if g is None:
-            return
-        if e.host_grad is None:
-            e.host_grad = engine.host_empty(e.master.shape, torch.float32)
-        e.host_grad.copy_(g, non_blocking=True)
-        e.master.grad = e.host_grad
-
-    def _put_replicated(self, e: Entry, piece: torch.Tensor) -> None:
-        """Add a replicated parameter's reduced gradient into its `master.grad`.
-
-        With `offload_optimizer` the sum is formed on the device, then copied to the host.
-        """
-        if self.engine.offload:
-            g = self._device_grad(e)
-            self._set_acc(e, piece.clone() if g is None else g.add_(piece), False)
-            self._offload(e)
-        elif e.master.grad is None:
-            e.master.grad = piece.clone()
-        else:
-            e.master.grad.add_(piece)
 
     def _finish(self) -> None:
         """All-reduce the replicated gradients and the gradient flags, then wait for all.
