@@ -6,9 +6,10 @@ Command (from the repository root; RESULTS.md was made with it):
     python packages/optim-adafactor/benchmarks/bench_launches.py
 
 Counts: `leanlm_testing.launches.step_counts` (see there) on Llama-shaped parameter sets, for
-the per-tensor kernels, the multi-tensor step and the PyTorch path. DRAM bytes per element:
-computed from the kernels at the full sizes. A100/H100 times: `leanlm_testing.roofline`
-predictions (a stated model, not measurements).
+the per-tensor kernels, the multi-tensor step and the PyTorch path; the multi-tensor step's
+launches are those of its launch plan at full size (groups appear beyond 2^24 column
+partials). DRAM bytes per element: computed from the kernels at the full sizes. A100/H100
+times: `leanlm_testing.roofline` predictions (a stated model, not measurements).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ if not torch.cuda.is_available():  # before the kernels' modules read it
 from bench_adafactor import Config
 
 from leanlm_testing import bench, roofline
+from leanlm_testing.kernels import shipped_launch_configs
 from leanlm_testing.launches import step_counts
 from optim_adafactor import (
     Adafactor,
@@ -32,10 +34,10 @@ from optim_adafactor import (
 from optim_adafactor import (
     _multi_kernels as _multi,
 )
-from optim_adafactor import _multi_tables as mt
 from optim_adafactor import (
     _multi_vec_kernels as _multi_vec,
 )
+from optim_adafactor.multi_tensor import Launch, plan_launches
 
 MODULES = [_multi, _multi_vec, _kernels]  # whose Triton launches count
 
@@ -50,6 +52,9 @@ SETTINGS = {
     },
     "beta1=0.9 (param scale)": {"beta1": 0.9},
 }
+#: (momentum, parameter scale) -> the SETTINGS entry's kwargs
+SETTINGS_KW = {("beta1" in kw, kw.get("scale_parameter", True) is not False): kw
+               for kw in SETTINGS.values()}  # fmt: skip
 MODELS = {
     "48 matrices": Config(hidden=1024, intermediate=2816, layers=0, vocab=32000),
     "bench model (50M)": Config(),
@@ -72,6 +77,17 @@ def shapes(name: str) -> list[tuple[int, ...]]:
     return cfg.shapes()
 
 
+GPU_TILES = ["optim_adafactor._multi_tables", _multi.__name__]
+
+
+def plan(shape_list: list[tuple[int, ...]], kw: dict[str, object]) -> list[Launch]:
+    """The launches of the full-size multi-tensor step on a GPU (its tiles; meta tensors)."""
+    with shipped_launch_configs(GPU_TILES):
+        return plan_launches(
+            lambda ps: Adafactor(ps, backend="triton", **kw), shape_list, torch.bfloat16
+        )
+
+
 def traffic(
     shape_list: list[tuple[int, ...]],
     *,
@@ -83,22 +99,20 @@ def traffic(
     """DRAM bytes per kernel of one step over the 2-D matrices (bf16 g/p, fp32 state), and N.
 
     Vectors (norms) take the PyTorch path and are left out. Multi-tensor: statistics G (+P),
-    its second sweep an L2 hit; column partials 2 x 4 B per column per row chunk, written
-    and read; row/column state r/w; apply G + 2P (+2M). Per-tensor: statistics G (+P) and
-    its per-16-row column partials (4 B written, read), Σu² G, apply G + 2P (+2M).
+    its second sweep an L2 hit; column partials 2 x 4 B per column per row item, written
+    and read; row/column state r/w; apply G + 2P (+2M): the bytes the launch plan records
+    (`optim_adafactor.multi_tensor.plan_launches`, at the GPU's tiles). Per-tensor:
+    statistics G (+P) and its per-16-row column partials (4 B written, read), Σu² G, apply
+    G + 2P (+2M).
     """
     mats = [s for s in shape_list if len(s) == 2]
     n_el = sum(n * m for n, m in mats)
     g = p = 2
     rows, cols = sum(n for n, _ in mats), sum(m for _, m in mats)
     out: dict[str, float] = {}
-    if multi:
-        per_item = mt.item_rows(rows, 8, 4 * gpu.sms)
-        partial = sum(-(-n // per_item) * m for n, m in mats)
-        out["_mt_stats_kernel"] = n_el * (g + (p if scale else 0)) + 8 * rows + 8 * partial
-        out["_mt_cols_kernel"] = 8 * partial + 12 * cols
-        out["_mt_scalars_kernel"] = 0.0  # O(row chunks + column tiles): a few KB
-        out["_mt_apply_kernel"] = n_el * (g + 2 * p + (8 if momentum else 0)) + 4 * rows
+    if multi:  # the launch plan of the real step (GPU tiles, meta tensors)
+        for launch in plan(mats, SETTINGS_KW[(momentum, scale)]):
+            out[launch.kernel] = out.get(launch.kernel, 0.0) + launch.bytes
     else:
         partial = sum(-(-n // 16) * m for n, m in mats)
         out["_stats_kernel"] = n_el * (g + (p if scale else 0)) + 4 * rows + 8 * partial
@@ -125,7 +139,12 @@ def main() -> None:
             momentum, scale = "beta1" in kw, kw.get("scale_parameter", True) is not False
             floor = 2 + 2 * 2 + (8 if momentum else 0)  # read g, read/write p (and m)
             for path in ("torch", "per-tensor", "multi"):
-                launches, ops = step_counts(partial(Adafactor, **kw), shape_list, MODULES, path)
+                if path == "multi":  # host ops at the GPU's tiles; launches at full size
+                    with shipped_launch_configs(GPU_TILES):
+                        _, ops = step_counts(partial(Adafactor, **kw), shape_list, MODULES, path)
+                    launches = len(plan(shape_list, kw))
+                else:
+                    launches, ops = step_counts(partial(Adafactor, **kw), shape_list, MODULES, path)
                 cells = ["-"] * 5
                 if path != "torch":
                     bpe, times = roofline.predict_on_gpus(

@@ -6,9 +6,10 @@ Command (from the repository root; RESULTS.md was made with it):
     python packages/optim-came/benchmarks/bench_launches.py
 
 Counts: `leanlm_testing.launches.step_counts` (see there) on Llama-shaped parameter sets, for
-the per-tensor kernels, the multi-tensor step and the PyTorch path. DRAM bytes per element:
-computed from the kernels at the full sizes. A100/H100 times: `leanlm_testing.roofline`
-predictions (a stated model, not measurements).
+the per-tensor kernels, the multi-tensor step and the PyTorch path; the multi-tensor step's
+launches are those of its launch plan at full size (groups appear beyond 2^24 column
+partials). DRAM bytes per element: computed from the kernels at the full sizes. A100/H100
+times: `leanlm_testing.roofline` predictions (a stated model, not measurements).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ if not torch.cuda.is_available():  # before the kernels' modules read it
 from bench_came import Config
 
 from leanlm_testing import bench, roofline
+from leanlm_testing.kernels import shipped_launch_configs
 from leanlm_testing.launches import step_counts
 from optim_adafactor import _kernels as af_kernels
 from optim_adafactor import _multi_kernels as af_multi
 from optim_adafactor import _multi_stats_kernels as af_stats
-from optim_adafactor import _multi_tables as mt
+from optim_adafactor.multi_tensor import Launch, plan_launches
 from optim_came import CAME, _kernels
 from optim_came import _multi_kernels as _multi
 from optim_came import _multi_vec_kernels as _multi_vec
@@ -53,14 +55,25 @@ def shapes(name: str) -> list[tuple[int, ...]]:
     return MODELS[name].shapes()
 
 
+GPU_TILES = ["optim_adafactor._multi_tables", af_multi.__name__, _multi.__name__]
+
+
+def plan(shape_list: list[tuple[int, ...]]) -> list[Launch]:
+    """The launches of the full-size multi-tensor step on a GPU (its tiles; meta tensors)."""
+    with shipped_launch_configs(GPU_TILES):
+        return plan_launches(partial(OPTIMIZER, backend="triton"), shape_list, torch.bfloat16)
+
+
 def traffic(
     shape_list: list[tuple[int, ...]], *, gpu: roofline.Gpu, multi: bool
 ) -> tuple[dict[str, float], int]:
     """DRAM bytes per kernel of one step over the 2-D matrices (bf16 g/p, fp32 m), and N.
 
-    Multi-tensor: statistics G (second sweep: L2) + 8 B partials per column per row chunk;
-    momentum G + 2M + 4 B partials; apply M + 2P; O(n + m) state. Per-tensor: statistics G +
-    4 B partials per column per 16 rows, Σu² G, momentum G + 2M + partials, apply M + 2P.
+    Multi-tensor: statistics G (second sweep: L2) + 8 B partials per column per row item;
+    momentum G + 2M + 4 B partials; apply M + 2P; O(n + m) state: the bytes the launch plan
+    records (`optim_adafactor.multi_tensor.plan_launches`, at the GPU's tiles). Per-tensor:
+    statistics G + 4 B partials per column per 16 rows, Σu² G, momentum G + 2M + partials,
+    apply M + 2P.
     """
     mats = [s for s in shape_list if len(s) == 2]
     n_el = sum(n * m for n, m in mats)
@@ -68,14 +81,12 @@ def traffic(
     mom = 4
     rows, cols = sum(n for n, _ in mats), sum(m for _, m in mats)
     out: dict[str, float] = {}
-    if multi:
-        per_item = mt.item_rows(rows, 8, 4 * gpu.sms)
-        partial = sum(-(-n // per_item) * m for n, m in mats)
-        out["_mt_stats_kernel"] = n_el * g + 8 * rows + 8 * partial
-        out["_mt_cols_kernel (x2)"] = 8 * partial + 4 * partial + 24 * cols
-        out["_mt_scalars_kernel (x2)"] = 0.0  # O(row chunks + column tiles): a few KB
-        out["_mt_momentum_kernel"] = n_el * (g + 2 * mom) + 4 * partial + 12 * rows
-        out["_mt_came_apply_kernel"] = n_el * (mom + 2 * p) + 4 * rows
+    if multi:  # the launch plan of the real step (GPU tiles, meta tensors)
+        for launch in plan(mats):
+            name = launch.kernel
+            if name in ("_mt_cols_kernel", "_mt_scalars_kernel"):
+                name += " (x2)"
+            out[name] = out.get(name, 0.0) + launch.bytes
     else:
         partial = sum(-(-n // 16) * m for n, m in mats)
         out["_stats_kernel"] = n_el * g + 4 * rows + 8 * partial
@@ -102,7 +113,12 @@ def main() -> None:
     for model in MODELS:
         shape_list = shapes(model)
         for path in ("torch", "per-tensor", "multi"):
-            launches, ops = step_counts(OPTIMIZER, shape_list, MODULES, path)
+            if path == "multi":  # host ops at the GPU's tiles; launches at full size
+                with shipped_launch_configs(GPU_TILES):
+                    _, ops = step_counts(OPTIMIZER, shape_list, MODULES, path)
+                launches = len(plan(shape_list))
+            else:
+                launches, ops = step_counts(OPTIMIZER, shape_list, MODULES, path)
             cells = ["-"] * 4
             if path != "torch":
                 bpe, times = roofline.predict_on_gpus(

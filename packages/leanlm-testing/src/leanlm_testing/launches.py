@@ -21,10 +21,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 @dataclass
 class Counts:
-    """What ran inside `count_launches`: kernel names in launch order, torch op names."""
+    """What ran inside `count_launches`: kernel names and grids in launch order, torch ops."""
 
     launches: list[str] = field(default_factory=list)
     ops: list[str] = field(default_factory=list)
+    grids: list[tuple[int, ...]] = field(default_factory=list)
 
 
 class _OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -48,6 +49,7 @@ class _Counted:
     def __getitem__(self, grid: Any) -> Any:
         def launch(*args: Any, **kwargs: Any) -> Any:
             self.counter.counts.launches.append(self.name)
+            self.counter.counts.grids.append(tuple(grid) if isinstance(grid, tuple) else (grid,))
             if not self.execute:
                 return None
             self.counter.paused = True

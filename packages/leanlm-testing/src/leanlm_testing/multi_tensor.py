@@ -162,3 +162,59 @@ def check_launches_do_not_grow(
     assert many[0][1] - few[0][1] == created, (few, many)
     assert few[1:] == many[1:], (few, many)
     assert all(ops <= 8 for _, ops in many[1:]), many
+
+
+def check_plan_is_what_the_step_launches(
+    plan_launches: Callable[..., Sequence[Any]],
+    make_opt: Callable[[list[torch.nn.Parameter]], Any],
+    shapes: Sequence[tuple[int, ...]],
+    modules: Sequence[ModuleType],
+    row_passes: Sequence[str],
+) -> list[Any]:
+    """A launch plan lists the kernels and grids a real step launches, and covers every element.
+
+    `plan_launches(make_opt, shapes, fp32)` (the optimizer package's planner, on meta tensors)
+    against the launches of a second real fp32 step recorded by `count_launches(modules)`; each
+    kernel of `row_passes` covers every element of the 2-D parameters once. Returns the plan.
+    """
+    planned = list(plan_launches(make_opt, shapes, torch.float32))
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    opt = make_opt(params)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        with count_launches(modules, execute=False) as seen:
+            opt.step()
+    ran = [
+        (name.rsplit(".", 1)[-1], grid[0])
+        for name, grid in zip(seen.launches, seen.grids, strict=True)
+    ]
+    assert [(lp.kernel, lp.programs) for lp in planned] == ran
+    total = sum(s[0] * s[1] for s in shapes if len(s) == 2)
+    for kernel in row_passes:
+        covered = sum(round(lp.mean_elements * lp.programs) for lp in planned
+                      if lp.kernel == kernel)  # fmt: skip
+        assert covered == total, (kernel, covered, total)
+    return planned
+
+
+def check_groups_step_as_one_launch_set(
+    optimizer: MakeOptimizer,
+    kw: dict[str, Any],
+    set_budget: Callable[[], Any],
+    count_groups: Callable[[], int],
+) -> None:
+    """A batch stepped in several groups equals one launch set bit for bit, and the PyTorch path.
+
+    `set_budget()` shrinks the scratch budget (each matrix's work items unchanged) so that
+    `count_groups()` (from the package's launch plan) is at least 3.
+    """
+    one, _ = run_multi(optimizer, "triton", [torch.float32], 3, **kw)
+    set_budget()
+    assert count_groups() >= 3
+    split, split_opt = run_multi(optimizer, "triton", [torch.float32], 3, **kw)
+    ref, ref_opt = run_multi(optimizer, "torch", [torch.float32], 3, **kw)
+    assert_fp32_matches(ref, ref_opt, split, split_opt, "groups")
+    for a, b in zip(one, split, strict=True):
+        assert torch.equal(a, b), tuple(a.shape)  # the same sums in the same order

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from optim_adafactor import _multi_tables
+
 if TYPE_CHECKING:
     from optim_adafactor._torch_path import Work
 
@@ -62,6 +64,8 @@ def available(device: torch.device) -> bool:
     """Whether the Triton kernels can run on `device` (CUDA, or CPU under the interpreter)."""
     if not HAS_TRITON:
         return False
+    if device.type == "meta":  # a launch plan: the steps record their launches
+        return _multi_tables.planning()
     return device.type == "cuda" or (_INTERPRET and device.type == "cpu")
 
 
@@ -266,6 +270,16 @@ if HAS_TRITON:
 
 
 # ---------------------------------------------------------------------------------- launchers
+def planned(kernel: Any, g3: Tensor, bytes_per_element: float) -> bool:
+    """While planning (`_multi_tables.plan_launches`): record a (B, blocks) launch over `g3`."""
+    if not _multi_tables.planning():
+        return False
+    b, n, m = g3.shape
+    sizes = [min(BLOCK_N, n - r0) * m for _ in range(b) for r0 in range(0, n, BLOCK_N)]
+    work = _multi_tables.Work.of(sizes)
+    return _multi_tables.planned(kernel, work, work.total * bytes_per_element)
+
+
 def as_3d(t: Tensor) -> Tensor:
     """View (..., n, m) as (B, n, m)."""
     return t.reshape(math.prod(t.shape[:-2]), t.shape[-2], t.shape[-1])
@@ -287,7 +301,8 @@ def launch_stats(g3: Tensor, p3: Tensor | None) -> tuple[Tensor, Tensor, Tensor 
     rowsum = torch.empty((b, n), **f32)
     colpart = torch.empty((b, blocks, m), **f32)
     ppart = torch.empty((b * blocks,), **f32) if p3 is not None else None
-    if b * n * m > 0:
+    gb = g3.dtype.itemsize + (p3.dtype.itemsize if p3 is not None else 0)
+    if b * n * m > 0 and not planned(_stats_kernel, g3, gb + 4 / BLOCK_N):
         _stats_kernel[(b, blocks)](
             g3, p3 if p3 is not None else g3, rowsum, colpart,
             ppart if ppart is not None else rowsum, n, m, blocks,
@@ -307,7 +322,7 @@ def launch_sumsq(g3: Tensor, rf: Tensor, cf: Tensor) -> Tensor:
     blocks = -(-n // BLOCK_N)
     bm, warps = launch_config(m)
     upart = torch.zeros((b * blocks,), dtype=torch.float32, device=g3.device)
-    if b * n * m > 0:
+    if b * n * m > 0 and not planned(_sumsq_kernel, g3, g3.dtype.itemsize):
         _sumsq_kernel[(b, blocks)](
             g3, rf.reshape(b, n).contiguous(), cf.reshape(b, m).contiguous(), upart,
             n, m, blocks, BLOCK_N=BLOCK_N, BLOCK_M=bm, num_warps=warps,
@@ -376,7 +391,8 @@ def apply(
         decay = torch.empty(1, dtype=torch.float32, device=g3.device).fill_(wd_lr)
     m_state = w.state.get("exp_avg") if beta1 is not None else None
     sr = o.stochastic_rounding and w.param.dtype == torch.bfloat16
-    if b * n * m == 0:
+    nbytes = g3.dtype.itemsize + 2 * p3.dtype.itemsize + (8 if m_state is not None else 0)
+    if b * n * m == 0 or planned(_apply_kernel, g3, nbytes):
         return
     bm, warps = launch_config(m)
     _apply_kernel[(b, blocks)](

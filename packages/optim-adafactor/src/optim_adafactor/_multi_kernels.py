@@ -1,39 +1,39 @@
 # Triton convention: upper-case constexpr kernel arguments, many positional kernel arguments.
 # ruff: noqa: N803, PLR0917
-"""Multi-tensor fused Adafactor step: four Triton launches for all the matrices of a batch.
+"""Multi-tensor fused Adafactor step: four Triton launches per group of matrices of a batch.
 
 A batch is every unsharded 2-D parameter of a step on the fused path with the same options,
-step and dtypes (usually all of a param group). Each matrix is a row of the work-item tables of
-`_multi_tables` (device addresses cast to typed pointers in the kernels), so the number of
-launches does not grow with the number of parameters. The kernels of steps 1-3 are in
-`_multi_stats` (optim-came's multi-tensor step launches them too). For a matrix `g` of shape
-(n, m):
+step and dtypes (usually all of a param group). Each matrix is a row of the tables of
+`_multi_tables` (device addresses cast to typed pointers in the kernels; work split into row
+items of ~`ITEM_ELEMENTS` elements and column items there), so the number of launches does not
+grow with the number of parameters. The kernels of steps 1-3 are in `_multi_stats_kernels`
+(optim-came's multi-tensor step launches them too). For a matrix `g` of shape (n, m):
 
-1. `_mt_stats_kernel`, one program per chunk of rows: sweep 1 reads a block of `SUB` rows and
-   gives their row sums of g² (and Σ p²), hence the new row EMA `r_i`, written in place;
-   sweep 2 re-reads the same block (just read: from L2, not DRAM) for the column partial sums
-   of g² and of g²/r_i. The second gives Σu² without another pass over g:
+1. `_mt_stats_kernel`, one program per row item: sweep 1 gives the item's row sums of g² (and
+   Σ p²), hence the new row EMA `r_i`, written in place; sweep 2 re-reads the item (just read:
+   L2) column tile by column tile for the column partials of g² and of g²/r_i, written once.
+   The second gives Σu² without another pass over g:
    `Σ u² = Σ_ij g²_ij · mean(r)/r_i · 1/c_j = mean(r) · Σ_j (Σ_i g²_ij / r_i) / c_j`
    (the mat-vec identity of `_torch_path.update_sumsq`, with the row factor folded in first).
-2. `_mt_cols_kernel`, one program per column tile: sums the row-chunk partials (fixed order:
+2. `_mt_cols_kernel`, one program per column item: sums the row items' partials (fixed order:
    deterministic, no atomics), the column EMA `c_j` (in place), `cf = 1/√c` and a partial of
    `Σ_j W_j / c_j`.
 3. `_mt_scalars_kernel`, one program per matrix: mean(r), Σu², RMS(p), the step size `lr_t`,
    the clip and the row scale, on the device (no host sync).
-4. `_mt_apply_kernel`, one program per `SUB` rows: `m = β1 m + g·rs_i·cf_j`,
+4. `_mt_apply_kernel`, one program per row item: `m = β1 m + g·rs_i·cf_j`,
    `p = p - wd·lr_t·p - (m or g·rs_i·cf_j)`, stored in p's dtype (optional stochastic rounding).
 
-DRAM bytes per element (computed from the kernels, G/P/M = bytes of g/p/m): pass 1 reads G
-(+P with parameter scaling), pass 4 reads G, P (and M) and writes P (and M); the O(n + m)
-partials add `16 / rows_per_item` (at most 512 rows per item: 0.03 B). Adafactor with
-momentum, bf16 g/p, fp32 m: 2G + 2P + 2M = 16 B (+2 with parameter scaling), against 14 B
-for one read of g and read/write of p and m (`bytes_per_element`).
+DRAM bytes (computed from the kernels, G/P/M = bytes of g/p/m per element): pass 1 reads G
+(+P with parameter scaling), pass 4 reads G, P (and M) and writes P (and M); the column
+partials (two fp32 per column of a row item, written then read) add `16 / R` per element for
+items of R rows. Each launch's bytes are recorded by the launch plan (`_multi_tables`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,9 +50,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 BLOCK_M = 64 if _INTERPRET else 256  # columns of a tile (aligned rows)
-BLOCK_C = 64 if _INTERPRET else 256  # columns of a column work item
+BLOCK_C = 16  # columns of a tile of the column kernel
+BLOCK_I = 4 if _INTERPRET else 64  # row items of a tile of the column kernel
 BLOCK_K = 16 if _INTERPRET else 128  # partials summed per iteration of the scalar kernel
 NUM_WARPS = 8
+STAGES = 3  # software-pipelined loads of the row-item loops (`tl.range(num_stages=...)`)
 
 
 def launch_config(aligned: bool, *, stats: bool = False) -> tuple[int, int, int]:
@@ -72,11 +74,20 @@ def launch_config(aligned: bool, *, stats: bool = False) -> tuple[int, int, int]
     return 16, max(16, BLOCK_M // 8), 4
 
 
+def stages(aligned: bool) -> int:
+    """`num_stages` of the row-item loops: 3 (loads staged in shared memory) for aligned rows.
+
+    Unaligned rows (scalar loads) take 1: at 3 and 2, ptxas spilled 8-24 bytes in some apply
+    and statistics kernels on sm_80/sm_90 (tools/gpu_compile.py).
+    """
+    return STAGES if aligned else 1
+
+
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor._kernels import store_update, tensor_seed
+    from optim_adafactor._kernels import store_update
     from optim_adafactor._multi_stats_kernels import (
         _GEO,
         _MOM,
@@ -86,23 +97,25 @@ if HAS_TRITON:
         _mt_cols_kernel,
         _mt_scalars_kernel,
         _mt_stats_kernel,
+        apply_scalars,
     )
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _mt_apply_kernel(  # type: ignore[no-untyped-def]
         addr, geo, gaddr, items, cfbuf, scal, g0, p0, beta1, seed_base,
         HAS_M: tl.constexpr, HAS_DECAY: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr,
-        SUB: tl.constexpr, BLOCK_M: tl.constexpr,
+        SUB: tl.constexpr, BLOCK_M: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
         """`m = β1 m + g·rs_i·cf_j`; `p = p - wd·lr_t·p - (m or g·rs_i·cf_j)` in p's dtype.
 
-        `rs_i = scale / √(r_i / mean(r))`. The decay is `p - wd·lr_t·p` (HF's form). With SR the
-        bf16 store is stochastically rounded, seeded as `FactoredOptimizer._kernel_seed`.
+        One row item per program, streamed (`evict_first`: nothing is read twice).
+        `rs_i = scale / √(r_i / mean(r))`. The decay is `p - wd·lr_t·p` (HF's form). With SR
+        the bf16 store is stochastically rounded, seeded as `FactoredOptimizer._kernel_seed`.
         """
         pid = tl.program_id(0)
-        mat = tl.load(items + pid * 2)
-        r0 = tl.load(items + pid * 2 + 1)
-        n = tl.load(geo + mat * _GEO + 0)
+        mat = tl.load(items + pid * 5)
+        r0 = tl.load(items + pid * 5 + 1)
+        r1 = tl.load(items + pid * 5 + 2)
         m = tl.load(geo + mat * _GEO + 1)
         cf_off = tl.load(geo + mat * _GEO + 2)
         g_ptr = tl.load(gaddr + mat).to(g0.dtype)
@@ -114,33 +127,27 @@ if HAS_TRITON:
             g_ptr = tl.multiple_of(g_ptr, 16)
             p_ptr = tl.multiple_of(p_ptr, 16)
             m_ptr = tl.multiple_of(m_ptr, 16)
-        rows = r0 + tl.arange(0, SUB)
-        row_mask = rows < n
-        mean_r = tl.load(scal + mat * 4)
-        scale = tl.load(scal + mat * 4 + 1)
-        r = tl.load(row_ptr + rows, mask=row_mask, other=1.0)
-        rs = scale / tl.sqrt(r / mean_r)
-        wd_lr = 0.0
-        if HAS_DECAY:
-            wd_lr = tl.load(scal + mat * 4 + 2)
-        seed = 0
-        if SR:
-            seed = tensor_seed(seed_base, tl.load(geo + mat * _GEO + 8))
-        for c0 in range(0, m, BLOCK_M):
-            cols = c0 + tl.arange(0, BLOCK_M)
-            col_mask = cols < m
-            mask = row_mask[:, None] & col_mask[None, :]
-            offs = rows[:, None].to(tl.int64) * m + cols[None, :]
-            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            cf = tl.load(cfbuf + cf_off + cols, mask=col_mask, other=0.0)
-            upd = g * rs[:, None] * cf[None, :]
-            if HAS_M:
-                mom = tl.load(m_ptr + offs, mask=mask, other=0.0)
-                mom = beta1 * mom + upd
-                tl.store(m_ptr + offs, mom, mask=mask)
-                upd = mom
-            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY, SR)
+        mean_r, scale, wd_lr, seed = apply_scalars(scal, geo, mat, seed_base, HAS_DECAY, SR)
+        for s in range(r0, r1, SUB):
+            rows = s + tl.arange(0, SUB)
+            row_mask = rows < r1
+            r = tl.load(row_ptr + rows, mask=row_mask, other=1.0)
+            rs = scale / tl.sqrt(r / mean_r)
+            for c0 in tl.range(0, m, BLOCK_M, num_stages=STAGES):
+                cols = c0 + tl.arange(0, BLOCK_M)
+                col_mask = cols < m
+                mask = row_mask[:, None] & col_mask[None, :]
+                offs = rows[:, None].to(tl.int64) * m + cols[None, :]
+                g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+                cf = tl.load(cfbuf + cf_off + cols, mask=col_mask, other=0.0)
+                upd = g.to(tl.float32) * rs[:, None] * cf[None, :]
+                if HAS_M:
+                    mom = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+                    mom = beta1 * mom + upd
+                    tl.store(m_ptr + offs, mom, mask=mask)
+                    upd = mom
+                p = tl.load(p_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+                store_update(p_ptr, offs, mask, p.to(tl.float32), upd, wd_lr, seed, HAS_DECAY, SR)
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch `step_batch` makes on a GPU (for tools/gpu_compile.py).
@@ -155,7 +162,7 @@ if HAS_TRITON:
             for aligned in (True, False):
                 sub, bm, warps = launch_config(aligned, stats=True)
                 opts = {"num_warps": warps}
-                tile = {"ALIGNED": aligned, "SUB": sub, "BLOCK_M": bm}
+                tile = {"ALIGNED": aligned, "SUB": sub, "BLOCK_M": bm, "STAGES": stages(aligned)}
                 args: dict[str, Any]
                 for has_p in (False, True):
                     args = {"addr": i64, "geo": i64, "gaddr": i64, "items": i64, "colpart": f32,
@@ -165,7 +172,7 @@ if HAS_TRITON:
                     launches.append({"kernel": _mt_stats_kernel, "args": args, "options": opts})
                 sub, bm, warps = launch_config(aligned)
                 opts = {"num_warps": warps}
-                tile = {"ALIGNED": aligned, "SUB": sub, "BLOCK_M": bm}
+                tile = {"ALIGNED": aligned, "SUB": sub, "BLOCK_M": bm, "STAGES": stages(aligned)}
                 for has_m in (False, True):
                     for has_decay in (False, True):
                         for sr in (False, True) if dtype == torch.bfloat16 else (False,):
@@ -175,11 +182,7 @@ if HAS_TRITON:
                                     "HAS_DECAY": has_decay, "SR": sr, **tile}  # fmt: skip
                             launches.append({"kernel": _mt_apply_kernel, "args": args,
                                              "options": opts})  # fmt: skip
-        args = {"addr": i64, "geo": i64, "items": i64, "colpart": f32, "wpart": f32,
-                "cfbuf": f32, "upart": f32, "beta2": 0.999, "eps1": 1e-30, "col_mult": 1.0,
-                "cf_scale": 1.0, "BLOCK_C": BLOCK_C, "NADDR": 4, "COL": 3,
-                "HAS_W": True}  # fmt: skip
-        launches.append({"kernel": _mt_cols_kernel, "args": args, "options": {"num_warps": 4}})
+        launches.append(cols_launch_config(naddr=4, col=3, has_w=True))
         for lr_tensor in (False, True):
             for has_p in (False, True):
                 for clip in (False, True):
@@ -190,6 +193,15 @@ if HAS_TRITON:
                     launches.append({"kernel": _mt_scalars_kernel, "args": args,
                                      "options": {"num_warps": 4}})  # fmt: skip
         return launches
+
+    def cols_launch_config(*, naddr: int, col: int, has_w: bool) -> dict[str, Any]:
+        """The column kernel's launch for a table layout of `naddr` addresses per matrix."""
+        i64, f32 = torch.int64, torch.float32
+        args = {"addr": i64, "geo": i64, "items": i64, "colpart": f32, "wpart": f32,
+                "cfbuf": f32, "upart": f32, "beta2": 0.999, "eps1": 1e-30, "col_mult": 1.0,
+                "cf_scale": 1.0, "BLOCK_C": BLOCK_C, "BLOCK_I": BLOCK_I, "NADDR": naddr,
+                "COL": col, "HAS_W": has_w}  # fmt: skip
+        return {"kernel": _mt_cols_kernel, "args": args, "options": {"num_warps": 4}}
 
 
 # ---------------------------------------------------------------------------------- launcher
@@ -225,8 +237,73 @@ def batch_key(w: Work) -> tuple[object, ...]:
     return (id(w.opts), w.step, w.param.dtype, w.grad.dtype, mt.aligned(tensors))
 
 
+def tables_for(
+    cache: dict[tuple[object, ...], Any], mats: Sequence[Sequence[Tensor]], works: Sequence[Any],
+    is_aligned: bool,
+) -> mt.Tables:  # fmt: skip
+    """The cached tables of a batch, for the tiles of `launch_config(is_aligned)`.
+
+    The row partials (optim-came's momentum kernel) are per tile of the statistics config.
+    """
+    sub, _, _ = launch_config(is_aligned)
+    _, stats_bm, _ = launch_config(is_aligned, stats=True)
+    indices = [w.index for w in works]
+    return mt.cached(cache, mats, indices, sub=sub, block_m=stats_bm, block_c=BLOCK_C)
+
+
+def launch_stats(
+    tables: mt.Tables, group: mt.Group, gaddr: Tensor, g0: Tensor, p0: Tensor, *,
+    beta2: float, eps1: float, has_p: bool, naddr: int, is_aligned: bool,
+) -> None:  # fmt: skip
+    """Launch `_mt_stats_kernel` on the row items of `group` (row EMA, column partials)."""
+    buf = tables.buf
+    sub, bm, warps = launch_config(is_aligned, stats=True)
+    nbytes = group.row_work.total * (mt.size(g0.dtype) + (mt.size(p0.dtype) if has_p else 0))
+    nbytes += 8 * group.partial_floats + 8 * group.n_rows
+    if not mt.planned(_mt_stats_kernel, group.row_work, nbytes):
+        _mt_stats_kernel[(len(group.rows),)](
+            group.addr, group.geo, gaddr, group.rows, buf["colpart"], buf["wpart"],
+            buf["rpart"], buf["ppart"], g0, p0, beta2, eps1, HAS_P=has_p, ALIGNED=is_aligned,
+            SUB=sub, BLOCK_M=bm, NADDR=naddr, STAGES=stages(is_aligned), num_warps=warps,
+        )  # fmt: skip
+
+
+def launch_cols(
+    tables: mt.Tables, group: mt.Group, *, beta2: float, eps1: float, col_mult: float,
+    cf_scale: float, naddr: int, col: int, has_w: bool,
+) -> None:  # fmt: skip
+    """Launch `_mt_cols_kernel` on the column items of `group` (column EMA, factors)."""
+    buf = tables.buf
+    nbytes = (8 if has_w else 4) * group.partial_floats + 12 * group.n_cols
+    if not mt.planned(_mt_cols_kernel, group.col_work, nbytes):
+        _mt_cols_kernel[(len(group.cols),)](
+            group.addr, group.geo, group.cols, buf["colpart"], buf["wpart"], buf["cf"],
+            buf["upart"], beta2, eps1, col_mult, cf_scale, BLOCK_C=BLOCK_C, BLOCK_I=BLOCK_I,
+            NADDR=naddr, COL=col, HAS_W=has_w, num_warps=4,
+        )  # fmt: skip
+
+
+def launch_scalars(
+    tables: mt.Tables, group: mt.Group, lr: float | Tensor, *, eps2: float,
+    clip_threshold: float | None, coef: float, weight_decay: float, has_p: bool,
+) -> None:  # fmt: skip
+    """Launch `_mt_scalars_kernel`: per matrix mean(r), the clipped scale, wd·lr_t and lr_t."""
+    buf = tables.buf
+    scal = group.scal
+    lr_tensor = isinstance(lr, Tensor)
+    work = group.mat_work
+    clip = 1.0 if clip_threshold is None else clip_threshold
+    if not mt.planned(_mt_scalars_kernel, work, 4 * work.total + 16 * group.n_mats):
+        _mt_scalars_kernel[(group.n_mats,)](
+            group.geo, buf["rpart"], buf["ppart"], buf["upart"], scal, lr if lr_tensor else scal,
+            0.0 if lr_tensor else float(lr), eps2, clip, coef, weight_decay,
+            LR_TENSOR=lr_tensor, HAS_P=has_p, CLIP=clip_threshold is not None, BLOCK_K=BLOCK_K,
+            num_warps=4,
+        )  # fmt: skip
+
+
 def step_batch(opt: Adafactor, works: list[Work], cache: dict[tuple[object, ...], Any]) -> None:
-    """One fused step of every matrix in `works` (same `batch_key`): four launches.
+    """One fused step of every matrix in `works` (same `batch_key`): four launches per group.
 
     Unfactored tensors (a batch of them) take `_multi_vec_kernels.step_vectors`: one launch.
     """
@@ -243,53 +320,27 @@ def step_batch(opt: Adafactor, works: list[Work], cache: dict[tuple[object, ...]
          w.state["exp_avg_sq_col"])
         for w in works
     ]  # fmt: skip
-    tables = mt.cached(cache, mats, [w.index for w in works], sub=sub, block_c=BLOCK_C)
-    gaddr = tables.grad_addresses([w.grad for w in works])
+    tables = tables_for(cache, mats, works, is_aligned)
     buf = tables.buf
     beta2, eps1 = o.beta2(step), w0.eps1
-    grid_a, grid_b = (len(tables.a_items),), (len(tables.b_items),)
-    _, stats_bm, stats_warps = launch_config(is_aligned, stats=True)
-    _mt_stats_kernel[grid_a](
-        tables.addr, tables.geo, gaddr, tables.a_items, buf["colpart"], buf["wpart"],
-        buf["rpart"], buf["ppart"], g0, p0, beta2, eps1, HAS_P=o.needs_param_rms,
-        ALIGNED=is_aligned, SUB=sub, BLOCK_M=stats_bm, NADDR=4, num_warps=stats_warps,
-    )  # fmt: skip
-    _mt_cols_kernel[grid_b](
-        tables.addr, tables.geo, tables.b_items, buf["colpart"], buf["wpart"], buf["cf"],
-        buf["upart"], beta2, eps1, 1.0, 1.0, BLOCK_C=BLOCK_C, NADDR=4, COL=3, HAS_W=True,
-        num_warps=4,
-    )  # fmt: skip
-    rel = o.relative_step_size(step)
-    lr_tensor = isinstance(rel, Tensor)
     coef = (1.0 - o.beta1 if has_m else 1.0) * (-1.0 if o.maximize else 1.0)
-    clip = o.clip_threshold
-    _mt_scalars_kernel[(tables.n_mats,)](
-        tables.geo, buf["rpart"], buf["ppart"], buf["upart"], buf["scal"],
-        rel if lr_tensor else buf["scal"], 0.0 if lr_tensor else float(rel), o.eps2,
-        1.0 if clip is None else clip, coef, o.weight_decay, LR_TENSOR=lr_tensor,
-        HAS_P=o.needs_param_rms, CLIP=clip is not None, BLOCK_K=BLOCK_K, num_warps=4,
-    )  # fmt: skip
     sr = o.stochastic_rounding and p0.dtype == torch.bfloat16
     seed_base = (opt._sr_seed + 1_000_003 * step) % (2**31 - 1)
-    _mt_apply_kernel[(len(tables.d_items),)](
-        tables.addr, tables.geo, gaddr, tables.d_items, buf["cf"], buf["scal"], g0, p0,
-        o.beta1 if has_m else 0.0, seed_base, HAS_M=has_m, HAS_DECAY=o.weight_decay != 0,
-        SR=sr, ALIGNED=is_aligned, SUB=sub, BLOCK_M=bm, num_warps=warps,
-    )  # fmt: skip
+    elem = mt.size(g0.dtype) + 2 * mt.size(p0.dtype) + (8 if has_m else 0)
+    for group, gaddr in zip(tables.groups, tables.gaddr([w.grad for w in works]), strict=True):
+        launch_stats(tables, group, gaddr, g0, p0, beta2=beta2, eps1=eps1,
+                     has_p=o.needs_param_rms, naddr=4, is_aligned=is_aligned)  # fmt: skip
+        launch_cols(tables, group, beta2=beta2, eps1=eps1, col_mult=1.0, cf_scale=1.0,
+                    naddr=4, col=3, has_w=True)  # fmt: skip
+        launch_scalars(tables, group, o.relative_step_size(step), eps2=o.eps2,
+                       clip_threshold=o.clip_threshold, coef=coef, weight_decay=o.weight_decay,
+                       has_p=o.needs_param_rms)  # fmt: skip
+        if not mt.planned(_mt_apply_kernel, group.row_work, elem * group.row_work.total):
+            _mt_apply_kernel[(len(group.rows),)](
+                group.addr, group.geo, gaddr, group.rows, buf["cf"], group.scal,
+                g0, p0, o.beta1 if has_m else 0.0, seed_base, HAS_M=has_m,
+                HAS_DECAY=o.weight_decay != 0, SR=sr, ALIGNED=is_aligned, SUB=sub, BLOCK_M=bm,
+                STAGES=stages(is_aligned), num_warps=warps,
+            )  # fmt: skip
     for i, w in enumerate(works):
         opt._step_sizes[w.param] = (buf["scal"], i)
-
-
-def bytes_per_element(
-    g: torch.dtype, p: torch.dtype, *, momentum: bool, param_scale: bool, rows_per_item: int
-) -> float:
-    """DRAM bytes per element of a batched step, computed from the kernels (not measured).
-
-    Pass 1 reads g (+p with parameter scaling); its second sweep re-reads the row block it
-    just read, counted as an L2 hit. Pass 4 reads g, p (m) and writes p (m). The column
-    partials (two fp32 per column per item, written then read) add `16 / rows_per_item`.
-    """
-    gb = torch.empty((), dtype=g).element_size()
-    pb = torch.empty((), dtype=p).element_size()
-    total = 2 * gb + 2 * pb + (pb if param_scale else 0) + (8 if momentum else 0)
-    return total + 16 / rows_per_item

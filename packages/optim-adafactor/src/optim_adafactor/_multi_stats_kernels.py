@@ -2,12 +2,13 @@
 # ruff: noqa: N803, PLR0917
 """Statistics kernels of the multi-tensor fused step, shared by Adafactor and optim-came's CAME.
 
-Steps 1-3 of `_multi_kernels.py`, one launch each for all the matrices of a batch (work items and
-addresses from the tables of `_multi_tables`):
+Steps 1-3 of `_multi_kernels.py`, one launch each for all the matrices of a group (work items
+and addresses from the tables of `_multi_tables`):
 
-1. `_mt_stats_kernel`: the row EMA `r` of g² (in place), per-item sums of r (and of p²), and
-   the column partials of g² and g²/r of each chunk of rows;
-2. `_mt_cols_kernel`: the column EMA `c` (in place), `cf = cf_scale/√c` and partials of Σu²;
+1. `_mt_stats_kernel`, one program per row item: the row EMA `r` of g² (in place), per-item
+   sums of r (and of p²), and the column partials of g² and g²/r of the item, written once;
+2. `_mt_cols_kernel`, one program per column item: the column EMA `c` (in place),
+   `cf = cf_scale/√c` and partials of Σu²;
 3. `_mt_scalars_kernel`: per matrix, mean(r), the clipped step scale, wd·lr_t and lr_t.
 
 There is no launcher here: `_multi_kernels.step_batch` and optim-came's `step_batch` launch these
@@ -29,6 +30,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from optim_adafactor._kernels import tensor_seed
+
     # addr columns: parameter, exp_avg (or the parameter), row EMA, column EMA
     _P = tl.constexpr(0)
     _MOM = tl.constexpr(1)
@@ -41,17 +44,20 @@ if HAS_TRITON:
     def _mt_stats_kernel(  # type: ignore[no-untyped-def]
         addr, geo, gaddr, items, colpart, wpart, rpart, ppart, g0, p0, beta2, eps1,
         HAS_P: tl.constexpr, ALIGNED: tl.constexpr, SUB: tl.constexpr, BLOCK_M: tl.constexpr,
-        NADDR: tl.constexpr,
+        NADDR: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
         """Row EMA `r = β2 r + (1-β2)(mean_j g² + ε1)` in place; column partials of g², g²/r.
 
-        `addr` rows hold NADDR addresses: parameter, momentum, row EMA, column EMA, ...
+        One row item (R rows) per program. Sweep 1 walks the item's row blocks and finishes
+        their row sums, hence `r`; sweep 2 walks it again column tile by column tile (the item
+        was just read: L2) and writes each column's partials once, from registers. `addr`
+        rows hold NADDR addresses: parameter, momentum, row EMA, column EMA, ...
         """
         pid = tl.program_id(0)
-        mat = tl.load(items + pid * 4)
-        r0 = tl.load(items + pid * 4 + 1)
-        r1 = tl.load(items + pid * 4 + 2)
-        poff = tl.load(items + pid * 4 + 3)
+        mat = tl.load(items + pid * 5)
+        r0 = tl.load(items + pid * 5 + 1)
+        r1 = tl.load(items + pid * 5 + 2)
+        poff = tl.load(items + pid * 5 + 3)
         m = tl.load(geo + mat * _GEO + 1)
         g_ptr = tl.load(gaddr + mat).to(g0.dtype)
         p_ptr = tl.load(addr + mat * NADDR + _P).to(p0.dtype)
@@ -63,41 +69,43 @@ if HAS_TRITON:
         m_f = m.to(tl.float32)
         acc_r = tl.zeros([SUB], dtype=tl.float32)
         acc_p = tl.zeros([SUB], dtype=tl.float32)
-        for s in range(r0, r1, SUB):
+        for s in range(r0, r1, SUB):  # sweep 1: row sums, whole rows (g from DRAM)
             rows = s + tl.arange(0, SUB)
             row_mask = rows < r1
             rsum = tl.zeros([SUB], dtype=tl.float32)
-            for c0 in range(0, m, BLOCK_M):  # sweep 1: row sums (reads g from DRAM)
+            for c0 in tl.range(0, m, BLOCK_M, num_stages=STAGES):
                 cols = c0 + tl.arange(0, BLOCK_M)
                 mask = row_mask[:, None] & (cols < m)[None, :]
                 offs = rows[:, None].to(tl.int64) * m + cols[None, :]
-                g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # upcast first
+                g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
+                g = g.to(tl.float32)  # upcast first
                 rsum += tl.sum(g * g, axis=1)
                 if HAS_P:
-                    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                    p = tl.load(p_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+                    p = p.to(tl.float32)
                     acc_p += tl.sum(p * p, axis=1)
             r_old = tl.load(row_ptr + rows, mask=row_mask, other=1.0)
             r_new = beta2 * r_old + (1.0 - beta2) * (rsum / m_f + eps1)
             tl.store(row_ptr + rows, r_new, mask=row_mask)
             acc_r += tl.where(row_mask, r_new, 0.0)
-            inv_r = tl.where(row_mask, 1.0 / r_new, 0.0)
-            not_first = s > r0
-            for c0 in range(0, m, BLOCK_M):  # sweep 2: the same rows again (L2-resident)
-                cols = c0 + tl.arange(0, BLOCK_M)
-                col_mask = cols < m
+        tl.debug_barrier()  # sweep 2 reads r back, maybe from other threads
+        for c0 in range(0, m, BLOCK_M):  # sweep 2: column partials, written once per item
+            cols = c0 + tl.arange(0, BLOCK_M)
+            col_mask = cols < m
+            cpart = tl.zeros([BLOCK_M], dtype=tl.float32)
+            wsum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for s in tl.range(r0, r1, SUB, num_stages=STAGES):
+                rows = s + tl.arange(0, SUB)
+                row_mask = rows < r1
+                inv_r = 1.0 / tl.load(row_ptr + rows, mask=row_mask, other=1.0)
                 mask = row_mask[:, None] & col_mask[None, :]
                 offs = rows[:, None].to(tl.int64) * m + cols[None, :]
-                g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                g2 = g * g
-                cpart = tl.sum(g2, axis=0)
-                wsum = tl.sum(g2 * inv_r[:, None], axis=0)
-                pmask = col_mask & not_first  # the first sub-block starts the partials
-                cpart += tl.load(colpart + poff + cols, mask=pmask, other=0.0)
-                wsum += tl.load(wpart + poff + cols, mask=pmask, other=0.0)
-                tl.store(colpart + poff + cols, cpart, mask=col_mask)
-                tl.store(wpart + poff + cols, wsum, mask=col_mask)
-            # The next sub-block reads these partials back, maybe from other threads.
-            tl.debug_barrier()
+                g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+                g2 = g.to(tl.float32) * g.to(tl.float32)
+                cpart += tl.sum(g2, axis=0)
+                wsum += tl.sum(g2 * inv_r[:, None], axis=0)
+            tl.store(colpart + poff + cols, cpart, mask=col_mask)
+            tl.store(wpart + poff + cols, wsum, mask=col_mask)
         tl.store(rpart + pid, tl.sum(acc_r, axis=0))
         if HAS_P:
             tl.store(ppart + pid, tl.sum(acc_p, axis=0))
@@ -105,38 +113,63 @@ if HAS_TRITON:
     @triton.jit  # type: ignore[untyped-decorator]
     def _mt_cols_kernel(  # type: ignore[no-untyped-def]
         addr, geo, items, colpart, wpart, cfbuf, upart, beta2, eps1, col_mult, cf_scale,
-        BLOCK_C: tl.constexpr, NADDR: tl.constexpr, COL: tl.constexpr, HAS_W: tl.constexpr,
+        BLOCK_C: tl.constexpr, BLOCK_I: tl.constexpr, NADDR: tl.constexpr, COL: tl.constexpr,
+        HAS_W: tl.constexpr,
     ):  # fmt: skip
         """Column EMA `c = β c + (1-β)(col_mult · mean_i x + ε)` in place, `cf = cf_scale/√c`.
 
-        `x` is g² (Adafactor, CAME's first statistic; `col_mult` = 1) or CAME's `d²`
-        (`col_mult` = β1²); `COL` is the column of `addr` holding the EMA. With `HAS_W`, also
-        the partial `Σ_j W_j cf_j²` of Σu² (W: the column sums of g²/r).
+        One column item (a range of columns of one matrix) per program; the partials of the
+        matrix's row items are summed in a fixed order, BLOCK_I items at a time. `x` is g²
+        (Adafactor, CAME's first statistic; `col_mult` = 1) or CAME's `d²` (`col_mult` = β1²);
+        `COL` is the column of `addr` holding the EMA. With `HAS_W`, also the partial
+        `Σ_j W_j cf_j²` of Σu² (W: the column sums of g²/r).
         """
         pid = tl.program_id(0)
-        mat = tl.load(items + pid * 2)
-        c0 = tl.load(items + pid * 2 + 1)
+        mat = tl.load(items + pid * 3)
+        c_lo = tl.load(items + pid * 3 + 1)
+        c_hi = tl.load(items + pid * 3 + 2)
         n = tl.load(geo + mat * _GEO + 0)
         m = tl.load(geo + mat * _GEO + 1)
         cf_off = tl.load(geo + mat * _GEO + 2)
         n_items = tl.load(geo + mat * _GEO + 4)
         part = tl.load(geo + mat * _GEO + 7)
         col_ptr = tl.load(addr + mat * NADDR + COL).to(tl.pointer_type(tl.float32))
-        cols = c0 + tl.arange(0, BLOCK_C)
-        col_mask = cols < m
-        csum = tl.zeros([BLOCK_C], dtype=tl.float32)
-        wsum = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for k in range(0, n_items):  # row-chunk partials in a fixed order
-            csum += tl.load(colpart + part + k * m + cols, mask=col_mask, other=0.0)
+        usum = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for c0 in range(c_lo, c_hi, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            col_mask = cols < c_hi
+            cacc = tl.zeros([BLOCK_I, BLOCK_C], dtype=tl.float32)
+            wacc = tl.zeros([BLOCK_I, BLOCK_C], dtype=tl.float32)
+            for k in tl.range(0, n_items, BLOCK_I, num_stages=2):  # fixed order
+                ks = k + tl.arange(0, BLOCK_I)
+                mask = (ks < n_items)[:, None] & col_mask[None, :]
+                offs = part + ks[:, None].to(tl.int64) * m + cols[None, :]
+                cacc += tl.load(colpart + offs, mask=mask, other=0.0)
+                if HAS_W:
+                    wacc += tl.load(wpart + offs, mask=mask, other=0.0)
+            csum = tl.sum(cacc, axis=0)
+            c_old = tl.load(col_ptr + cols, mask=col_mask, other=1.0)
+            c_new = beta2 * c_old + (1.0 - beta2) * (csum * col_mult / n.to(tl.float32) + eps1)
+            tl.store(col_ptr + cols, c_new, mask=col_mask)
+            cf = cf_scale / tl.sqrt(c_new)
+            tl.store(cfbuf + cf_off + cols, cf, mask=col_mask)
             if HAS_W:
-                wsum += tl.load(wpart + part + k * m + cols, mask=col_mask, other=0.0)
-        c_old = tl.load(col_ptr + cols, mask=col_mask, other=1.0)
-        c_new = beta2 * c_old + (1.0 - beta2) * (csum * col_mult / n.to(tl.float32) + eps1)
-        tl.store(col_ptr + cols, c_new, mask=col_mask)
-        cf = cf_scale / tl.sqrt(c_new)
-        tl.store(cfbuf + cf_off + cols, cf, mask=col_mask)
+                usum += tl.where(col_mask, tl.sum(wacc, axis=0) * cf * cf, 0.0)
         if HAS_W:
-            tl.store(upart + pid, tl.sum(tl.where(col_mask, wsum * cf * cf, 0.0), axis=0))
+            tl.store(upart + pid, tl.sum(usum, axis=0))
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def apply_scalars(  # type: ignore[no-untyped-def]
+        scal, geo, mat, seed_base, HAS_DECAY: tl.constexpr, SR: tl.constexpr
+    ):
+        """A matrix's `(scal[0], scal[1], wd·lr or 0, rounding seed or 0)` for an apply kernel."""
+        wd_lr = 0.0
+        if HAS_DECAY:
+            wd_lr = tl.load(scal + mat * 4 + 2)
+        seed = 0
+        if SR:
+            seed = tensor_seed(seed_base, tl.load(geo + mat * _GEO + 8))
+        return tl.load(scal + mat * 4), tl.load(scal + mat * 4 + 1), wd_lr, seed
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _segment_sum(ptr, start, count, BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]

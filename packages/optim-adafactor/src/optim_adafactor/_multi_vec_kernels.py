@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +130,25 @@ class VecTables:
     grad_addresses: mt.GradAddresses = field(default_factory=mt.GradAddresses)
 
 
+def vec_tables(
+    cache: dict[tuple[object, ...], Any], tag: str, tensors: Sequence[Sequence[Tensor]],
+    works: Sequence[Any],
+) -> VecTables:  # fmt: skip
+    """The cached tables of a batch of vectors (`tensors[i]`: the addresses of `works[i]`)."""
+    signature = (tag, *((tuple(t.data_ptr() for t in ts), ts[0].numel(), w.index)
+                        for ts, w in zip(tensors, works, strict=True)))  # fmt: skip
+    tables = cache.get(signature)
+    if tables is None:
+        device = tensors[0][0].device
+        tables = VecTables(
+            addr=mt.to_device([[t.data_ptr() for t in ts] for ts in tensors], device),
+            geo=mt.to_device([[w.param.numel(), w.index] for w in works], device),
+            scal=torch.empty((len(works), 4), dtype=torch.float32, device=device),
+        )
+        mt.remember(cache, signature, tables)
+    return tables
+
+
 def fusable(p: Tensor) -> bool:
     """Whether an unfactored parameter (and its gradient) can take the batched vector step."""
     g = p.grad
@@ -152,24 +172,17 @@ def step_vectors(opt: Adafactor, works: list[Work], cache: dict[tuple[object, ..
     tensors = [
         (w.param, w.state["exp_avg"] if has_m else w.param, w.state["exp_avg_sq"]) for w in works
     ]
-    signature = ("vec", *((tuple(t.data_ptr() for t in ts), ts[0].numel(), w.index)
-                          for ts, w in zip(tensors, works, strict=True)))  # fmt: skip
-    tables = cache.get(signature)
-    if tables is None:
-        device = p0.device
-        tables = VecTables(
-            addr=mt.to_device([[t.data_ptr() for t in ts] for ts in tensors], device),
-            geo=mt.to_device([[w.param.numel(), w.index] for w in works], device),
-            scal=torch.empty((len(works), 4), dtype=torch.float32, device=device),
-        )
-        while len(cache) >= mt.CACHE_SIZE:
-            cache.pop(next(iter(cache)))
-        cache[signature] = tables
-    gaddr = tables.grad_addresses([w.grad for w in works])
+    tables = vec_tables(cache, "vec", tensors, works)
+    (gaddr,) = tables.grad_addresses([w.grad for w in works])
     rel = o.relative_step_size(step)
     lr_tensor = isinstance(rel, Tensor)
     coef = (1.0 - o.beta1 if has_m else 1.0) * (-1.0 if o.maximize else 1.0)
     clip = o.clip_threshold
+    work = mt.Work.of([w.param.numel() for w in works])
+    pb, gb = mt.size(p0.dtype), mt.size(g0.dtype)
+    nbytes = work.total * (gb + 8 + pb * (2 + o.needs_param_rms) + (8 if has_m else 0))
+    if mt.planned(_mt_vec_kernel, work, nbytes):
+        return
     _mt_vec_kernel[(len(works),)](
         tables.addr, tables.geo, gaddr, tables.scal, g0, p0, rel if lr_tensor else tables.scal,
         0.0 if lr_tensor else float(rel), o.beta2(step), w0.eps1, o.eps2,

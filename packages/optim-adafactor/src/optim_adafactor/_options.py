@@ -13,7 +13,7 @@ from typing import Any, Literal, get_args
 
 from torch import Tensor
 
-from optim_adafactor._checks import Scalar, check_bool, check_lr, check_number
+from optim_adafactor.checks import Scalar, check_bool, check_lr, check_number
 
 Semantics = Literal["hf", "t2t", "torch"]
 SEMANTICS: tuple[str, ...] = get_args(Semantics)

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from optim_adafactor._checks import Scalar
 from optim_adafactor.base import StepWork, decay_
+from optim_adafactor.checks import Scalar
 from optim_adafactor.factored import add_scaled_, ema_, factors
 
 

@@ -29,9 +29,9 @@ from typing import Any, ClassVar, Literal, cast, get_args
 import torch
 from torch import Tensor
 
-from optim_adafactor._checks import Scalar
 from optim_adafactor._state import LosslessState
 from optim_adafactor._stochastic import copy_stochastic_
+from optim_adafactor.checks import Scalar
 from optim_adafactor.dtensor import local_tensor, localize
 from optim_adafactor.sharding import Bucket, RowShard, make_row_shard
 

@@ -37,6 +37,7 @@ __all__ = [
     "copy_stochastic_",
     "ema_",
     "factors",
+    "planned",
     "scaled_sumsq",
     "sq_stats",
     "triton_available",
@@ -98,6 +99,14 @@ def factors(row: Tensor, col: Tensor, row_mean: Tensor) -> tuple[Tensor, Tensor]
 def triton_available(device: torch.device) -> bool:
     """Whether the Triton launchers can run on `device` (CUDA, or CPU with TRITON_INTERPRET=1)."""
     return _kernels.available(device)
+
+
+def planned(kernel: object, t3: Tensor, bytes_per_element: float) -> bool:
+    """Record a per-tensor launch over (B, n, m) `t3` while a launch plan is made.
+
+    Returns True while `optim_adafactor.multi_tensor.plan_launches` runs (do not launch then).
+    """
+    return _kernels.planned(kernel, t3, bytes_per_element)
 
 
 def as_3d(t: Tensor) -> Tensor:

@@ -10,10 +10,10 @@ import torch
 from torch import Tensor
 
 from optim_adafactor import _torch_path
-from optim_adafactor._checks import Scalar
 from optim_adafactor._options import GroupOptions, Semantics, parse_group
 from optim_adafactor._torch_path import Work
 from optim_adafactor.base import Backend, FactoredOptimizer, StepWork, stat_dtype
+from optim_adafactor.checks import Scalar
 from optim_adafactor.dtensor import local_tensor
 from optim_adafactor.sharding import Bucket
 

@@ -237,7 +237,8 @@ def momentum(w: Work, usq: Tensor, buf: Tensor | None = None, *, u_in_buf: bool 
     f32: dict[str, Any] = {"dtype": torch.float32, "device": g3.device}
     rowsum = torch.zeros((b, n), **f32)
     colpart = torch.zeros((b, blocks, m), **f32)
-    if b * n * m > 0:
+    nbytes = g3.dtype.itemsize + 2 * st["exp_avg"].dtype.itemsize
+    if b * n * m > 0 and not factored.planned(_momentum_kernel, g3, nbytes):
         bm, warps = launch_config(m)
         _momentum_kernel[(b, blocks)](
             g3, st["exp_avg"], (w.rf * w.clip).reshape(b, n).contiguous(),
@@ -258,7 +259,9 @@ def apply(w: Work, buf: Tensor | None = None, *, seed: int = 0) -> None:
     o = w.opts
     assert w.res_rf is not None
     assert w.res_cf is not None
-    if b * n * m == 0:
+    p3 = factored.as_3d(w.param)
+    nbytes = w.state["exp_avg"].dtype.itemsize + 2 * p3.dtype.itemsize
+    if b * n * m == 0 or factored.planned(_apply_kernel, p3, nbytes):
         return
     sr = o.stochastic_rounding and w.param.dtype == torch.bfloat16
     rrs = (w.res_rf * o.lr).reshape(b, n).contiguous()
@@ -266,7 +269,7 @@ def apply(w: Work, buf: Tensor | None = None, *, seed: int = 0) -> None:
     wd_lr = torch.empty(1, dtype=torch.float32, device=rrs.device).fill_(o.lr * o.weight_decay)
     bm, warps = launch_config(m)
     _apply_kernel[(b, blocks)](
-        factored.as_3d(w.param), w.state["exp_avg"], rrs,
+        p3, w.state["exp_avg"], rrs,
         w.res_cf.reshape(b, m).contiguous(), wd_lr, seed, n, m,
         HAS_DECAY=o.weight_decay != 0, SR=sr, BLOCK_N=BLOCK_N, BLOCK_M=bm, num_warps=warps,
     )  # fmt: skip

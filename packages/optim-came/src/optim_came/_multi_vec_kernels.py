@@ -18,20 +18,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from optim_adafactor import _multi_tables as mt
-from optim_adafactor import _multi_vec_kernels as vec
+from optim_adafactor import multi_tensor as mt
 
 if TYPE_CHECKING:
     from optim_came._torch_path import Work
     from optim_came.optimizer import CAME
 
-HAS_TRITON = vec.HAS_TRITON
+HAS_TRITON = mt.HAS_TRITON
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor.factored import store_update, tensor_seed
+    from optim_adafactor.multi_tensor import store_update, tensor_seed
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _mt_came_vec_kernel(  # type: ignore[no-untyped-def]
@@ -97,9 +96,9 @@ if HAS_TRITON:
                             "m0": m_dtype, "lr_ptr": f32, "lr": 1e-4, "beta1": 0.9,
                             "beta2": 0.999, "eps1": 1e-30, "corr2": 1.0, "clip_threshold": 1.0,
                             "weight_decay": 0.01, "seed_base": 12345, "LR_TENSOR": False,
-                            "HAS_DECAY": True, "SR": sr, "BLOCK": vec.BLOCK}  # fmt: skip
+                            "HAS_DECAY": True, "SR": sr, "BLOCK": mt.VEC_BLOCK}  # fmt: skip
                     launches.append({"kernel": _mt_came_vec_kernel, "args": args,
-                                     "options": {"num_warps": vec.NUM_WARPS}})  # fmt: skip
+                                     "options": {"num_warps": mt.VEC_NUM_WARPS}})  # fmt: skip
         return launches
 
 
@@ -108,20 +107,12 @@ def step_vectors(opt: CAME, works: list[Work], cache: dict[tuple[object, ...], A
     w0 = works[0]
     o, step, p0, g0, m0 = w0.opts, w0.step, w0.param, w0.grad, w0.state["exp_avg"]
     tensors = [(w.param, w.state["exp_avg"], w.state["exp_avg_sq"]) for w in works]
-    signature = ("came-vec", *((tuple(t.data_ptr() for t in ts), ts[0].numel(), w.index)
-                               for ts, w in zip(tensors, works, strict=True)))  # fmt: skip
-    tables = cache.get(signature)
-    if tables is None:
-        device = p0.device
-        tables = vec.VecTables(
-            addr=mt.to_device([[t.data_ptr() for t in ts] for ts in tensors], device),
-            geo=mt.to_device([[w.param.numel(), w.index] for w in works], device),
-            scal=torch.empty((len(works), 4), dtype=torch.float32, device=device),
-        )
-        while len(cache) >= mt.CACHE_SIZE:
-            cache.pop(next(iter(cache)))
-        cache[signature] = tables
-    gaddr = tables.grad_addresses([w.grad for w in works])
+    tables = mt.vec_tables(cache, "came-vec", tensors, works)
+    (gaddr,) = tables.grad_addresses([w.grad for w in works])
+    work = mt.Work.of([w.param.numel() for w in works])
+    mb, pb, gb = mt.size(m0.dtype), mt.size(p0.dtype), mt.size(g0.dtype)
+    if mt.planned(_mt_came_vec_kernel, work, work.total * (2 * gb + 16 + 4 * mb + 2 * pb)):
+        return
     lr_tensor = isinstance(o.lr, Tensor)
     _mt_came_vec_kernel[(len(works),)](
         tables.addr, tables.geo, gaddr, g0, p0, m0, o.lr if lr_tensor else tables.scal,
@@ -129,5 +120,5 @@ def step_vectors(opt: CAME, works: list[Work], cache: dict[tuple[object, ...], A
         math.sqrt(o.second_moment_correction(step)), o.clip_threshold, o.weight_decay,
         (opt._sr_seed + 1_000_003 * step) % (2**31 - 1), LR_TENSOR=lr_tensor,
         HAS_DECAY=o.weight_decay != 0, SR=o.stochastic_rounding and p0.dtype == torch.bfloat16,
-        BLOCK=vec.BLOCK, num_warps=vec.NUM_WARPS,
+        BLOCK=mt.VEC_BLOCK, num_warps=mt.VEC_NUM_WARPS,
     )  # fmt: skip

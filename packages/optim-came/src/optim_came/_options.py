@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from optim_adafactor._checks import Scalar, check_bool, check_lr, check_number
+from optim_adafactor.checks import Scalar, check_bool, check_lr, check_number
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -1,4 +1,4 @@
-"""Option checks shared by the `parse_group`s of `Adafactor` and optim-came's `CAME`.
+"""Option checks shared by the `parse_group`s of `Adafactor` and optim-came's `CAME` (public).
 
 Each returns the checked value or raises a `TypeError`/`ValueError` naming the option.
 `Scalar` is the type of a checked learning rate: a float or a 0-dim tensor (kept on its device).

@@ -1,0 +1,94 @@
+"""Public building blocks of multi-tensor fused steps of factored optimizers.
+
+Adafactor's multi-tensor step is built from these, and optim-came's fused CAME uses them and
+nothing else of this package's kernels:
+
+- the work split and its tables (`tables_for`, `Tables`, `Group`, `Work`): row items of about
+  `ITEM_ELEMENTS` elements, column items, groups that bound the scratch (`_multi_tables`);
+- the launchers of the factored statistics (`launch_stats`, `launch_cols`, `launch_scalars`),
+  which take a table layout of `naddr` addresses per matrix (parameter, momentum, row EMA,
+  column EMA, then the caller's own);
+- the batched step of small unfactored tensors (`fusable`, `vec_tables`);
+- the launch plan: `plan_launches(make_optimizer, shapes, dtype)` runs a real `step()` on meta
+  tensors and returns each launch it would make (`Launch`); a launcher of another package
+  reports its own launches through `planned(kernel, work, nbytes)`;
+- with Triton: the `@triton.jit` helpers `store_update`, `tensor_seed` and `apply_scalars`, the
+  statistics kernel (`stats_kernel`, for `gpu_launch_configs`) and `cols_launch_config`.
+
+A caller's kernels read a matrix's `geo` row (`GEO` int64 fields: rows, columns, column-factor
+offset, its row items, its column items, its partial offset, its index in the step) and its
+`addr` row (the caller's own layout).
+"""
+
+from __future__ import annotations
+
+from optim_adafactor._kernels import HAS_TRITON
+from optim_adafactor._multi_kernels import (
+    STAGES,
+    eligible_matrix,
+    launch_cols,
+    launch_config,
+    launch_scalars,
+    launch_stats,
+    stages,
+    tables_for,
+)
+from optim_adafactor._multi_tables import (
+    _INTERPRET as INTERPRET,
+)
+from optim_adafactor._multi_tables import (
+    GEO,
+    ITEM_ELEMENTS,
+    Group,
+    Launch,
+    Tables,
+    Work,
+    aligned,
+    plan_launches,
+    planned,
+    planning,
+    recording,
+    size,
+)
+from optim_adafactor._multi_vec_kernels import BLOCK as VEC_BLOCK
+from optim_adafactor._multi_vec_kernels import NUM_WARPS as VEC_NUM_WARPS
+from optim_adafactor._multi_vec_kernels import VecTables, fusable, vec_tables
+
+__all__ = [
+    "GEO",
+    "HAS_TRITON",
+    "INTERPRET",
+    "ITEM_ELEMENTS",
+    "STAGES",
+    "VEC_BLOCK",
+    "VEC_NUM_WARPS",
+    "Group",
+    "Launch",
+    "Tables",
+    "VecTables",
+    "Work",
+    "aligned",
+    "eligible_matrix",
+    "fusable",
+    "launch_cols",
+    "launch_config",
+    "launch_scalars",
+    "launch_stats",
+    "plan_launches",
+    "planned",
+    "planning",
+    "recording",
+    "size",
+    "stages",
+    "tables_for",
+    "vec_tables",
+]
+
+if HAS_TRITON:
+    from optim_adafactor._kernels import store_update, tensor_seed
+    from optim_adafactor._multi_kernels import cols_launch_config
+    from optim_adafactor._multi_stats_kernels import _mt_stats_kernel as stats_kernel
+    from optim_adafactor._multi_stats_kernels import apply_scalars
+
+    __all__ += ["apply_scalars", "cols_launch_config", "stats_kernel", "store_update"]
+    __all__ += ["tensor_seed"]
