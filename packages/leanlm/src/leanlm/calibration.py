@@ -23,9 +23,11 @@ def calibration_batches(
 
 
 def load_input_with_calibration(
-    ctx: StageContext, *, samples: int, batch_size: int
+    ctx: StageContext, *, samples: int, batch_size: int, dtype: torch.dtype | None = None
 ) -> tuple[Any, list[dict[str, torch.Tensor]]]:
-    """The previous stage's model (fp32, on this process's device) and calibration batches.
+    """The previous stage's model (on this process's device) and calibration batches.
+
+    The model is in `dtype`, or in its checkpoint's dtype when None (`leanlm.model.load_model`).
 
     The batches are the same on every process and in every run with the same seed, so a stage
     that derives something from them (importance scores, masks) derives it identically.
@@ -43,4 +45,4 @@ def load_input_with_calibration(
         seed=ctx.config.seed,
         device=device,
     )
-    return load_model(ctx.input_dir).to(device), batches
+    return load_model(ctx.input_dir, dtype=dtype).to(device), batches

@@ -95,7 +95,7 @@ class Control(Stage):
     def run(self, ctx: StageContext) -> StageResult:
         """Count the compression stages' tokens, train the dense model that long, save it."""
         from leanlm.evaluate import causal_lm_loss
-        from leanlm.model import load_model
+        from leanlm.model import TRAIN_DTYPE, load_model
         from leanlm.trainer import train
 
         source = ctx.outputs.get(DENSE_STAGE, ctx.outputs.get(INIT_STAGE))
@@ -118,7 +118,7 @@ class Control(Stage):
             f"[control] the dense model trains on for {target:,} tokens "
             f"({', '.join(f'{k} {v:,}' for k, v in used.items())}): {steps} steps"
         )
-        metrics = train(ctx, load_model(source), cfg, causal_lm_loss)
+        metrics = train(ctx, load_model(source, dtype=TRAIN_DTYPE), cfg, causal_lm_loss)
         metrics["target_tokens"] = target
         stages = ctx.config.stages
         last = StageResult.load(ctx.run_dir / stages[stages.index(self.name) - 1])

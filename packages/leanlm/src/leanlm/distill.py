@@ -126,7 +126,7 @@ class Distill(Stage):
         )
         from leanlm.evaluate import evaluate_perplexity
         from leanlm.lineage import pruned_layer_map_for
-        from leanlm.model import count_parameters, load_model
+        from leanlm.model import TRAIN_DTYPE, count_parameters, load_model, load_teacher
         from leanlm.trainer import train
         from prune_distill import HiddenStateLoss
 
@@ -137,8 +137,11 @@ class Distill(Stage):
                 f"the `distill` stage needs a previous stage's model and the teacher stage "
                 f"{cfg.teacher_stage!r} to have run; ran: {list(ctx.outputs)}"
             )
-        student = load_model(ctx.input_dir)
-        teacher = load_model(ctx.outputs[cfg.teacher_stage]).to(acc.device)
+        student = load_model(ctx.input_dir, dtype=TRAIN_DTYPE)
+        # the teacher only runs forward passes: frozen, in its checkpoint's dtype (bf16 for a
+        # bf16 checkpoint); a teacher correction trains it, in fp32, then casts it back
+        teacher_dir = ctx.outputs[cfg.teacher_stage]
+        teacher = load_teacher(teacher_dir).to(acc.device)
         extra: dict[str, Any] = {}
         if cfg.teacher_correction_steps:
             windows = ctx.resources.validation_windows
@@ -149,7 +152,10 @@ class Distill(Stage):
                 ).loss
 
             extra["teacher_val_loss"] = teacher_val_loss(teacher)
-            teacher = corrected_teacher(ctx, teacher, cfg)
+            stored = teacher.dtype
+            del teacher
+            teacher = load_model(teacher_dir, dtype=TRAIN_DTYPE).to(acc.device)
+            teacher = corrected_teacher(ctx, teacher, cfg).to(stored)
             extra["corrected_teacher_val_loss"] = teacher_val_loss(teacher)
             acc.print(
                 f"[distill] teacher correction ({cfg.teacher_correction_steps} steps): "
@@ -160,7 +166,6 @@ class Distill(Stage):
         loss_fn = distillation_loss(teacher, cfg)
         if cfg.hidden_loss_weight:
             # a depth-pruned student's layers match the layers they were cut from; else even
-            teacher_dir = ctx.outputs[cfg.teacher_stage]
             layer_map = pruned_layer_map_for(ctx.run_dir, ctx.input_dir, teacher_dir)
             # the projection (width-pruned student) is seeded by the run's seed, so a run does
             # not depend on what the process ran before (and every process starts the same)

@@ -77,11 +77,27 @@ def weights_stats(model_dir: Path) -> dict[str, int]:
     return stats
 
 
-def load_model(path: str | Path) -> Any:
-    """`AutoModelForCausalLM.from_pretrained(path)` in fp32.
+def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> Any:
+    """`AutoModelForCausalLM.from_pretrained(path)` in its checkpoint's dtype, or in `dtype`.
 
-    Stages train fp32 weights, so a hub checkpoint stored in bf16 is upcast.
+    transformers builds the model on the meta device and fills it shard by shard from the
+    safetensors files, casting each tensor as it arrives, so the process never holds two
+    copies of the weights. With `dtype=None` the weights keep the checkpoint's dtype (the
+    config's `dtype`, else that of the stored weights): a bf16 checkpoint loads as bf16.
+    Stages that train pass `TRAIN_DTYPE` (see there).
     """
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
+
+
+TRAIN_DTYPE = torch.float32
+"""The dtype a model that trains is loaded in: every engine (`leanlm.engines`) keeps fp32
+parameters (masters) and `RunConfig.mixed_precision` runs the forward under autocast, so a bf16
+checkpoint that trains is upcast; models that only run forward passes (a teacher, the model the
+`prune` stage scores) keep the checkpoint's dtype."""
+
+
+def load_teacher(path: str | Path, *, dtype: torch.dtype | None = None) -> Any:
+    """A frozen teacher: `load_model` (checkpoint dtype), eval mode, no gradients."""
+    return load_model(path, dtype=dtype).eval().requires_grad_(False)

@@ -39,11 +39,11 @@ class Pretrain(Stage):
     def run(self, ctx: StageContext) -> StageResult:
         """Build the model from `config.model` (or load `init_model`), train it, save it."""
         from leanlm.evaluate import causal_lm_loss
-        from leanlm.model import build_model, load_model
+        from leanlm.model import TRAIN_DTYPE, build_model, load_model
         from leanlm.trainer import train
 
         if ctx.input_dir is not None:  # `init_model`: continued pretraining
-            model = load_model(ctx.input_dir)
+            model = load_model(ctx.input_dir, dtype=TRAIN_DTYPE)
         else:
             model = build_model(
                 ctx.config.model, tokenizer=ctx.resources.tokenizer, seed=ctx.config.seed

@@ -196,14 +196,19 @@ class Prune(Stage):
         from leanlm.calibration import load_input_with_calibration
         from leanlm.checkpoint import save_atomically
         from leanlm.evaluate import evaluate_perplexity
-        from leanlm.model import count_parameters
+        from leanlm.model import TRAIN_DTYPE, count_parameters
         from prune_distill import collect_importance, prune, pruned_layer_map
 
         cfg: PruneConfig = ctx.section
         acc = ctx.accelerator
         start = time.perf_counter()
+        # scoring runs forward passes only: the checkpoint's dtype (bf16 halves an 8B model),
+        # and the pruned model is saved in it; a search trains its candidates, so fp32 then
         model, batches = load_input_with_calibration(
-            ctx, samples=cfg.calibration_samples, batch_size=cfg.calibration_batch_size
+            ctx,
+            samples=cfg.calibration_samples,
+            batch_size=cfg.calibration_batch_size,
+            dtype=TRAIN_DTYPE if cfg.search else None,
         )
         scores = collect_importance(
             model, batches, num_samples=None, layer_loss=cfg.layer_metric == "lm_loss"

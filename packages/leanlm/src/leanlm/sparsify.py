@@ -140,8 +140,13 @@ class Sparsify(Stage):
         cfg: SparsifyConfig = ctx.section
         acc = ctx.accelerator
         start = time.perf_counter()
-        model, batches = load_input_with_calibration(
-            ctx, samples=cfg.calibration_samples, batch_size=cfg.calibration_batch_size
+        from leanlm.model import TRAIN_DTYPE
+
+        model, batches = load_input_with_calibration(  # fp32: the masks and the fine-tune
+            ctx,
+            samples=cfg.calibration_samples,
+            batch_size=cfg.calibration_batch_size,
+            dtype=TRAIN_DTYPE,
         )
         # Deterministic given the calibration batches: a resumed run rebuilds the same masks
         # before its checkpoint restores the fine-tuned weights.
