@@ -199,3 +199,50 @@ def test_a_launched_kernel_missing_from_the_configs_is_an_error(tmp_path):
     proc = _run_tool(_toy_package(tmp_path, extra), tmp_path / "records.json")
     assert proc.returncode != 0
     assert "launches _forgotten_kernel but gpu_launch_configs() omits it" in proc.stderr
+
+
+def test_gate_fails_a_compile_that_lost_what_its_launch_requires(tool):
+    hopper = {"arch": "sm_90", "requires": ["tma", "wgmma"]}
+    assert tool.gate([_record(**hopper, tma=True, wgmma=True)]) == []
+    failures = tool.gate([_record(**hopper, tma=False, wgmma=True)])
+    assert len(failures) == 1
+    assert failures[0].startswith("tma required by the launch but not in the compile")
+
+
+# sparse-kernels' Hopper kernel, as shipped: (dtype, block size, forward or dX) at 4095 tokens
+_SM90 = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import gpu_compile as G
+specs = G.load_specs("sparse_kernels._bsr_hopper")
+records = [G.compile_one("sparse_kernels._bsr_hopper", i, arch)
+           for i, s in enumerate(specs) if s["args"]["M"] % 16
+           for arch in s["archs"]]
+print(json.dumps({"archs": sorted({a for s in specs for a in s["archs"]}), "records": records}))
+"""
+
+
+def test_sparse_kernels_sm90_configs_compile_with_tma_wgmma_and_3_stages(tool, tmp_path):
+    """Every shipped Hopper config of sparse-kernels (`_bsr_hopper.gpu_launch_configs`, sm_90
+    only) compiles with TMA loads, wgmma, >= 3 shared-memory buffers, no spills, within 227 KB,
+    and passes the gate (which also enforces `requires`)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # really compile
+    proc = subprocess.run(
+        [sys.executable, "-c", _SM90, str(TOOL.parent)],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    records = result["records"]
+    assert result["archs"] == ["sm_90"]
+    assert len(records) == 12  # 3 dtypes x 2 block sizes x (forward, dX)
+    for r in records:
+        assert r["ok"], r["error"]
+        assert (r["tma"], r["wgmma"]) == (True, True), r["config"]
+        assert r["pipeline_buffers"] >= 3, r["config"]
+        assert r["spills"] == 0, r["config"]
+        assert r["shared_bytes"] <= 227 * 1024, r["config"]
+        assert r["requires"] == ["tma", "wgmma"]
+    assert tool.gate(records) == []

@@ -6,12 +6,15 @@ Usage: python tools/gpu_compile.py --out FILE.json [--markdown FILE.md] [--jobs 
 Discovery: every module under `packages/*/src` whose source contains `@triton.jit` must export
 `gpu_launch_configs()`, a list of launches as the module's own launchers make them on a GPU:
 `{"kernel": <JITFunction>, "args": {name: value}, "options": {"num_warps": .., "num_stages": ..}}`
-with a `torch.dtype` in place of each tensor argument and representative integers (whether an
-integer is a multiple of 16 changes the code Triton generates, so both cases are listed where
-both occur). Every `@triton.jit` function the module launches (`name[grid](...)`) must appear in
-it. The arguments go through Triton's own JIT binder and specialization (`_pack_args`), then
-`triton.compile` for `GPUTarget("cuda", 80 | 90, 32)`, exactly the path of a launch on that GPU.
-The wheel's `ptxas -v` gives registers and spills.
+with a `torch.dtype` in place of each tensor argument (a `TensorDescriptor` over a meta tensor for
+a tensor-descriptor argument) and representative integers (whether an integer is a multiple of 16
+changes the code Triton generates, so both cases are listed where both occur). Optional keys:
+`"archs"` (the architectures the launch is made on, default all of ARCHS: a Hopper-only kernel
+says `("sm_90",)`) and `"requires"` (record fields that must be true, e.g. `("tma", "wgmma")`:
+the gate fails a compile that lost them). Every `@triton.jit` function the module launches
+(`name[grid](...)`) must appear in it. The arguments go through Triton's own JIT binder and
+specialization (`_pack_args`), then `triton.compile` for `GPUTarget("cuda", 80 | 90, 32)`,
+exactly the path of a launch on that GPU. The wheel's `ptxas -v` gives registers and spills.
 
 One JSON record per compile: kernel (`module:function`), arch, config, ok, error, registers,
 spills (bytes stored + loaded), shared_bytes, num_stages (the launch option), pipeline_buffers
@@ -25,7 +28,7 @@ arch's limit, a `tl.dot` without tensor-core instructions, a GEMM loop (a kernel
 launched with `num_stages` < 2 or not pipelined (fewer than 2 buffers), or an fp32 dot compiled
 at another precision than the launch's `PRECISION` constexpr asks for. A launch that asks for
 `PRECISION="ieee"` (exact fp32, which tensor cores cannot do) may run its dots off the tensor
-cores; tma and wgmma are recorded, not gated.
+cores; tma and wgmma are recorded, and gated only where the launch `requires` them.
 
 This is compile evidence, not a GPU run: it says what the compiler makes of the kernels, not
 how fast or how correct they are. Needs no GPU and must run without TRITON_INTERPRET.
@@ -169,6 +172,7 @@ def compile_one(module_name: str, index: int, arch: str) -> dict[str, Any]:
         "ok": False, "error": None, "registers": None, "spills": None, "shared_bytes": None,
         "num_stages": spec.get("options", {}).get("num_stages", 3), "pipeline_buffers": None,
         "uses_dot": None, "tensor_core": None, "wgmma": None, "tma": None, "input_precision": None,
+        "requires": list(spec.get("requires", ())),
     }  # fmt: skip
     try:
         target = GPUTarget("cuda", ARCHS[arch], 32)
@@ -240,6 +244,9 @@ def gate(records: list[dict[str, Any]]) -> list[str]:
                 f"GEMM loop not pipelined (num_stages {r['num_stages']}, "
                 f"{r['pipeline_buffers']} buffer(s)): {where}"
             )
+        for flag in r.get("requires", ()):
+            if not r.get(flag):
+                bad.append(f"{flag} required by the launch but not in the compile: {where}")
     return bad
 
 
@@ -322,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_CACHE_DIR"] = cache
         jobs = []
         for name, path in kernel_modules(roots):
-            for i in range(len(load_specs(name, path))):
-                jobs.extend((name, i, arch) for arch in ARCHS)
+            for i, spec in enumerate(load_specs(name, path)):
+                jobs.extend((name, i, arch) for arch in spec.get("archs", ARCHS))
         if args.jobs > 1:
             with ProcessPoolExecutor(args.jobs, mp_context=get_context("fork")) as pool:
                 records = list(pool.map(_run_job, jobs))

@@ -8,7 +8,9 @@ y = layer(x)  # same shapes as linear(x), bias kept
 The trainable parameter is `values` (nnzb, b, b): pruned tiles do not exist, so they cannot be
 revived by any optimizer, and forward, dX and dW all cost `density x dense` FLOPs. Backends:
 
-* `"triton"`: the kernels in `_bsr_kernels` (CUDA; on CPU only under TRITON_INTERPRET=1);
+* `"triton"`: the kernels in `_bsr_kernels` (CUDA; on CPU only under TRITON_INTERPRET=1); on an
+  sm_90 GPU the forward and dX run the TMA/wgmma persistent kernel of `_bsr_hopper` instead
+  (block sizes 64/128, not IEEE fp32; `SPARSE_KERNELS_SM90` = "1"/"0" forces it on/off);
 * `"torch"`: PyTorch ops in `_bsr_torch` (CPU fp32: torch's BSR x dense; other dtypes: one GEMM
   per tile);
 * `"auto"`: Triton on CUDA when installed and block_size is 16, 32, 64 or 128, else torch.
@@ -24,6 +26,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from sparse_kernels import _bsr_hopper as H
 from sparse_kernels import _bsr_kernels as K
 from sparse_kernels import _bsr_torch as T
 from sparse_kernels._bsr_launch import BLOCK_SIZES
@@ -74,6 +77,8 @@ class _BlockSparseMM(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, values)
         if backend == "triton":
+            if H.use_sm90(x.device, layout.block_size, x.dtype):
+                return H.dsd_sm90(x, values, layout, bias)
             return K.dsd_triton(x, values, layout, bias)
         return T.dsd_torch(x, values, layout, bias)
 
@@ -84,7 +89,9 @@ class _BlockSparseMM(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dv = db = None
         if ctx.needs_input_grad[0]:
-            if ctx.backend == "triton":
+            if ctx.backend == "triton" and H.use_sm90(dy.device, layout.block_size, dy.dtype):
+                dx = H.dsdt_sm90(dy, values, layout)
+            elif ctx.backend == "triton":
                 dx = K.dsdt_triton(dy, values, layout)
             else:
                 dx = T.dsdt_torch(dy, values, layout)

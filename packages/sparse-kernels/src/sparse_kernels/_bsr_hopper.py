@@ -1,0 +1,303 @@
+# Triton convention: upper-case constexpr kernel arguments, many positional kernel arguments.
+# ruff: noqa: N803, PLR0917
+"""Hopper (sm_90) block-sparse x dense kernel for the forward and dX: TMA, wgmma, persistent.
+
+One kernel computes both products of `_bsr_kernels` that multiply a dense operand A by stored
+tiles of W (notation there):
+
+* forward (DSD):  Y[:, r]  = Σ_{p in row r}  X[:, c_p]  · values[p]ᵀ   (+ bias)
+* dX (DSDᵀ):      dX[:, c] = Σ_{p in col c}  dY[:, r_p] · values[p]
+
+What differs from the sm_80 kernels (issue 24, item 1; `research/gpu-h100.md` §6): A's tiles and
+W's tiles arrive through host-built TMA tensor descriptors (`triton.tools.tensor_descriptor`,
+`cp.async.bulk.tensor` in the PTX), the dots compile to `wgmma` (16-bit operands or TF32), the
+loop is multi-buffered with `num_stages` >= 3, the token tile is 256 rows (W is re-read from L2
+once per 256 tokens, 4x less than the sm_80 kernels' 64), and the grid is persistent: one
+program per SM walks work items (token tile, output block) in a fixed order, the output blocks
+ordered longest-first (most stored tiles first; ties by index), the token tiles of one block
+consecutive, program `pid` taking items pid, pid + P, pid + 2P, ... (`schedule` is that order in
+plain Python, and what the tests check the kernel against).
+
+Numerics as `_bsr_kernels`: fp32 accumulator, one cast on store; fp32 operands follow the
+PRECISION constexpr (`dot_precision`). TMA zero-fills out-of-range rows and columns of A, so
+tails need no masks on the loads; the store is masked.
+
+`use_sm90` picks this kernel: on an sm_90 device (`torch.cuda.get_device_capability() ==
+(9, 0)`) for block sizes in `SM90_BLOCK_SIZES` and 16-bit or TF32 operands; the environment
+variable `SPARSE_KERNELS_SM90` = "1" forces it (also on CPU under TRITON_INTERPRET=1, which runs
+tensor descriptors), "0" forbids it. dW stays on `_bsr_kernels._sdd_kernel` on every GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sparse_kernels._bsr_kernels import _check
+from sparse_kernels._bsr_launch import aligned, dot_precision, sm_count
+from sparse_kernels.layout import BlockLayout
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+SM90_BLOCK_SIZES = (64, 128)
+"""Tile edges the Hopper kernel takes (16/32 stay on the sm_80 kernels)."""
+ENV = "SPARSE_KERNELS_SM90"
+
+
+def sm90_config(block_size: int, dtype: torch.dtype) -> dict[str, int]:
+    """Launch configuration of the Hopper kernel for b x b tiles of `dtype`.
+
+    `BLOCK_M` tokens x b features per work item, `BK` the reduction chunk per loop step (one
+    TMA box of A and one of W), 8 warps (two warpgroups, 128 tokens each), 4 stages (3 for
+    fp32, whose boxes are twice the bytes). Shared memory per stage: (BLOCK_M + b) · BK · bytes.
+    """
+    if block_size not in SM90_BLOCK_SIZES:
+        raise ValueError(f"`block_size` ({block_size}) must be in {SM90_BLOCK_SIZES} for sm_90")
+    wide = dtype == torch.float32
+    return {"BLOCK_M": 256, "BK": 32 if wide else 64, "num_warps": 8,
+            "num_stages": 3 if wide else 4}  # fmt: skip
+
+
+def use_sm90(device: torch.device, block_size: int, dtype: torch.dtype) -> bool:
+    """Whether the Triton path runs the Hopper kernel (forward and dX) for this call.
+
+    `SPARSE_KERNELS_SM90` unset or "auto": on an sm_90 CUDA device, for block sizes in
+    `SM90_BLOCK_SIZES`, unless fp32 is asked to be IEEE (no tensor cores: the sm_80 kernels).
+    "1": always (an unsupported block size raises); "0": never.
+    """
+    mode = os.environ.get(ENV, "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"`{ENV}` ({mode!r}) must be 'auto', '0' or '1'")
+    if mode == "0" or not HAS_TRITON:
+        return False
+    if mode == "1":
+        if block_size not in SM90_BLOCK_SIZES:
+            raise ValueError(
+                f"{ENV}=1 needs `block_size` in {SM90_BLOCK_SIZES}, got {block_size}; "
+                f"unset {ENV} to use the sm_80 kernels"
+            )
+        return True
+    return (
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device) == (9, 0)
+        and block_size in SM90_BLOCK_SIZES
+        and dot_precision(dtype) != "ieee"
+    )
+
+
+def schedule(segments: list[int], token_tiles: int, programs: int) -> list[list[tuple[int, int]]]:
+    """Work items (output block, token tile) of each program, in the order the kernel runs them.
+
+    `segments[i]` is the number of stored tiles of output block i; blocks run longest-first
+    (stable), the token tiles of one block consecutively; program `pid` takes items pid,
+    pid + programs, ...
+    """
+    order = sorted(range(len(segments)), key=lambda i: -segments[i])
+    items = [(blk, t) for blk in order for t in range(token_tiles)]
+    return [items[pid::programs] for pid in range(programs)]
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _bsr_tma_kernel(  # type: ignore[no-untyped-def]
+        a_desc,
+        w_desc,
+        seg_ptr,
+        perm,
+        idx,
+        order,
+        b_ptr,
+        out_ptr,
+        trace_ptr,
+        M,
+        n_out,
+        n_blocks,
+        stride_om,
+        NUM_PROGRAMS: tl.constexpr,
+        TRANS_W: tl.constexpr,
+        HAS_PERM: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        TRACE: tl.constexpr,
+        UPCAST: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BS: tl.constexpr,
+        BK: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        """Persistent program: work items w = pid, pid + NUM_PROGRAMS, ... of (block, token tile).
+
+        Block j = order[w // tiles_m] (output block row for the forward, block column for dX),
+        token tile w % tiles_m. Its stored tiles are positions q in [seg_ptr[j], seg_ptr[j+1]):
+        tile p = perm[q] (q itself without HAS_PERM), reduction block idx[p]. Per (tile, chunk
+        of BK): A box (BLOCK_M, BK) at (tokens, idx[p]·BS + kk) and W box at rows p·BS (+ kk for
+        dX), then acc += A · W-boxᵀ (forward, box (BS, BK)) or A · W-box (dX, box (BK, BS)).
+        The tile index of the next step is loaded one step ahead (loop-carried), so the TMA
+        coordinates never wait on a load of the same step and the loop pipelines. With TRACE,
+        program pid writes the blocks and token tiles it ran, in order, to trace_ptr (tests).
+        """
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        offs_b = tl.arange(0, BS)
+        steps = BS // BK
+        n_items = n_blocks * tiles_m
+        for w in range(pid, n_items, NUM_PROGRAMS):
+            j = tl.load(order + w // tiles_m)
+            m0 = (w % tiles_m) * BLOCK_M
+            start = tl.load(seg_ptr + j)
+            end = tl.load(seg_ptr + j + 1)
+            p = tl.load(perm + start, mask=start < end, other=0) if HAS_PERM else start
+            c = tl.load(idx + p, mask=start < end, other=0)
+            acc = tl.zeros([BLOCK_M, BS], dtype=tl.float32)
+            for it in range(0, (end - start) * steps):
+                kk = (it % steps) * BK
+                a = a_desc.load([m0, c * BS + kk])
+                wt = w_desc.load([p * BS + kk, 0]) if TRANS_W else w_desc.load([p * BS, kk])
+                q_next = start + (it + 1) // steps
+                p = tl.load(perm + q_next, mask=q_next < end, other=0) if HAS_PERM else q_next
+                c = tl.load(idx + p, mask=q_next < end, other=0)
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    wt = wt.to(tl.float32)
+                if TRANS_W:
+                    acc = tl.dot(a, wt, acc, input_precision=PRECISION)
+                else:
+                    acc = tl.dot(a, tl.trans(wt), acc, input_precision=PRECISION)
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            n = j * BS + offs_b
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + n, mask=n < n_out, other=0.0).to(tl.float32)[None, :]
+            tl.store(
+                out_ptr + offs_m[:, None].to(tl.int64) * stride_om + n[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=(offs_m[:, None] < M) & (n[None, :] < n_out),
+            )
+            if TRACE:
+                tl.store(trace_ptr + 2 * w, j)  # w = round · NUM_PROGRAMS + pid
+                tl.store(trace_ptr + 2 * w + 1, w % tiles_m)
+
+    def _launch(
+        a: Tensor,
+        values: Tensor,
+        out: Tensor,
+        segments: tuple[Tensor, Tensor | None, Tensor],
+        bias: Tensor | None,
+        *,
+        trans_w: bool,
+        config: dict[str, int] | None,
+        programs: int | None,
+        trace: Tensor | None,
+    ) -> None:
+        seg_ptr, perm, idx = segments
+        if a.shape[0] == 0:
+            return
+        if values.shape[0] == 0:  # no stored tile (TMA boxes need a non-empty tensor)
+            out.copy_(bias.expand_as(out) if bias is not None else torch.zeros_like(out))
+            return
+        b = values.shape[-1]
+        cfg = config or sm90_config(b, a.dtype)
+        bm, bk = cfg["BLOCK_M"], cfg["BK"]
+        a = aligned(a)
+        if a.data_ptr() % 16:  # TMA needs a 16-byte aligned base
+            a = a.clone()
+        w2 = values.contiguous().view(-1, b)
+        a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+        w_desc = TensorDescriptor.from_tensor(w2, [bk, b] if trans_w else [b, bk])
+        n_blocks = seg_ptr.numel() - 1
+        lengths = seg_ptr[1:] - seg_ptr[:-1]
+        order = torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
+        M = a.shape[0]
+        items = n_blocks * triton.cdiv(M, bm)
+        if programs is None:
+            programs = 4 if a.device.type == "cpu" else sm_count(a.device)
+        programs = max(1, min(programs, items))
+        _bsr_tma_kernel[(programs,)](
+            a_desc, w_desc, seg_ptr, perm if perm is not None else seg_ptr, idx, order,
+            bias if bias is not None else out, out, trace if trace is not None else seg_ptr,
+            M, out.shape[1], n_blocks, out.stride(0),
+            NUM_PROGRAMS=programs, TRANS_W=trans_w, HAS_PERM=perm is not None,
+            HAS_BIAS=bias is not None, TRACE=trace is not None, UPCAST=_INTERPRET,
+            PRECISION=dot_precision(a.dtype), BS=b, BK=bk, BLOCK_M=bm,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+
+    def dsd_sm90(
+        x: Tensor,
+        values: Tensor,
+        layout: BlockLayout,
+        bias: Tensor | None,
+        *,
+        config: dict[str, int] | None = None,
+        programs: int | None = None,
+        trace: Tensor | None = None,
+    ) -> Tensor:
+        """Y = X·Wᵀ (+ bias) with the Hopper kernel; x (M, K) -> (M, N).
+
+        `config` overrides `sm90_config`, `programs` the persistent grid (default: one per SM,
+        4 on CPU); `trace` (int32, 2 · items) gets (block, token tile) of item w at 2w, 2w + 1.
+        """
+        _check(x, values, layout, layout.in_features, "x")
+        y = torch.empty(x.shape[0], layout.out_features, device=x.device, dtype=x.dtype)
+        segments = (layout.row_ptr, None, layout.col_idx)
+        _launch(x, values, y, segments, bias, trans_w=False, config=config, programs=programs,
+                trace=trace)  # fmt: skip
+        return y
+
+    def dsdt_sm90(
+        dy: Tensor,
+        values: Tensor,
+        layout: BlockLayout,
+        *,
+        config: dict[str, int] | None = None,
+        programs: int | None = None,
+        trace: Tensor | None = None,
+    ) -> Tensor:
+        """DX = dY·W with the Hopper kernel; dy (M, N) -> (M, K). Arguments as `dsd_sm90`."""
+        _check(dy, values, layout, layout.out_features, "dy")
+        dx = torch.empty(dy.shape[0], layout.in_features, device=dy.device, dtype=dy.dtype)
+        segments = (layout.col_ptr, layout.t_perm, layout.row_idx)
+        _launch(dy, values, dx, segments, None, trans_w=True, config=config, programs=programs,
+                trace=trace)  # fmt: skip
+        return dx
+
+    def gpu_launch_configs() -> list[dict[str, Any]]:
+        """The Hopper kernel's launches for tools/gpu_compile.py (sm_90 only; TMA, wgmma required).
+
+        Forward (with bias) and dX for block sizes 64 and 128, bf16/fp16 and fp32 as TF32 (the
+        dtypes `use_sm90` selects it for), tokens a multiple of 16 and not; descriptors over
+        meta tensors (only dtype and box shape enter the compile).
+        """
+        launches: list[dict[str, Any]] = []
+        i32 = torch.int32
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for bs in SM90_BLOCK_SIZES:
+                cfg = sm90_config(bs, dtype)
+                bm, bk = cfg["BLOCK_M"], cfg["BK"]
+                for M in (4096, 4095):
+                    for trans_w in (False, True):
+                        a = torch.empty(M, 4096, dtype=dtype, device="meta")
+                        w2 = torch.empty(400 * bs, bs, dtype=dtype, device="meta")
+                        args = {
+                            "a_desc": TensorDescriptor.from_tensor(a, [bm, bk]),
+                            "w_desc": TensorDescriptor.from_tensor(
+                                w2, [bk, bs] if trans_w else [bs, bk]
+                            ),
+                            "seg_ptr": i32, "perm": i32, "idx": i32, "order": i32,
+                            "b_ptr": dtype, "out_ptr": dtype, "trace_ptr": i32,
+                            "M": M, "n_out": 4096, "n_blocks": 4096 // bs, "stride_om": 4096,
+                            "NUM_PROGRAMS": 132, "TRANS_W": trans_w, "HAS_PERM": trans_w,
+                            "HAS_BIAS": not trans_w, "TRACE": False, "UPCAST": False,
+                            "PRECISION": "tf32", "BS": bs, "BK": bk, "BLOCK_M": bm,
+                        }  # fmt: skip
+                        options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+                        launches.append({"kernel": _bsr_tma_kernel, "args": args,
+                                         "options": options, "archs": ("sm_90",),
+                                         "requires": ("tma", "wgmma")})  # fmt: skip
+        return launches

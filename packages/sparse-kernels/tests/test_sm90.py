@@ -1,0 +1,189 @@
+"""The Hopper (sm_90) kernel of `_bsr_hopper` vs the dense reference, its schedule, its selection.
+
+What runs where: on this CPU machine the kernel itself runs through the Triton interpreter
+(TRITON_INTERPRET=1 executes host-built TMA tensor descriptors: boxes are read with zero fill
+outside the tensor, as TMA does), at odd shapes and at the tiles it ships with (256 tokens x 64
+or 128 features, BK 64 / 32). The interpreter says nothing about TMA, wgmma or pipelining on a
+GPU: that is compile evidence (integration_tests/test_gpu_compile.py) and the `gpu` tests below,
+which have not run yet. Tolerances as test_block_sparse.py: vs the fp32 dense product of the same
+inputs, fp32 (1e-4, 1e-5) for sums of up to 2 · block products, bf16 (1e-2, 1.6e-2).
+"""
+
+import pytest
+import torch
+
+from leanlm_testing import assert_verbose_allclose
+from sparse_kernels import BlockSparseLinear
+from sparse_kernels import _bsr_hopper as H
+from sparse_kernels import _bsr_kernels as K
+from sparse_kernels import _bsr_torch as T
+from sparse_kernels.layout import BlockLayout, dense_to_blocks
+
+TOL = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (1e-2, 1.6e-2)}
+# name: (tokens M, out N, in K, block b, tile density); every shape has an empty block row
+SHAPES = {
+    "odd": (37, 300, 200, 64, 0.5),
+    "tail_heavy": (300, 257, 130, 64, 0.7),
+    "pow2": (256, 256, 384, 128, 0.5),
+    "tiny": (1, 129, 17, 128, 1.0),
+}
+
+
+def _skip_without_kernel():
+    if not (K.HAS_TRITON and (K._INTERPRET or torch.cuda.is_available())):
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+
+
+def _case(name, dtype, device="cpu", seed=0):
+    M, N, Kf, b, density = SHAPES[name]
+    gen = torch.Generator().manual_seed(seed)
+    rb, cb = -(-N // b), -(-Kf // b)
+    mask = torch.rand(rb, cb, generator=gen) < density
+    mask[0] = True  # the longest row first in index order too: ordering is tested apart
+    if rb > 2:
+        mask[1] = False  # an empty block row: Y there is the bias alone
+    layout = BlockLayout.from_block_mask(mask, out_features=N, in_features=Kf, block_size=b)
+    values = dense_to_blocks(torch.randn(N, Kf, generator=gen), layout).to(device, dtype)
+    x = torch.randn(M, Kf, generator=gen).to(device, dtype)
+    dy = torch.randn(M, N, generator=gen).to(device, dtype)
+    bias = torch.randn(N, generator=gen).to(device, dtype)
+    return layout.to(torch.device(device)), values, x, dy, bias
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_sm90_kernel_matches_dense_reference_at_shipped_tiles(name, dtype):
+    _skip_without_kernel()
+    layout, values, x, dy, bias = _case(name, dtype)
+    atol, rtol = TOL[dtype]
+    cfg = H.sm90_config(layout.block_size, dtype)
+    assert cfg["BLOCK_M"] == 256  # the shipped tile runs here, not an interpreter-sized one
+    # 3 programs: several items per program (the persistent loop) at every shape but "tiny"
+    y = H.dsd_sm90(x, values, layout, bias, programs=3)
+    ref = T.dsd_dense_reference(x, values, layout, bias)
+    assert_verbose_allclose(y, ref, atol=atol, rtol=rtol, name="Y")
+    dx = H.dsdt_sm90(dy, values, layout, programs=3)
+    ref = T.dsdt_dense_reference(dy, values, layout)
+    assert_verbose_allclose(dx, ref, atol=atol, rtol=rtol, name="dX")
+
+
+@pytest.mark.interpreter
+def test_sm90_kernel_at_a_smaller_token_tile_and_without_tiles():
+    """BLOCK_M 64 (5 token tiles of 300 tokens), and a layout with no stored tile at all."""
+    _skip_without_kernel()
+    layout, values, x, _, bias = _case("tail_heavy", torch.float32)
+    cfg = {**H.sm90_config(64, torch.float32), "BLOCK_M": 64}
+    y = H.dsd_sm90(x, values, layout, bias, config=cfg, programs=7)
+    ref = T.dsd_dense_reference(x, values, layout, bias)
+    assert_verbose_allclose(y, ref, atol=1e-4, rtol=1e-5, name="Y")
+    empty = BlockLayout.from_block_mask(
+        torch.zeros(2, 2, dtype=torch.bool), out_features=100, in_features=70, block_size=64
+    )
+    v0 = torch.empty(0, 64, 64)
+    x0 = torch.randn(5, 70)
+    assert torch.equal(H.dsd_sm90(x0, v0, empty, bias[:100]), bias[:100].expand(5, 100))
+    assert torch.equal(H.dsdt_sm90(torch.randn(5, 100), v0, empty), torch.zeros(5, 70))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("programs", [1, 3, 4])
+def test_sm90_kernel_runs_the_longest_first_persistent_schedule(programs):
+    """The (block, token tile) items each program ran, recorded by the kernel, in order, are
+    `schedule`'s; blocks longest-first; every item exactly once (forward and dX)."""
+    _skip_without_kernel()
+    layout, values, x, dy, _ = _case("tail_heavy", torch.float32)
+    cfg = {**H.sm90_config(64, torch.float32), "BLOCK_M": 128}
+    tiles_m = -(-x.shape[0] // 128)
+    for fn, operand, seg in ((H.dsd_sm90, x, layout.row_ptr), (H.dsdt_sm90, dy, layout.col_ptr)):
+        lengths = (seg[1:] - seg[:-1]).tolist()
+        items = len(lengths) * tiles_m
+        trace = torch.full((2 * items,), -1, dtype=torch.int32)
+        args = (operand, values, layout, None) if fn is H.dsd_sm90 else (operand, values, layout)
+        fn(*args, config=cfg, programs=programs, trace=trace)
+        ran = [tuple(pair) for pair in trace.view(-1, 2).tolist()]  # item w = round · P + pid
+        expected = H.schedule(lengths, tiles_m, programs)
+        assert [ran[pid::programs] for pid in range(programs)] == expected
+        assert sorted(ran) == [(blk, t) for blk in range(len(lengths)) for t in range(tiles_m)]
+        by_length = [lengths[blk] for blk, _ in ran[::tiles_m]]
+        assert by_length == sorted(lengths, reverse=True)
+        assert len(set(lengths)) > 1  # the order is not the identity by accident
+
+
+def test_schedule_orders_blocks_longest_first_and_strides_over_programs():
+    plan = H.schedule([1, 3, 0, 3], token_tiles=2, programs=3)
+    assert plan == [[(1, 0), (3, 1), (2, 0)], [(1, 1), (0, 0), (2, 1)], [(3, 0), (0, 1)]]
+
+
+def test_use_sm90_selection_and_forcing(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(H.ENV, raising=False)
+    assert not H.use_sm90(cpu, 64, torch.bfloat16)  # auto: only on an sm_90 CUDA device
+    monkeypatch.setenv(H.ENV, "0")
+    assert not H.use_sm90(cpu, 64, torch.bfloat16)
+    monkeypatch.setenv(H.ENV, "1")
+    assert H.use_sm90(cpu, 128, torch.float32) == K.HAS_TRITON
+    if K.HAS_TRITON:
+        with pytest.raises(ValueError, match="needs `block_size` in"):
+            H.use_sm90(cpu, 32, torch.float32)
+    monkeypatch.setenv(H.ENV, "yes")
+    with pytest.raises(ValueError, match="must be 'auto', '0' or '1'"):
+        H.use_sm90(cpu, 64, torch.float32)
+    with pytest.raises(ValueError, match="must be in"):
+        H.sm90_config(32, torch.bfloat16)
+
+
+@pytest.mark.interpreter
+def test_block_sparse_linear_takes_the_forced_sm90_path(monkeypatch):
+    """SPARSE_KERNELS_SM90=1: forward and dX run the Hopper kernel (counted), dW the sm_80
+    one; values and all gradients equal the torch backend's."""
+    _skip_without_kernel()
+    calls = []
+    for name in ("dsd_sm90", "dsdt_sm90"):
+        real = getattr(H, name)
+        monkeypatch.setattr(
+            H, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k)
+        )
+    monkeypatch.setenv(H.ENV, "1")
+    gen = torch.Generator().manual_seed(1)
+    mask = torch.rand(3, 2, generator=gen) < 0.6
+    mask[0, 0] = True
+    layers = [BlockSparseLinear(100, 150, block_mask=mask, block_size=64, backend=b)
+              for b in ("triton", "torch")]  # fmt: skip
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(2, 19, 100, generator=gen)
+    outs, grads = [], []
+    for layer in layers:
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.square().sum().backward()
+        outs.append(y)
+        grads.append((xi.grad, layer.values.grad, layer.bias.grad))
+    assert calls == ["dsd_sm90", "dsdt_sm90"]
+    assert_verbose_allclose(outs[0], outs[1], atol=1e-4, rtol=1e-5, name="y")
+    for name, got, ref in zip(("dX", "dW", "db"), grads[0], grads[1], strict=True):
+        assert_verbose_allclose(got, ref, atol=1e-3, rtol=1e-5, name=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("tokens", [1, 4095])
+def test_sm90_kernel_real_sizes_gpu(tokens, block, dtype):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    gen = torch.Generator().manual_seed(0)
+    N = Kf = 4096
+    mask = torch.rand(N // block, Kf // block, generator=gen) < 0.5
+    layout = BlockLayout.from_block_mask(mask, out_features=N, in_features=Kf, block_size=block)
+    layout = layout.to(torch.device("cuda"))
+    values = (torch.randn(layout.nnzb, block, block, generator=gen) / 64).to("cuda", dtype)
+    x = torch.randn(tokens, Kf, generator=gen).to("cuda", dtype)
+    dy = torch.randn(tokens, N, generator=gen).to("cuda", dtype)
+    atol, rtol = (2e-2, 2e-2) if dtype == torch.bfloat16 else (5e-3, 5e-3)
+    ref = T.dsd_dense_reference(x, values, layout, None)
+    assert_verbose_allclose(H.dsd_sm90(x, values, layout, None), ref, atol=atol, rtol=rtol,
+                            name="Y")  # fmt: skip
+    ref = T.dsdt_dense_reference(dy, values, layout)
+    assert_verbose_allclose(H.dsdt_sm90(dy, values, layout), ref, atol=atol, rtol=rtol,
+                            name="dX")  # fmt: skip
