@@ -10,6 +10,7 @@ Commands (from the repository root):
         [--prefill-tokens 2048 4096 8192] [--decode-tokens 1 8 32] [--blocks 32 64 128]
     # dry run of the GPU code path on CPU through the Triton interpreter (tiny shapes)
     python packages/sparse-kernels/benchmarks/bench_sparse.py --device cpu --backend triton --tiny
+        [--kernels sm90 --blocks 64]
 
 CPU mode: weight `size x size` fp32, input `tokens x size`; block sparsity = fraction of tiles
 dropped (tiles chosen by magnitude, random for a random init). Times are medians over
@@ -21,7 +22,10 @@ GPU mode: bf16 weights (out x in) 4096x4096 (attention projection) and 14336x409
 4096->14336), no bias; prefill (tokens 2048-8192: forward and forward+backward) and decode
 (tokens 1-32: forward). Anchor: `F.linear` on the dense weight (cuBLAS), timed in the same
 run. Sparse: `BlockSparseLinear(backend="triton")` at each block size and sparsity, and 2:4
-through `to_semi_structured_` (torch's cuSPARSELt/CUTLASS kernels; forward only). Times are
+through `to_semi_structured_` (torch's cuSPARSELt/CUTLASS kernels; forward only). `--kernels`:
+the forward/dX kernels of the block rows, "sm80" (`_bsr_kernels`, SPARSE_KERNELS_SM90=0), "sm90"
+(the TMA/wgmma persistent kernel of `_bsr_hopper`, forced with SPARSE_KERNELS_SM90=1; blocks 64
+and 128 only) or "both" (the default on an sm_90 GPU: each block row twice; else "sm80"). Times are
 `triton.testing.do_bench` medians (CUDA events, L2 flushed between calls). Per point:
 speedup = dense ms / sparse ms; dense TFLOP/s = dense FLOPs / dense time; useful TFLOP/s =
 density x dense FLOPs / sparse time; efficiency = useful / dense TFLOP/s = density x speedup
@@ -190,6 +194,8 @@ def bench_block(
     layer = BlockSparseLinear.from_dense(
         dense, block_size=pt.block, sparsity=pt.sparsity, backend="triton"
     )
+    # read by the launchers at every call: the timed calls run the point's kernels
+    os.environ["SPARSE_KERNELS_SM90"] = "1" if pt.kernels == "sm90" else "0"
     wd = layer.to_dense().detach().requires_grad_(True)  # masked dense weight: the reference
     w_req = w.detach().requires_grad_(pt.op == "fwd+bwd")
     if pt.op == "fwd":
@@ -240,7 +246,13 @@ def gpu_points(args: argparse.Namespace) -> list[GpuPoint]:
                         pts.append(GpuPoint(phase, tokens, in_f, out_f, op, "2:4", 0, 0.5))
                     for block in args.blocks:
                         for s in args.sparsities:
-                            pts.append(GpuPoint(phase, tokens, in_f, out_f, op, "block", block, s))
+                            for kern in args.kernel_paths:
+                                if kern == "sm90" and block not in (64, 128):
+                                    continue
+                                pt = GpuPoint(
+                                    phase, tokens, in_f, out_f, op, "block", block, s, kern
+                                )
+                                pts.append(pt)
     return pts
 
 
@@ -295,7 +307,7 @@ def run_gpu(args: argparse.Namespace) -> None:
             label = "2:4 (torch semi-structured)"
         else:
             res = bench_block(pt, w, x, dy, timer=timer)
-            label = f"triton block {pt.block}"
+            label = f"triton block {pt.block} ({pt.kernels})"
         prefix = f"| {pt.phase} | {pt.in_f}->{pt.out_f} | {pt.tokens} | {pt.op} | {label} |"
         if isinstance(res, str):
             print(f"{prefix} 0.500 | - | - | - | - | - | - | unavailable: {res} | - | - |")
@@ -344,6 +356,10 @@ def main() -> None:
         "--cuda-graphs", action="store_true", help="time CUDA-graph replays (no launch overhead)"
     )
     parser.add_argument("--tolerance", type=float, default=2e-2, help="max check (bf16)")
+    parser.add_argument(
+        "--kernels", choices=("sm80", "sm90", "both"),
+        help="block forward/dX kernels (default: both on an sm_90 GPU, else sm80)",
+    )  # fmt: skip
     args = parser.parse_args()
     backend = args.backend or ("triton" if args.device == "cuda" else "torch")
     if args.device == "cuda" and backend != "triton":
@@ -363,6 +379,9 @@ def main() -> None:
         args.blocks = args.blocks or [16, 32]
         args.repeats = 1
     args.blocks = args.blocks or [32, 64, 128]
+    hopper = args.device == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+    kernels = args.kernels or ("both" if hopper else "sm80")
+    args.kernel_paths = ["sm80", "sm90"] if kernels == "both" else [kernels]
     if args.device == "cpu":
         # The kernels read this at import: set before the first `sparse_kernels` import.
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -56,6 +56,8 @@ class GpuPoint:
     kind: str  # "block" | "2:4"
     block: int  # 0 for 2:4
     sparsity: float
+    kernels: str = "sm80"
+    """Forward/dX kernels: "sm80" (`_bsr_kernels`, every GPU) or "sm90" (`_bsr_hopper`)."""
 
     @property
     def dense_flops(self) -> float:
@@ -134,11 +136,20 @@ class KernelCost:
 def _gemm_tile_cost(
     name: str, pt: GpuPoint, nnzb: int, gpu: R.Gpu, *, out_f: int, in_f: int
 ) -> KernelCost:
-    """DSD (forward: out_f = pt.out_f) or DSDᵀ (dX: the same with in/out swapped)."""
+    """DSD (forward: out_f = pt.out_f) or DSDᵀ (dX: the same with in/out swapped).
+
+    The sm_90 kernel is persistent (one program per SM walking work items); each work item
+    (token tile, output block) fills and drains its pipeline as a program of the sm_80 kernels
+    does, so it is counted as one program: waves = items / (SMs x resident items per SM).
+    """
+    from sparse_kernels._bsr_hopper import sm90_config
     from sparse_kernels._bsr_launch import kernel_config
 
     m, b = pt.tokens, pt.block
-    cfg = kernel_config("dsd" if name == "forward" else "dsdt", b, torch.bfloat16)
+    if pt.kernels == "sm90":
+        cfg = sm90_config(b, torch.bfloat16)
+    else:
+        cfg = kernel_config("dsd" if name == "forward" else "dsdt", b, torch.bfloat16)
     m_tiles = -(-m // cfg["BLOCK_M"])
     operand = m * in_f * BF16  # X (forward) or dY (dX): its slices are re-read per stored tile
     reads = m * b * nnzb * BF16
@@ -226,3 +237,40 @@ def predictions(pt: GpuPoint, nnzb: int, device_name: str) -> tuple[float, float
     """(dense ms, sparse ms, bound of the sparse side) predicted on `device_name`, or None."""
     gpu = gpu_for(device_name)
     return None if gpu is None else predict_ms(pt, nnzb, gpu)
+
+
+#: The issue-24 points: bf16, 4096 and 8192 tokens, three weights, 50% and 25% tile density.
+ISSUE_24 = [
+    GpuPoint("prefill", tokens, in_f, out_f, op, "block", block, sparsity, kernels)
+    for in_f, out_f in ((4096, 4096), (4096, 14336), (5120, 20480))
+    for tokens in (4096, 8192)
+    for op in ("fwd", "fwd+bwd")
+    for block in (128, 64)
+    for sparsity in (0.5, 0.75)
+    for kernels in ("sm80", "sm90")
+]
+
+
+def prediction_table(points: list[GpuPoint], gpu: R.Gpu) -> str:
+    """Markdown rows of predicted dense and sparse ms at `points` on `gpu` (model output)."""
+    lines = [
+        "| in->out | tokens | op | block | density | kernels | dense ms | sparse ms | speedup "
+        "| bound |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for pt in points:
+        tiles = _cdiv(pt.out_f, pt.block) * _cdiv(pt.in_f, pt.block)
+        nnzb = tiles - round(pt.sparsity * tiles)
+        dense, sparse, bound = predict_ms(pt, nnzb, gpu)
+        lines.append(
+            f"| {pt.in_f}->{pt.out_f} | {pt.tokens} | {pt.op} | {pt.block} | "
+            f"{1 - pt.sparsity:.0%} | {pt.kernels} | {dense:.3f} | {sparse:.3f} | "
+            f"{dense / sparse:.2f}x | {bound} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    # python packages/sparse-kernels/benchmarks/roofline.py: the issue-24 predictions on an H100
+    print(f"# {R.kernel_assumptions()}")
+    print(prediction_table(ISSUE_24, R.H100))

@@ -8,6 +8,7 @@ no model of the kernels' work explains yet are strict xfails: when the kernels a
 re-measured, the data must be updated.
 """
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -92,3 +93,26 @@ def test_l2_resident_rereads_are_priced_at_l2_bandwidth(model):
     waves = -(-64 * 32 // (3 * 132))
     expected = 1.644167168e9 / 8.8e12 + waves * R.PROGRAM_LATENCY_S + R.DEVICE_GAP_S
     assert _predict(model, {**row, "op": "fwd"})["sparse_ms"] == pytest.approx(1e3 * expected)
+
+
+def test_sm90_kernel_is_modelled_from_its_own_launch_config(model):
+    """The sm_90 forward re-reads each tile once per 256-token tile (4x fewer tile bytes than
+    the sm_80 kernel's 64), its work items count as programs at one per SM (196 KB of shared
+    memory each); model output for RESULTS.md, not a measurement."""
+    sm80, sm90 = (
+        model.GpuPoint("prefill", 4096, 4096, 4096, "fwd", "block", 128, 0.5, kernels)
+        for kernels in ("sm80", "sm90")
+    )
+    (old,), (new,) = (model.block_kernels(pt, 512, R.H100) for pt in (sm80, sm90))
+    tiles = 512 * 128 * 128 * 2
+    assert old.l2_bytes - new.l2_bytes == (64 - 16) * tiles
+    assert (new.programs, new.shared_bytes, new.threads) == (16 * 32, 4 * 384 * 64 * 2, 256)
+    assert R.waves(R.H100, programs=new.programs, shared_bytes=new.shared_bytes,
+                   threads=new.threads) == 4  # fmt: skip
+    table = model.prediction_table(model.ISSUE_24, R.H100).splitlines()
+    assert len(table) == 2 + 96  # 3 weights x 2 token counts x 2 ops x 2 blocks x 2 densities x 2
+    for pt in model.ISSUE_24:  # never slower than the sm_80 kernels in the model
+        tiles_n = (pt.out_f // pt.block) * (pt.in_f // pt.block)
+        nnzb = tiles_n - round(pt.sparsity * tiles_n)
+        sm80_ms = model.predict_ms(dataclasses.replace(pt, kernels="sm80"), nnzb, R.H100)[1]
+        assert model.predict_ms(pt, nnzb, R.H100)[1] <= sm80_ms
