@@ -164,6 +164,10 @@ class Parallel:
             engine = "ddp"
         self.engine = engine
         self.zero_stage = cfg.zero_stage if engine == "zero" else 0
+        if cfg.activation_checkpointing:
+            from leanlm.model import enable_activation_checkpointing
+
+            enable_activation_checkpointing(model)
         self.model: torch.nn.Module
         self.optimizer: Any
 

@@ -101,3 +101,25 @@ checkpoint that trains is upcast; models that only run forward passes (a teacher
 def load_teacher(path: str | Path, *, dtype: torch.dtype | None = None) -> Any:
     """A frozen teacher: `load_model` (checkpoint dtype), eval mode, no gradients."""
     return load_model(path, dtype=dtype).eval().requires_grad_(False)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer in the backward instead of keeping its activations.
+
+    transformers' `activation_checkpointing_enable` on the outermost `PreTrainedModel` in
+    `model` (`model` itself, or the student inside `StudentWithHiddenLoss`), with the
+    non-reentrant `torch.utils.checkpoint`, which composes with autocast, FSDP2's and
+    shard-zero's hooks and `no_sync`. Only training forwards (`model.training`) checkpoint.
+
+    Raises:
+        TypeError: `model` holds no transformers model.
+    """
+    from transformers import PreTrainedModel
+
+    for module in model.modules():  # outermost first
+        if isinstance(module, PreTrainedModel):
+            module.activation_checkpointing_enable({"use_reentrant": False})
+            return
+    raise TypeError(
+        f"`activation_checkpointing` needs a transformers model; got {type(model).__name__}"
+    )

@@ -192,6 +192,12 @@ class TrainConfig:
     max_bad_steps: int = 10
     """Steps with a NaN/inf loss or gradient are skipped; past this many the stage writes a
     checkpoint and stops with an error."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input during the forward and recompute the layer in the
+    backward (transformers' `activation_checkpointing_enable`, non-reentrant
+    `torch.utils.checkpoint`, per decoder layer, set before the engine wraps the model): activation
+    memory falls from every layer's intermediates to each layer's input plus one layer's
+    intermediates, for about one more forward per step."""
 
     _steps_given: ClassVar[bool] = True
     """False for a stage that computes its own `steps` (`control`)."""

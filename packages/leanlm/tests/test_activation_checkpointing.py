@@ -1,0 +1,88 @@
+"""`activation_checkpointing = true`: each decoder layer is recomputed in the backward, and
+training is the same as without it."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from leanlm.distill_train import StudentWithHiddenLoss
+from leanlm.model import enable_activation_checkpointing
+from leanlm.pipeline import run_pipeline
+from leanlm_testing.models import tiny_llama
+from prune_distill import HiddenStateLoss
+
+
+def _saved_bytes_and_grads(model, ids, *, checkpointed):
+    """Bytes autograd keeps for the backward (outside checkpoints), and the gradients."""
+    if checkpointed:
+        enable_activation_checkpointing(model)
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = model(input_ids=ids)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    logits.float().logsumexp(-1).mean().backward()
+    return sum(saved), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["model", "student-with-hidden-loss"])
+def test_layers_are_recomputed_and_gradients_unchanged(wrapped):
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def make():
+        model = tiny_llama(seed=2)
+        if wrapped:
+            teacher = tiny_llama(seed=3)
+            model = StudentWithHiddenLoss(model, HiddenStateLoss.between(model, teacher, seed=0))
+        return model
+
+    plain_bytes, plain = _saved_bytes_and_grads(make(), ids, checkpointed=False)
+    ckpt_bytes, ckpt = _saved_bytes_and_grads(make(), ids, checkpointed=True)
+    # the decoder layers' intermediates are not kept (recomputed in the backward)
+    assert ckpt_bytes < 0.3 * plain_bytes, (ckpt_bytes, plain_bytes)
+    assert plain.keys() == ckpt.keys()
+    for name, grad in plain.items():
+        torch.testing.assert_close(ckpt[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_activation_checkpointing_needs_a_transformers_model():
+    with pytest.raises(TypeError, match="`activation_checkpointing` needs a transformers model"):
+        enable_activation_checkpointing(torch.nn.Linear(2, 2))
+
+
+def _losses(out):
+    rows = [
+        json.loads(line) for line in (out / "pretrain" / "metrics.jsonl").read_text().splitlines()
+    ]
+    return [row["loss"] for row in rows if "loss" in row]
+
+
+def test_a_stage_trains_the_same_with_activation_checkpointing(tmp_path, tiny_config, monkeypatch):
+    import leanlm.model
+
+    enabled = []
+
+    def spy(model):
+        enable_activation_checkpointing(model)
+        enabled.append(model.model.layers[0].gradient_checkpointing)
+
+    monkeypatch.setattr(leanlm.model, "enable_activation_checkpointing", spy)
+    changes = {"steps": 4, "warmup_steps": 1, "checkpoint_every": 0, "eval_every": 4}
+    base = tiny_config(pretrain=changes)
+    ckpt = dataclasses.replace(
+        base, pretrain=dataclasses.replace(base.pretrain, activation_checkpointing=True)
+    )
+    run_pipeline(base, tmp_path / "plain")
+    assert enabled == []
+    run_pipeline(ckpt, tmp_path / "ckpt")
+    assert enabled == [True]
+    plain, checkpointed = _losses(tmp_path / "plain"), _losses(tmp_path / "ckpt")
+    assert len(plain) == 4
+    torch.testing.assert_close(checkpointed, plain, atol=1e-5, rtol=1e-5)
