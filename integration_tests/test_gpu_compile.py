@@ -209,23 +209,27 @@ def test_gate_fails_a_compile_that_lost_what_its_launch_requires(tool):
     assert failures[0].startswith("tma required by the launch but not in the compile")
 
 
-# sparse-kernels' Hopper kernel, as shipped: (dtype, block size, forward or dX) at 4095 tokens
+# sparse-kernels' Hopper kernels as shipped, at 4095 tokens: forward and dX (dtype, block size),
+# dW (dtype, block size, output dtype)
 _SM90 = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import gpu_compile as G
-specs = G.load_specs("sparse_kernels._bsr_hopper")
-records = [G.compile_one("sparse_kernels._bsr_hopper", i, arch)
-           for i, s in enumerate(specs) if s["args"]["M"] % 16
-           for arch in s["archs"]]
-print(json.dumps({"archs": sorted({a for s in specs for a in s["archs"]}), "records": records}))
+records, archs = [], set()
+for module in ("sparse_kernels._bsr_hopper", "sparse_kernels._bsr_hopper_dw"):
+    specs = G.load_specs(module)
+    archs |= {a for s in specs for a in s["archs"]}
+    records += [G.compile_one(module, i, arch) for i, s in enumerate(specs)
+                if s["args"]["M"] % 16 for arch in s["archs"]]
+print(json.dumps({"archs": sorted(archs), "records": records}))
 """
 
 
 def test_sparse_kernels_sm90_configs_compile_with_tma_wgmma_and_3_stages(tool, tmp_path):
-    """Every shipped Hopper config of sparse-kernels (`_bsr_hopper.gpu_launch_configs`, sm_90
-    only) compiles with TMA loads, wgmma, >= 3 shared-memory buffers, no spills, within 227 KB,
-    and passes the gate (which also enforces `requires`)."""
+    """Every shipped Hopper config of sparse-kernels (`_bsr_hopper` and `_bsr_hopper_dw`
+    `gpu_launch_configs`, sm_90 only; at the 4095-token specialization) compiles with TMA
+    loads, wgmma, >= 3 shared-memory buffers, no spills, within 227 KB, and passes the gate
+    (which also enforces `requires`)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # really compile
@@ -237,7 +241,8 @@ def test_sparse_kernels_sm90_configs_compile_with_tma_wgmma_and_3_stages(tool, t
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     records = result["records"]
     assert result["archs"] == ["sm_90"]
-    assert len(records) == 12  # 3 dtypes x 2 block sizes x (forward, dX)
+    # 3 dtypes x 2 block sizes x (forward, dX); dW: x (fp32 partials, dtype) for 16-bit dtypes
+    assert len(records) == 12 + 10
     for r in records:
         assert r["ok"], r["error"]
         assert (r["tma"], r["wgmma"]) == (True, True), r["config"]

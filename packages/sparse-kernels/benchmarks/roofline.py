@@ -175,7 +175,12 @@ def block_kernels(pt: GpuPoint, nnzb: int, gpu: R.Gpu) -> list[KernelCost]:
     if pt.op == "fwd":
         return kernels
     kernels.append(_gemm_tile_cost("dX", pt, nnzb, gpu, out_f=k, in_f=n))
-    cfg = kernel_config("sdd", b, torch.bfloat16)
+    if pt.kernels == "sm90":
+        from sparse_kernels._bsr_hopper_dw import sm90_dw_config
+
+        cfg = sm90_dw_config(b, torch.bfloat16)
+    else:
+        cfg = kernel_config("sdd", b, torch.bfloat16)
     splits = sdd_splits(nnzb, m, cfg["BLOCK_M"], 2 * gpu.sms)
     per = _cdiv(_cdiv(m, splits), cfg["BLOCK_M"]) * cfg["BLOCK_M"]
     splits = _cdiv(m, per)  # as the launcher rounds them

@@ -1,12 +1,15 @@
-"""The Hopper (sm_90) kernel of `_bsr_hopper` vs the dense reference, its schedule, its selection.
+"""The Hopper (sm_90) kernels (`_bsr_hopper`, `_bsr_hopper_dw`) vs the dense reference, their
+schedule, their selection.
 
-What runs where: on this CPU machine the kernel itself runs through the Triton interpreter
+What runs where: on this CPU machine the kernels themselves run through the Triton interpreter
 (TRITON_INTERPRET=1 executes host-built TMA tensor descriptors: boxes are read with zero fill
-outside the tensor, as TMA does), at odd shapes and at the tiles it ships with (256 tokens x 64
-or 128 features, BK 64 / 32). The interpreter says nothing about TMA, wgmma or pipelining on a
-GPU: that is compile evidence (integration_tests/test_gpu_compile.py) and the `gpu` tests below,
-which have not run yet. Tolerances as test_block_sparse.py: vs the fp32 dense product of the same
-inputs, fp32 (1e-4, 1e-5) for sums of up to 2 · block products, bf16 (1e-2, 1.6e-2).
+outside the tensor, as TMA does), at odd shapes and at the tiles they ship with (forward/dX:
+256 tokens x 64 or 128 features, BK 64 / 32; dW: 64 / 32-token steps). The interpreter says
+nothing about TMA, wgmma or pipelining on a GPU: that is compile evidence
+(integration_tests/test_gpu_compile.py) and the `gpu` tests below, which have not run yet.
+Tolerances as test_block_sparse.py: vs the fp32 dense product of the same inputs, fp32
+(1e-4, 1e-5) for sums of up to 2 · block products (dW: 4x atol, sums over all tokens), bf16
+(1e-2, 1.6e-2).
 """
 
 import pytest
@@ -15,6 +18,7 @@ import torch
 from leanlm_testing import assert_verbose_allclose
 from sparse_kernels import BlockSparseLinear
 from sparse_kernels import _bsr_hopper as H
+from sparse_kernels import _bsr_hopper_dw as HW
 from sparse_kernels import _bsr_kernels as K
 from sparse_kernels import _bsr_torch as T
 from sparse_kernels.layout import BlockLayout, dense_to_blocks
@@ -66,6 +70,10 @@ def test_sm90_kernel_matches_dense_reference_at_shipped_tiles(name, dtype):
     dx = H.dsdt_sm90(dy, values, layout, programs=3)
     ref = T.dsdt_dense_reference(dy, values, layout)
     assert_verbose_allclose(dx, ref, atol=atol, rtol=rtol, name="dX")
+    ref = T.sdd_dense_reference(dy, x, layout)
+    for splits in (1, 3):  # dvalues written directly; fp32 partials summed in split order
+        dv = HW.sdd_sm90(dy, x, layout, values, splits=splits, programs=3)
+        assert_verbose_allclose(dv, ref, atol=atol * 4, rtol=rtol, name=f"dW, {splits} split")
 
 
 @pytest.mark.interpreter
@@ -84,6 +92,7 @@ def test_sm90_kernel_at_a_smaller_token_tile_and_without_tiles():
     x0 = torch.randn(5, 70)
     assert torch.equal(H.dsd_sm90(x0, v0, empty, bias[:100]), bias[:100].expand(5, 100))
     assert torch.equal(H.dsdt_sm90(torch.randn(5, 100), v0, empty), torch.zeros(5, 70))
+    assert HW.sdd_sm90(torch.randn(5, 100), x0, empty, v0).shape == (0, 64, 64)
 
 
 @pytest.mark.interpreter
@@ -135,15 +144,18 @@ def test_use_sm90_selection_and_forcing(monkeypatch):
 
 @pytest.mark.interpreter
 def test_block_sparse_linear_takes_the_forced_sm90_path(monkeypatch):
-    """SPARSE_KERNELS_SM90=1: forward and dX run the Hopper kernel (counted), dW the sm_80
-    one; values and all gradients equal the torch backend's."""
+    """SPARSE_KERNELS_SM90=1: forward, dX and dW run the Hopper kernels (counted); values and
+    all gradients equal the torch backend's."""
     _skip_without_kernel()
     calls = []
-    for name in ("dsd_sm90", "dsdt_sm90"):
-        real = getattr(H, name)
-        monkeypatch.setattr(
-            H, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k)
-        )
+    for module, name in ((H, "dsd_sm90"), (H, "dsdt_sm90"), (HW, "sdd_sm90")):
+        real = getattr(module, name)
+
+        def spy(*a, _r=real, _n=name, **k):
+            calls.append(_n)
+            return _r(*a, **k)
+
+        monkeypatch.setattr(module, name, spy)
     monkeypatch.setenv(H.ENV, "1")
     gen = torch.Generator().manual_seed(1)
     mask = torch.rand(3, 2, generator=gen) < 0.6
@@ -159,7 +171,7 @@ def test_block_sparse_linear_takes_the_forced_sm90_path(monkeypatch):
         y.square().sum().backward()
         outs.append(y)
         grads.append((xi.grad, layer.values.grad, layer.bias.grad))
-    assert calls == ["dsd_sm90", "dsdt_sm90"]
+    assert calls == ["dsd_sm90", "dsdt_sm90", "sdd_sm90"]
     assert_verbose_allclose(outs[0], outs[1], atol=1e-4, rtol=1e-5, name="y")
     for name, got, ref in zip(("dX", "dW", "db"), grads[0], grads[1], strict=True):
         assert_verbose_allclose(got, ref, atol=1e-3, rtol=1e-5, name=name)
@@ -187,3 +199,6 @@ def test_sm90_kernel_real_sizes_gpu(tokens, block, dtype):
     ref = T.dsdt_dense_reference(dy, values, layout)
     assert_verbose_allclose(H.dsdt_sm90(dy, values, layout), ref, atol=atol, rtol=rtol,
                             name="dX")  # fmt: skip
+    ref = T.sdd_dense_reference(dy, x, layout)
+    assert_verbose_allclose(HW.sdd_sm90(dy, x, layout, values), ref, atol=atol * 8, rtol=rtol,
+                            name="dW tiles")  # fmt: skip

@@ -25,7 +25,7 @@ tails need no masks on the loads; the store is masked.
 `use_sm90` picks this kernel: on an sm_90 device (`torch.cuda.get_device_capability() ==
 (9, 0)`) for block sizes in `SM90_BLOCK_SIZES` and 16-bit or TF32 operands; the environment
 variable `SPARSE_KERNELS_SM90` = "1" forces it (also on CPU under TRITON_INTERPRET=1, which runs
-tensor descriptors), "0" forbids it. dW stays on `_bsr_kernels._sdd_kernel` on every GPU.
+tensor descriptors), "0" forbids it. The same choice picks dW's Hopper kernel (`_bsr_hopper_dw`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def sm90_config(block_size: int, dtype: torch.dtype) -> dict[str, int]:
 
 
 def use_sm90(device: torch.device, block_size: int, dtype: torch.dtype) -> bool:
-    """Whether the Triton path runs the Hopper kernel (forward and dX) for this call.
+    """Whether the Triton path runs the Hopper kernels (forward, dX and dW) for this call.
 
     `SPARSE_KERNELS_SM90` unset or "auto": on an sm_90 CUDA device, for block sizes in
     `SM90_BLOCK_SIZES`, unless fp32 is asked to be IEEE (no tensor cores: the sm_80 kernels).

@@ -9,8 +9,9 @@ The trainable parameter is `values` (nnzb, b, b): pruned tiles do not exist, so 
 revived by any optimizer, and forward, dX and dW all cost `density x dense` FLOPs. Backends:
 
 * `"triton"`: the kernels in `_bsr_kernels` (CUDA; on CPU only under TRITON_INTERPRET=1); on an
-  sm_90 GPU the forward and dX run the TMA/wgmma persistent kernel of `_bsr_hopper` instead
-  (block sizes 64/128, not IEEE fp32; `SPARSE_KERNELS_SM90` = "1"/"0" forces it on/off);
+  sm_90 GPU forward and dX run the TMA/wgmma persistent kernel of `_bsr_hopper` instead, dW
+  that of `_bsr_hopper_dw` (block sizes 64/128, not IEEE fp32; `SPARSE_KERNELS_SM90` = "1"/"0"
+  forces them on/off);
 * `"torch"`: PyTorch ops in `_bsr_torch` (CPU fp32: torch's BSR x dense; other dtypes: one GEMM
   per tile);
 * `"auto"`: Triton on CUDA when installed and block_size is 16, 32, 64 or 128, else torch.
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from sparse_kernels import _bsr_hopper as H
+from sparse_kernels import _bsr_hopper_dw as HW
 from sparse_kernels import _bsr_kernels as K
 from sparse_kernels import _bsr_torch as T
 from sparse_kernels._bsr_launch import BLOCK_SIZES
@@ -96,7 +98,9 @@ class _BlockSparseMM(torch.autograd.Function):
             else:
                 dx = T.dsdt_torch(dy, values, layout)
         if ctx.needs_input_grad[1]:
-            if ctx.backend == "triton":
+            if ctx.backend == "triton" and H.use_sm90(dy.device, layout.block_size, dy.dtype):
+                dv = HW.sdd_sm90(dy, x, layout, values)
+            elif ctx.backend == "triton":
                 dv = K.sdd_triton(dy, x, layout, values)
             else:
                 dv = T.sdd_torch(dy, x, layout)

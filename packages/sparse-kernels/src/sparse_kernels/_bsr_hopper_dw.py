@@ -1,0 +1,162 @@
+# Triton convention: upper-case constexpr kernel arguments, many positional kernel arguments.
+# ruff: noqa: N803, PLR0917
+"""Hopper (sm_90) dW kernel: dvalues[p] = dY[:, r_p]ᵀ · X[:, c_p] with TMA, wgmma, persistent.
+
+The sampled product (SDD) of `_bsr_kernels._sdd_kernel`, reshaped for sm_90 (issue 24, item 1):
+the dY and X slices of a tile arrive as TMA boxes (BLOCK_M tokens x b features, host-built
+`TensorDescriptor`s; TMA zero-fills rows past M), the token loop is multi-buffered (`num_stages`
+>= 3) and its dots compile to `wgmma`. The grid is persistent: work item w = (tile w mod nnzb,
+token split w div nnzb), program pid taking items pid, pid + P, ...; the tiles of one block row
+are consecutive in the layout, so programs running at the same time read the same dY slice
+(L2 hits). Splits as `_bsr_kernels.sdd_triton` (`sdd_splits`: fp32 partials summed in split
+order, deterministic). Not done: several tiles of a block row per program sharing one dY load,
+stream-K. Selected with the forward/dX kernel of `_bsr_hopper` (`use_sm90`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sparse_kernels._bsr_hopper import _INTERPRET, HAS_TRITON, SM90_BLOCK_SIZES
+from sparse_kernels._bsr_launch import aligned, dot_precision, sdd_splits, sm_count
+from sparse_kernels.layout import BlockLayout
+
+
+def sm90_dw_config(block_size: int, dtype: torch.dtype) -> dict[str, int]:
+    """Launch configuration of the Hopper dW kernel: `BLOCK_M` tokens per loop step.
+
+    Shared memory per stage: 2 · BLOCK_M · b · bytes (a dY box and an X box); 4 stages (fp32
+    with TF32 dots: 3 buffers in the compile, 16-bit: 4).
+    """
+    if block_size not in SM90_BLOCK_SIZES:
+        raise ValueError(f"`block_size` ({block_size}) must be in {SM90_BLOCK_SIZES} for sm_90")
+    wide = dtype == torch.float32
+    return {"BLOCK_M": 32 if wide else 64, "num_warps": 8 if block_size == 128 else 4,
+            "num_stages": 4}  # fmt: skip
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _sdd_tma_kernel(  # type: ignore[no-untyped-def]
+        dy_desc,
+        x_desc,
+        row_idx,
+        col_idx,
+        out_ptr,
+        M,
+        nnzb,
+        m_per_split,
+        NUM_PROGRAMS: tl.constexpr,
+        UPCAST: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        """Items w = pid, pid + NUM_PROGRAMS, ...: out[s, p] = Σ_{m in split s} dY[m, r]ᵀX[m, c].
+
+        Split s covers tokens [s·m_per_split, (s+1)·m_per_split) (a multiple of BLOCK_M);
+        fp32 accumulator, one cast on store.
+        """
+        pid = tl.program_id(0)
+        splits = tl.cdiv(M, m_per_split)
+        offs_b = tl.arange(0, BS)
+        for w in range(pid, nnzb * splits, NUM_PROGRAMS):
+            p = w % nnzb
+            s = w // nnzb
+            r = tl.load(row_idx + p)
+            c = tl.load(col_idx + p)
+            m_lo = s * m_per_split
+            m_hi = tl.minimum(m_lo + m_per_split, M)
+            acc = tl.zeros([BS, BS], dtype=tl.float32)
+            for m0 in range(m_lo, m_hi, BLOCK_M):
+                dy = dy_desc.load([m0, r * BS])
+                x = x_desc.load([m0, c * BS])
+                if UPCAST:
+                    dy = dy.to(tl.float32)
+                    x = x.to(tl.float32)
+                acc = tl.dot(tl.trans(dy), x, acc, input_precision=PRECISION)
+            out = (s.to(tl.int64) * nnzb + p) * (BS * BS)
+            tl.store(
+                out_ptr + out + offs_b[:, None] * BS + offs_b[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+            )
+
+    def sdd_sm90(
+        dy: Tensor,
+        x: Tensor,
+        layout: BlockLayout,
+        values: Tensor,
+        *,
+        config: dict[str, int] | None = None,
+        splits: int | None = None,
+        programs: int | None = None,
+    ) -> Tensor:
+        """dvalues[p] = dY[:, r_p]ᵀ·X[:, c_p] with the Hopper kernel; (nnzb, b, b) in x's dtype.
+
+        `splits` as `_bsr_kernels.sdd_triton` (default `sdd_splits`), `programs` the persistent
+        grid (default one per SM, 4 on CPU).
+        """
+        from sparse_kernels._bsr_kernels import _check
+
+        _check(x, values, layout, layout.in_features, "x")
+        _check(dy, values, layout, layout.out_features, "dy")
+        if dy.shape[0] != x.shape[0]:
+            raise ValueError(f"`dy` has {dy.shape[0]} rows but `x` has {x.shape[0]}")
+        if splits is not None and splits < 1:
+            raise ValueError(f"`splits` ({splits}) must be >= 1")
+        M, nnzb, b = x.shape[0], layout.nnzb, layout.block_size
+        if nnzb == 0 or M == 0:
+            return torch.zeros_like(values)
+        cfg = config or sm90_dw_config(b, x.dtype)
+        bm = cfg["BLOCK_M"]
+        dy, x = aligned(dy), aligned(x)
+        dy, x = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (dy, x))
+        sms = 4 if x.device.type == "cpu" else sm_count(x.device)
+        if splits is None:
+            splits = sdd_splits(nnzb, M, bm, 2 * sms)
+        per = triton.cdiv(triton.cdiv(M, splits), bm) * bm
+        splits = triton.cdiv(M, per)
+        f32 = torch.float32
+        out = (
+            torch.empty_like(values) if splits == 1 else x.new_empty(splits, nnzb, b, b, dtype=f32)
+        )
+        programs = max(1, min(programs or sms, nnzb * splits))
+        _sdd_tma_kernel[(programs,)](
+            TensorDescriptor.from_tensor(dy, [bm, b]), TensorDescriptor.from_tensor(x, [bm, b]),
+            layout.row_idx, layout.col_idx, out, M, nnzb, per,
+            NUM_PROGRAMS=programs, UPCAST=_INTERPRET, PRECISION=dot_precision(x.dtype), BS=b,
+            BLOCK_M=bm, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+        return out if splits == 1 else out.sum(0).to(values.dtype)
+
+    def gpu_launch_configs() -> list[dict[str, Any]]:
+        """The Hopper dW kernel's launches for tools/gpu_compile.py (sm_90; TMA, wgmma required).
+
+        Blocks 64/128, bf16/fp16 and fp32 as TF32, one split (dvalues in the dtype) and several
+        (fp32 partials), tokens a multiple of 16 and not.
+        """
+        launches: list[dict[str, Any]] = []
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for bs in SM90_BLOCK_SIZES:
+                cfg = sm90_dw_config(bs, dtype)
+                for M in (4096, 4095):
+                    for out in {torch.float32, dtype}:
+                        t = torch.empty(M, 4096, dtype=dtype, device="meta")
+                        desc = TensorDescriptor.from_tensor(t, [cfg["BLOCK_M"], bs])
+                        args = {"dy_desc": desc, "x_desc": desc, "row_idx": torch.int32,
+                                "col_idx": torch.int32, "out_ptr": out, "M": M, "nnzb": 409,
+                                "m_per_split": 512, "NUM_PROGRAMS": 132, "UPCAST": False,
+                                "PRECISION": "tf32", "BS": bs,
+                                "BLOCK_M": cfg["BLOCK_M"]}  # fmt: skip
+                        options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+                        launches.append({"kernel": _sdd_tma_kernel, "args": args,
+                                         "options": options, "archs": ("sm_90",),
+                                         "requires": ("tma", "wgmma")})  # fmt: skip
+        return launches
