@@ -13,7 +13,7 @@ student wrapped with its hidden-state loss and the teacher correction are in
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import prune_distill
 from leanlm.configio import ConfigError, library_errors, non_negative
@@ -36,6 +36,15 @@ class DistillConfig(TrainConfig):
 
     teacher_stage: str = "pretrain"
     """The earlier stage whose model is the teacher (`"init"`: `RunConfig.init_model`)."""
+    teacher: Literal["online", "cached"] = "online"
+    """`online`: the teacher (frozen, in its checkpoint's dtype) runs beside the student on
+    every micro-batch. `cached`: before training, the main process writes the teacher's
+    top-`top_k` logits (all of them with `top_k` = 0) of every micro-batch of the stage to
+    `distill/teacher-cache` once (`prune_distill.cache_teacher_topk`; atomically, reused by a
+    resume with the same settings), the others wait, and the student then trains from the
+    files without the teacher in memory. Disk: `steps` x sequences per step x `seq_len` x
+    (8 k + 8) bytes (fp32 values, int32 indices, int64 token ids), logged. Not with
+    `hidden_loss_weight` or `teacher_correction_steps` (they need the teacher model)."""
     temperature: float = 1.0
     """Softmax temperature of the KL (the loss is scaled by T^2)."""
     lm_loss_weight: float = 0.0
@@ -68,6 +77,14 @@ class DistillConfig(TrainConfig):
             self.options  # noqa: B018  (prune-distill checks the loss settings)
         non_negative(self, "teacher_correction_steps", zero="no correction")
         non_negative(self, "teacher_correction_lr", zero="`lr` / 5")
+        if self.teacher == "cached":
+            for key in ("hidden_loss_weight", "teacher_correction_steps"):
+                if getattr(self, key):
+                    raise ConfigError(
+                        key,
+                        f"({getattr(self, key)}) needs the teacher model, which `teacher = "
+                        '"cached"` does not load: set it to 0 or use `teacher = "online"`',
+                    )
 
     @property
     def options(self) -> prune_distill.DistillConfig:
@@ -138,9 +155,18 @@ class Distill(Stage):
                 f"{cfg.teacher_stage!r} to have run; ran: {list(ctx.outputs)}"
             )
         student = load_model(ctx.input_dir, dtype=TRAIN_DTYPE)
+        teacher_dir = ctx.outputs[cfg.teacher_stage]
+        if cfg.teacher == "cached":
+            from leanlm.distill_train import cached_distillation_loss
+            from leanlm.teacher_cache import ensure_cache
+
+            vocab = student.get_output_embeddings().weight.shape[0]
+            cache = ensure_cache(ctx, cfg, teacher_dir, vocab_size=vocab)
+            metrics = train(ctx, student, cfg, cached_distillation_loss(cache, cfg))
+            metrics["teacher_cache_bytes"] = cache.disk_bytes
+            return ctx.result(metrics, loss_label=loss_label(cfg))
         # the teacher only runs forward passes: frozen, in its checkpoint's dtype (bf16 for a
         # bf16 checkpoint); a teacher correction trains it, in fp32, then casts it back
-        teacher_dir = ctx.outputs[cfg.teacher_stage]
         teacher = load_teacher(teacher_dir).to(acc.device)
         extra: dict[str, Any] = {}
         if cfg.teacher_correction_steps:

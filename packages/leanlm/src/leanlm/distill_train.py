@@ -21,6 +21,7 @@ from prune_distill import HiddenStateLoss, correct_teacher, forward_kl
 
 if TYPE_CHECKING:
     from leanlm.distill import DistillConfig
+    from leanlm.teacher_cache import CachedTeacher
     from leanlm.trainer import LossFn
 
 
@@ -80,15 +81,37 @@ def distillation_loss(teacher: torch.nn.Module, cfg: DistillConfig) -> LossFn:
             with torch.no_grad():
                 target = teacher(input_ids=input_ids).logits.float()
         soft = tuple(torch.topk(target, opts.top_k)) if opts.top_k else target
-        loss = forward_kl(logits, soft, temperature=opts.temperature)  # type: ignore[arg-type]
-        if opts.lm_loss_weight:
-            ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten())
-            loss = opts.kl_weight * loss + opts.lm_loss_weight * ce
+        loss = _kl_and_ce(logits, soft, input_ids, cfg)  # type: ignore[arg-type]
         if hidden:
             loss = loss + opts.hidden_loss_weight * hidden_loss
         return loss
 
     return loss_fn
+
+
+def cached_distillation_loss(cache: CachedTeacher, cfg: DistillConfig) -> LossFn:
+    """`distillation_loss` with the teacher's top-k logits read from `cache` (no teacher)."""
+
+    def loss_fn(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=input_ids).logits
+        return _kl_and_ce(logits, cache.lookup(input_ids), input_ids, cfg)
+
+    return loss_fn
+
+
+def _kl_and_ce(
+    logits: torch.Tensor,
+    soft: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    input_ids: torch.Tensor,
+    cfg: DistillConfig,
+) -> torch.Tensor:
+    """The KL to the teacher (dense or top-k logits) mixed with next-token CE."""
+    opts = cfg.options
+    loss = forward_kl(logits, soft, temperature=opts.temperature)
+    if opts.lm_loss_weight:
+        ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten())
+        loss = opts.kl_weight * loss + opts.lm_loss_weight * ce
+    return loss
 
 
 def _correction_batches(ctx: StageContext, cfg: DistillConfig) -> Iterator[dict[str, Any]]:

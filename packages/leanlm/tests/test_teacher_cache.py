@@ -1,0 +1,137 @@
+"""`[distill] teacher = "cached"`: the teacher's top-k logits written once, then no teacher.
+
+With `top_k` = the vocabulary the cached distillation equals the online one; a resume reuses a
+complete cache and rewrites a damaged one.
+"""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import leanlm.model
+from leanlm.config import ConfigError, DistillConfig, PruneConfig
+from leanlm.pipeline import run_pipeline
+from leanlm.teacher_cache import CACHE_DIR, MANIFEST
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, tiny_config):
+    config = tiny_config(pretrain={"steps": 6, "warmup_steps": 1, "checkpoint_every": 0})
+    out = tmp_path_factory.mktemp("pretrained")
+    run_pipeline(config, out)
+    return config, out / "pretrain" / "model"
+
+
+def _config(pretrained, **distill):
+    config, model_dir = pretrained
+    settings = {
+        "teacher_stage": "init",
+        "steps": 4,
+        "micro_batch_size": 4,
+        "grad_accum_steps": 2,
+        "warmup_steps": 1,
+        "eval_every": 4,
+        "eval_batch_size": 4,
+        "checkpoint_every": 2,
+        "temperature": 2.0,
+        "lm_loss_weight": 0.25,
+    }
+    return dataclasses.replace(
+        config,
+        init_model=str(model_dir),
+        stages=("prune", "distill"),
+        prune=PruneConfig(hidden_size=16, intermediate_size=32, calibration_samples=8),
+        distill=DistillConfig(**(settings | distill)),
+    )
+
+
+def _losses(out):
+    rows = [
+        json.loads(line) for line in (out / "distill" / "metrics.jsonl").read_text().splitlines()
+    ]
+    return [row["loss"] for row in rows if "loss" in row]
+
+
+def _weights(out):
+    return load_file(out / "distill" / "model" / "model.safetensors")
+
+
+def test_cached_teacher_with_the_whole_vocabulary_equals_online(pretrained, tmp_path, capsys):
+    run_pipeline(_config(pretrained, teacher="online"), tmp_path / "online")
+    loads = []
+    original = leanlm.model.load_teacher
+
+    def spy(path, **kwargs):
+        loads.append(path)
+        return original(path, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(leanlm.model, "load_teacher", spy)
+        run_pipeline(_config(pretrained, teacher="cached"), tmp_path / "cached")
+    assert len(loads) == 1  # once, to write the cache
+    log = capsys.readouterr().out
+    cache = tmp_path / "cached" / "distill" / CACHE_DIR
+    manifest = json.loads((cache / MANIFEST).read_text())
+    assert manifest["top_k"] == 512  # top_k = 0: the whole vocabulary
+    assert len(manifest["files"]) == 4 * 2  # steps x micro-batches per step, one process
+    on_disk = sum(f.stat().st_size for f in cache.iterdir())
+    assert f"{on_disk / 2**20:.1f} MiB on disk" in log
+    assert "(written)" in log
+    result = json.loads((tmp_path / "cached" / "distill" / "result.json").read_text())
+    assert result["metrics"]["teacher_cache_bytes"] == on_disk
+
+    online, cached = _losses(tmp_path / "online"), _losses(tmp_path / "cached")
+    assert len(online) == 4
+    torch.testing.assert_close(cached, online, atol=1e-5, rtol=1e-5)
+    a, b = _weights(tmp_path / "online"), _weights(tmp_path / "cached")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_resume_reuses_the_cache_and_rewrites_a_damaged_one(pretrained, tmp_path, capsys):
+    config = _config(pretrained, teacher="cached", top_k=16)
+    out = tmp_path / "run"
+    run_pipeline(config, out)
+    expected = _weights(out)
+    cache = out / "distill" / CACHE_DIR
+    mtimes = {f.name: f.stat().st_mtime_ns for f in cache.iterdir()}
+    assert json.loads((cache / MANIFEST).read_text())["top_k"] == 16
+
+    def interrupt_distill():  # as if stopped after its step-2 checkpoint
+        shutil.rmtree(out / "distill" / "model")
+        (out / "distill" / "result.json").unlink()
+        shutil.rmtree(out / "distill" / "checkpoints" / "step-00000004", ignore_errors=True)
+        capsys.readouterr()
+
+    interrupt_distill()
+    run_pipeline(config, out, resume=True)
+    log = capsys.readouterr().out
+    assert "(reused)" in log
+    assert "resuming from step-00000002" in log
+    assert {f.name: f.stat().st_mtime_ns for f in cache.iterdir()} == mtimes
+    for name, value in _weights(out).items():
+        assert torch.equal(value, expected[name]), name
+
+    interrupt_distill()
+    first = sorted(cache.glob("*.pt"))[0]
+    first.write_bytes(first.read_bytes()[:100])  # a damaged (truncated) file
+    run_pipeline(config, out, resume=True)
+    log = capsys.readouterr().out
+    assert f"{first.name} is missing or not" in log
+    assert "writing it again" in log
+    assert "(written)" in log
+    for name, value in _weights(out).items():
+        assert torch.equal(value, expected[name]), name
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("hidden_loss_weight", 1.0), ("teacher_correction_steps", 2)]
+)
+def test_a_cached_teacher_rejects_what_needs_the_teacher_model(key, value):
+    with pytest.raises(ConfigError, match=f"`distill.{key}`|`{key}`"):
+        DistillConfig(teacher="cached", **{key: value})
