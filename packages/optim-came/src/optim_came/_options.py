@@ -14,7 +14,7 @@ import torch
 
 from optim_adafactor.checks import Scalar, check_bool, check_lr, check_number
 
-STATE_DTYPES = (torch.float32, torch.bfloat16)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 
 def _check_pair(name: str, value: object, length: int) -> tuple[Any, ...]:
@@ -96,8 +96,9 @@ def parse_group(group: Mapping[str, Any], *, first: bool = False) -> GroupOption
     state_dtype = group["state_dtype"]
     if state_dtype not in STATE_DTYPES:
         raise TypeError(
-            f"`state_dtype` ({state_dtype!r}) must be torch.float32 or torch.bfloat16 (the dtype "
-            "of the first moment `exp_avg`; the factored statistics are always fp32)"
+            f"`state_dtype` ({state_dtype!r}) must be torch.float32, torch.bfloat16 or torch.int8 "
+            "(the storage of the first moment `exp_avg`; int8: blockwise 8-bit codes with fp32 "
+            "scales; the factored statistics are always fp32)"
         )
 
     return GroupOptions(

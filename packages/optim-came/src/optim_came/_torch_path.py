@@ -21,7 +21,8 @@ parameters, see `optimizer.py`); an unsharded one just goes on:
 Vectors and scalars keep a full `v = β2 v + (1-β2)(g² + ε1)`, `u = g / √v`, the same clip and
 momentum, and step `p ← p - lr·wd·p - lr·m` (no confidence term, as in came-pytorch).
 
-Every N-sized temporary lives in one reusable fp32 workspace (`buf`).
+Every N-sized temporary lives in one reusable fp32 workspace (`buf`), but for the fp32 copy of an
+int8 `exp_avg` (`state_dtype=torch.int8`), dequantized in phases 4 and 6 (`_quant`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import Tensor
 
 from optim_adafactor.base import StepWork, decay_
 from optim_adafactor.factored import add_scaled_, ema_, factors
+from optim_came import _quant
 
 
 @dataclass(slots=True, kw_only=True)
@@ -45,6 +47,27 @@ class Work(StepWork):
     res_rowema_sum: Tensor | None = None
     res_rf: Tensor | None = None
     res_cf: Tensor | None = None
+    quant_seed: int | None = None  # seed of the stochastic rounding of int8 `exp_avg` codes
+
+
+def load_momentum(w: Work) -> Tensor:
+    """`exp_avg` in fp32: the state itself, or the dequantized int8 codes (`_quant`)."""
+    m: Tensor = w.state["exp_avg"]
+    if m.dtype != torch.int8:
+        return m
+    return _quant.dequantize(m, w.state["exp_avg_scale"])
+
+
+def store_momentum(w: Work, m: Tensor) -> None:
+    """Write fp32 `m` back into an int8 `exp_avg` (a no-op when `m` is the state itself)."""
+    codes = w.state["exp_avg"]
+    if codes.dtype != torch.int8:
+        return
+    noise = None
+    if w.quant_seed is not None:  # noise of the global elements: a row shard draws its own
+        offset = w.shard.row_offset * math.prod(m.shape[1:]) if w.shard is not None else 0
+        noise = _quant.hash_uniform(w.quant_seed, offset, m.shape, m.device)
+    _quant.quantize_(m, codes, w.state["exp_avg_scale"], noise=noise)
 
 
 def grad_stats(w: Work, buf: Tensor) -> None:
@@ -111,7 +134,7 @@ def momentum(w: Work, usq: Tensor, buf: Tensor, *, u_in_buf: bool) -> None:
     """
     o, g, st = w.opts, w.grad, w.state
     w.clip = clip_scale(usq, w.numel, o.clip_threshold)
-    m = st["exp_avg"]
+    m = load_momentum(w)
     if not w.factored:
         u = buf if u_in_buf else _vector_update(w, buf)
         m.mul_(o.beta1).addcmul_(u, w.clip * (1.0 - o.beta1))
@@ -122,6 +145,7 @@ def momentum(w: Work, usq: Tensor, buf: Tensor, *, u_in_buf: bool) -> None:
     torch.mul(g, (w.rf * w.clip).unsqueeze(-1), out=buf)
     torch.addcmul(m, buf, w.cf.unsqueeze(-2), value=-1.0, out=buf)
     m.add_(buf, alpha=-(1.0 - o.beta1))  # m_new = m_old - (1-β1)(m_old - û)
+    store_momentum(w, m)  # int8: blockwise codes of m_new (the instability uses m_old - û)
     # instability (û - m_new)² = β1² (m_old - û)²; its ε2 is added to the means by `ema_`
     buf.square_()
     beta1_sq = o.beta1 * o.beta1
@@ -148,7 +172,7 @@ def instability_factors(w: Work) -> None:
 
 def apply(w: Work, buf: Tensor) -> None:
     """Phase 6: decoupled weight decay, then the confidence-scaled step (into `w.p32`)."""
-    o, p, m = w.opts, w.p32, w.state["exp_avg"]
+    o, p, m = w.opts, w.p32, load_momentum(w)  # int8: the stored (quantized) m steps p
     if o.weight_decay != 0:
         decay_(p, o.weight_decay, o.lr)  # came-pytorch: p.add_(p, alpha=-wd·lr)
     if not w.factored:

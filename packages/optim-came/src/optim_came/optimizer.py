@@ -10,8 +10,9 @@ import torch
 from torch import Tensor
 
 from optim_adafactor.base import Backend, FactoredOptimizer, StepWork, stat_dtype
+from optim_adafactor.dtensor import local_tensor
 from optim_adafactor.sharding import Bucket
-from optim_came import _torch_path
+from optim_came import _quant, _torch_path
 from optim_came._options import GroupOptions, parse_group
 from optim_came._torch_path import Work
 
@@ -50,9 +51,12 @@ class CAME(FactoredOptimizer):
             `1-β3^t`. Off in came-pytorch.
         instability_init: Initial value of `R` and `C` (came-pytorch: 0). 1.0 (yangluo7/CAME
             PR #6) removes the ~11·lr update spike of the first steps (research note §1.7).
-        state_dtype: dtype of the first moment `exp_avg`: torch.float32 (default) or
-            torch.bfloat16 (2 bytes less per element; math stays fp32). Statistics stay fp32.
-        stochastic_rounding: Write bf16 parameters with unbiased stochastic rounding.
+        state_dtype: storage of the first moment `exp_avg`: torch.float32 (default),
+            torch.bfloat16 (2 bytes less per element) or torch.int8 (>= 2-D parameters:
+            blockwise 8-bit codes plus one fp32 scale per 128 elements of a row, ~1.03 bytes
+            per element, see `_quant`; vectors keep fp32). Math and statistics stay fp32.
+        stochastic_rounding: Write bf16 parameters, and int8 `exp_avg` codes, with unbiased
+            stochastic rounding.
         backend: "auto" (Triton on CUDA when available, PyTorch elsewhere), "torch" or
             "triton" (also on CPU under TRITON_INTERPRET=1, for tests). Vectors and
             non-contiguous parameters always take the PyTorch path.
@@ -102,6 +106,8 @@ class CAME(FactoredOptimizer):
         state["step"] = 0
         m_dtype = self._state_dtype("exp_avg", p, opts)
         state["exp_avg"] = torch.zeros(p.shape, dtype=m_dtype, device=p.device)
+        if m_dtype == torch.int8:
+            state["exp_avg_scale"] = torch.zeros(_quant.scale_shape(p.shape), **kw)
         if p.dim() >= 2:
             rows, cols = p.shape[:-1], p.shape[:-2] + p.shape[-1:]
             state["exp_avg_sq_row"] = torch.zeros(rows, **kw)
@@ -112,21 +118,56 @@ class CAME(FactoredOptimizer):
             state["exp_avg_sq"] = torch.zeros(p.shape, **kw)
 
     def _state_dtype(self, key: str, p: Tensor, opts: GroupOptions) -> torch.dtype:
-        """Statistics: fp32 (float64 for float64 params); `exp_avg`: `state_dtype` if bf16."""
-        if key == "exp_avg" and opts.state_dtype != torch.float32:
+        """Statistics: fp32 (float64 for float64 params); `exp_avg`: `state_dtype` if not fp32.
+
+        int8 applies to >= 2-D parameters only (blocks inside rows); vectors keep fp32.
+        """
+        if key == "exp_avg" and opts.state_dtype == torch.bfloat16:
             return opts.state_dtype
+        if key == "exp_avg" and opts.state_dtype == torch.int8 and p.dim() >= 2:
+            return torch.int8
         return stat_dtype(p)
 
     def _refresh_state(self, p: Tensor, state: dict[str, Any], opts: GroupOptions) -> None:
+        """Convert `exp_avg` when `state_dtype` changed in the group (or in a loaded state)."""
         dtype = self._state_dtype("exp_avg", p, opts)
-        if state["exp_avg"].dtype != dtype:  # `state_dtype` changed in the group
-            state["exp_avg"] = state["exp_avg"].to(dtype)
+        m = state["exp_avg"]
+        if m.dtype == dtype:
+            return
+        if m.dtype == torch.int8:  # int8 -> float: dequantize, drop the scales
+            m = _quant.dequantize(m.to(p.device), state.pop("exp_avg_scale").to(p.device))
+        if dtype == torch.int8:
+            codes = torch.empty(p.shape, dtype=torch.int8, device=p.device)
+            scale = torch.empty(_quant.scale_shape(p.shape), dtype=stat_dtype(p), device=p.device)
+            _quant.quantize_(m.to(device=p.device, dtype=torch.float32), codes, scale)
+            state["exp_avg"], state["exp_avg_scale"] = codes, scale
+        else:
+            state["exp_avg"] = m.to(device=p.device, dtype=dtype)
+
+    def _normalise_state(self) -> None:
+        """Loaded state: first convert `exp_avg` to this optimizer's `state_dtype`."""
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            opts = self._parse_group(group)
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and isinstance(state.get("exp_avg"), Tensor):
+                    self._refresh_state(local_tensor(p), state, opts)
+        super()._normalise_state()
+
+    def _fused_supported(self, p: Tensor, opts: GroupOptions) -> bool:
+        """int8 `exp_avg` (>= 2-D parameters) takes the PyTorch path: no kernel decodes it."""
+        return self._state_dtype("exp_avg", p, opts) != torch.int8
 
     def _convert_loaded_state(self, state: dict[str, Any]) -> None:
         state.pop("RMS", None)  # came-pytorch's unused parameter RMS
 
     def _make_work(self, **common: Any) -> StepWork:
-        return Work(**common)
+        w = Work(**common)
+        if w.opts.stochastic_rounding and w.state["exp_avg"].dtype == torch.int8:
+            w.quant_seed = self._kernel_seed(w)
+        return w
 
     # ------------------------------------------------------------------ the step
     def _apply(self, w: Work) -> None:
