@@ -184,3 +184,35 @@ def test_a_run_moves_between_two_three_and_one_process_with_the_same_global_batc
     log = _leanlm_run(tmp_path, "two", two, processes=2, out=back, resume=True)
     assert "resuming from step-00000004 (step 4, written on 1 process(es))" in log
     _assert_ends_like(back, tmp_path / "two", 2)
+
+
+@pytest.mark.distributed
+def test_zero_offload_optimizer_trains_as_without_it(tmp_path, tiny_config):
+    # ZeRO-Offload keeps the fp32 masters and CAME's state on the host and steps there (on a
+    # CPU model: separate CPU tensors): the same sums in the same order as the on-device engine.
+    common = {"steps": 8, "micro_batch_size": 2, "grad_accum_steps": 2, "optimizer": "came"}
+    common |= {"zero_stage": 2, "eval_every": 8, "checkpoint_every": 0, "warmup_steps": 2}
+    plain = tiny_config(pretrain=common)
+    offload = tiny_config(pretrain={**common, "zero_offload_optimizer": True})
+    _leanlm_run(tmp_path, "plain", plain, processes=2)
+    log = _leanlm_run(tmp_path, "offload", offload, processes=2)
+    assert "on 2 process(es) ZeRO-2" in log
+    _assert_ends_like(tmp_path / "offload", tmp_path / "plain", 2)
+
+
+@pytest.mark.slow  # ~2 min on 2 CPU cores: compiling in both processes, for each engine
+@pytest.mark.distributed
+def test_compiled_layers_train_under_every_engine(tmp_path, tiny_config):
+    # `compile = true` composes with each engine (layers compiled before DDP wraps or ZeRO /
+    # FSDP2 shard them, their hooks outside the compiled code): 2 processes train as 1 eager
+    # process with the same global batch.
+    common = {"steps": 4, "micro_batch_size": 2, "warmup_steps": 1, "eval_every": 4}
+    common |= {"checkpoint_every": 0, "optimizer": "adamw"}
+    eager = tiny_config(pretrain={**common, "grad_accum_steps": 2})
+    _leanlm_run(tmp_path, "eager", eager, processes=1)
+    engines = {"ddp": {}, "zero3": {"zero_stage": 3}, "fsdp2": {"engine": "fsdp2"}}
+    for name, engine in engines.items():
+        compiled = tiny_config(pretrain={**common, **engine, "compile": True})
+        log = _leanlm_run(tmp_path, name, compiled, processes=2)
+        assert "compile: torch.compile of 2 decoder layers" in log
+        _assert_ends_like(tmp_path / name, tmp_path / "eager", 2)

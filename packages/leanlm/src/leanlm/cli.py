@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
 
-from leanlm.config import STAGE_NAMES, ConfigError, RunConfig, load_toml
+from leanlm.config import STAGE_NAMES, ConfigError, RunConfig, load_toml, override
 from leanlm.interrupt import LAUNCHER_ENV, Interrupted
 from leanlm.presets import PRESETS
 from leanlm.rundir import (
@@ -49,6 +49,15 @@ def _parser() -> argparse.ArgumentParser:
         "changed keys",
     )
     common.add_argument("--debug", action="store_true", help="print tracebacks of errors")
+    common.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="overrides",
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set pretrain.lr=3e-4 (repeatable; VALUE is read as "
+        "in the TOML file: strings in quotes); recorded in the run's config.toml and report",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo", parents=[common], help="run the main job on the built-in corpus (no download)"
@@ -241,10 +250,10 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         nproc = resolve_nproc(args.processes)
         if args.command == "demo":
-            config = PRESETS[args.preset]()
+            config = override(PRESETS[args.preset](), args.overrides)
             out = args.out or Path("runs") / f"demo-{args.preset}"
         else:
-            config = load_toml(args.config)
+            config = load_toml(args.config, overrides=args.overrides)
             out = args.out or Path("runs") / args.config.stem
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"leanlm: error: {err}", file=sys.stderr)

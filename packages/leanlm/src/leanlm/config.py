@@ -16,12 +16,13 @@ import hashlib
 import json
 import tomllib
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
 import tomli_w
 
-from leanlm.configio import ConfigError, from_dict, to_dict
+from leanlm.configio import ConfigError, from_dict, to_dict, with_overrides
 from leanlm.control import ControlConfig
 from leanlm.distill import DistillConfig
 from leanlm.pretrain import PretrainConfig
@@ -49,6 +50,7 @@ __all__ = [
     "dumps_toml",
     "from_dict",
     "load_toml",
+    "override",
     "to_dict",
 ]
 
@@ -150,8 +152,11 @@ def _check_stage_fields() -> None:
 _check_stage_fields()
 
 
-def load_toml(path: str | Path) -> RunConfig:
-    """Read a `RunConfig` from a TOML file.
+def load_toml(path: str | Path, *, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read a `RunConfig` from a TOML file, with `--set KEY=VALUE` `overrides` laid over it.
+
+    Each override is read as the TOML line `KEY = VALUE` and checked with the file's keys
+    (`leanlm.configio.with_overrides`).
 
     Raises:
         ConfigError: for unknown keys, wrong types or impossible values (naming the key).
@@ -162,7 +167,18 @@ def load_toml(path: str | Path) -> RunConfig:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"{path} is not valid TOML: {err}") from err
-    return from_dict(RunConfig, data)
+    return from_dict(RunConfig, with_overrides(data, overrides))
+
+
+def override(config: RunConfig, overrides: Sequence[str]) -> RunConfig:
+    """`config` with `--set KEY=VALUE` `overrides`, checked as `load_toml` checks a file's keys.
+
+    Raises:
+        ConfigError: naming the dotted key of an unknown key, wrong type or impossible value.
+    """
+    if not overrides:
+        return config
+    return from_dict(RunConfig, with_overrides(to_dict(config), overrides))
 
 
 def dumps_toml(config: RunConfig) -> str:

@@ -1,7 +1,8 @@
 """Config plumbing shared by every section: `ConfigError`, value checks, mapping <-> dataclass.
 
 A section is a frozen keyword-only dataclass; `from_dict` fills one from a (TOML) mapping and
-names the dotted key of the first unknown key, wrong type or impossible value. A section that
+names the dotted key of the first unknown key, wrong type or impossible value. `with_overrides`
+lays command-line `KEY=VALUE` overrides (TOML values) over such a mapping first. A section that
 wraps a library's config builds it inside `library_errors`, which turns the library's
 `ValueError` / `TypeError` into a `ConfigError` naming the section's key.
 """
@@ -12,9 +13,10 @@ import contextlib
 import dataclasses
 import difflib
 import re
+import tomllib
 import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 T = TypeVar("T")
@@ -134,7 +136,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
     for key in data:
         if key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=1)
-            hint = f"; did you mean `{close[0]}`?" if close else f"; valid keys: {sorted(fields)}"
+            hint = f"; did you mean `{close[0]}`?" if close else ""
+            hint += f"; valid keys: {sorted(fields)}"
             raise ConfigError(dotted(key), f"unknown key{hint}")
     kwargs = {key: _convert(value, hints[key], dotted(key)) for key, value in data.items()}
     try:
@@ -154,3 +157,69 @@ def to_dict(config: Any) -> dict[str, Any]:
         return value
 
     return clean(dataclasses.asdict(config))  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------------------------------
+# Command-line overrides: `--set pretrain.lr=3e-4`.
+
+_DOTTED_KEY = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+"""A dotted key of TOML bare keys, e.g. `pretrain.lr`."""
+
+
+def parse_override(item: str) -> dict[str, Any]:
+    """`KEY=VALUE` as the nested mapping the TOML line `KEY = VALUE` reads as.
+
+    The value follows TOML's rules, as in a config file: `3e-4` is a float, `512` an int,
+    `true` a bool, `"text"` a string (quoted), `[1, 2]` a list, `{lr = 1e-3}` a table.
+
+    Raises:
+        ConfigError: naming the key, when the item is not `KEY=VALUE` with a dotted key of
+            bare TOML keys and one TOML value.
+    """
+    key, sep, value = item.partition("=")
+    key, value = key.strip(), value.strip()
+    if not sep or not _DOTTED_KEY.match(key):
+        raise ConfigError(
+            key or item,
+            f"--set {item!r} must be KEY=VALUE with a dotted KEY, e.g. --set pretrain.lr=3e-4",
+        )
+    try:
+        parsed = tomllib.loads(f"value = {value}")
+    except tomllib.TOMLDecodeError:
+        parsed = {}
+    if list(parsed) != ["value"]:
+        example = value if re.fullmatch(r"[\w./:-]+", value) else "text"
+        raise ConfigError(
+            key,
+            f"--set value {value!r} is not one TOML value; a string needs quotes, e.g. "
+            f"--set '{key}=\"{example}\"'",
+        )
+    nested: dict[str, Any] = {}
+    inner = nested
+    *parents, last = key.split(".")
+    for part in parents:
+        inner = inner.setdefault(part, {})
+    inner[last] = parsed["value"]
+    return nested
+
+
+def _merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `update` laid over it: tables merge key by key, other values replace."""
+    merged = dict(base)
+    for key, value in update.items():
+        old = merged.get(key)
+        both = isinstance(old, Mapping) and isinstance(value, Mapping)
+        merged[key] = _merge(old, value) if both else value  # type: ignore[arg-type]
+    return merged
+
+
+def with_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A config mapping with `--set KEY=VALUE` overrides applied in order (see `parse_override`).
+
+    The result goes through `from_dict` like a TOML file's mapping, so an override is checked
+    (unknown keys, types, values) exactly as the same line in the file would be.
+    """
+    merged = dict(data)
+    for item in overrides:
+        merged = _merge(merged, parse_override(item))
+    return merged

@@ -138,14 +138,34 @@ def fsdp2_shard(model: torch.nn.Module) -> torch.nn.Module:
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor, src=0)
 
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a Hugging Face model (the classes named in `_no_split_modules`)."""
     layer_types = {
         name for m in model.modules() for name in getattr(m, "_no_split_modules", None) or ()
     }
-    for module in model.modules():
-        if type(module).__name__ in layer_types:
-            fully_shard(module)
-    fully_shard(model)
-    return model
+    return [m for m in model.modules() if type(m).__name__ in layer_types]
+
+
+def compile_layers(model: torch.nn.Module) -> int:
+    """`torch.compile` each decoder layer's `forward` in place; returns how many were compiled.
+
+    Per block, before any engine wraps or shards the model, as torchtitan does (its
+    `apply_compile` in `torchtitan/models/llama3/parallelize.py`). Only `forward` is compiled,
+    not the module's `__call__`: the hooks an engine registers on a layer (FSDP2's and
+    shard-zero's gathers, DDP's) run outside the compiled code, and parameter names (state
+    dicts, checkpoints, `save_pretrained`) stay as they are. Every layer runs the same code, so
+    the layers share one compiled graph.
+    """
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
+    return len(layers)
 
 
 class Parallel:
@@ -175,6 +195,9 @@ class Parallel:
             groups = decay_param_groups(params, cfg.weight_decay)
             return optimizer_over(cfg.optimizer, groups, lr=cfg.lr, betas=cfg.betas)
 
+        if cfg.compile:
+            layers = compile_layers(model)
+            acc.print(f"[{ctx.stage_dir.name}] compile: torch.compile of {layers} decoder layers")
         self.sharded: _ZeroState | _Fsdp2State | None = None
         if engine == "zero":
             from shard_zero import ZeroConfig, prepare
@@ -183,6 +206,7 @@ class Parallel:
                 stage=cfg.zero_stage,  # type: ignore[arg-type]
                 accum_dtype=torch.bfloat16 if cfg.zero_accum_dtype == "bf16" else None,
                 offload_accum=cfg.zero_offload_accum,
+                offload_optimizer=cfg.zero_offload_optimizer,
             )
             self.model, self.optimizer = prepare(model, make_optimizer, config)
             self.sharded = _ZeroState(self.model, self.optimizer)

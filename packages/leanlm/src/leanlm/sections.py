@@ -161,6 +161,16 @@ class TrainConfig:
     """For `zero_stage` 2-3: keep that accumulator in host memory between micro-batches
     (shard-zero's `ZeroConfig.offload_accum`): accumulation then costs no accelerator memory,
     paid in host transfers of the accumulator's size per micro-batch."""
+    zero_offload_optimizer: bool = False
+    """For `engine = "zero"` (any `zero_stage`): ZeRO-Offload, shard-zero's
+    `ZeroConfig.offload_optimizer`: the fp32 master shards, their gradients and the optimizer
+    state live in host memory and the optimizer steps there, on the CPU; the accelerator keeps
+    the compute parameters only. Same updates as without it."""
+    compile: bool = False
+    """`torch.compile` each decoder layer of the trained model (its `forward`, in place, before
+    the engine wraps or shards it, as torchtitan compiles per block before FSDP; the engine's
+    hooks stay outside the compiled code). The first steps (and the first evaluation) pay the
+    compile time: about 30 s for the tiny test model on this repo's 2-core CPU."""
     steps: int = 200
     """Optimizer steps."""
     micro_batch_size: int = 8
@@ -243,6 +253,13 @@ class TrainConfig:
                     "accumulates full gradients, as DDP), got "
                     f"engine {self.resolved_engine!r}, zero_stage {self.zero_stage}",
                 )
+
+        if self.zero_offload_optimizer and self.resolved_engine != "zero":
+            raise ConfigError(
+                "zero_offload_optimizer",
+                f'(True) is for `engine = "zero"` (shard-zero\'s ZeRO-Offload), got engine '
+                f"{self.resolved_engine!r}: set `zero_stage` to 1, 2 or 3, or leave it false",
+            )
 
     @property
     def resolved_engine(self) -> Literal["ddp", "zero", "fsdp2"]:
