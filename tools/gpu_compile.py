@@ -122,7 +122,9 @@ def _config(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     config: dict[str, Any] = {}
-    dtypes = sorted({str(v).removeprefix("torch.") for v in spec["args"].values()
+    # tensor arguments and the tensors under tensor descriptors (`.base`)
+    found = [getattr(getattr(v, "base", v), "dtype", v) for v in spec["args"].values()]
+    dtypes = sorted({str(v).removeprefix("torch.") for v in found
                      if isinstance(v, torch.dtype) and v.is_floating_point})  # fmt: skip
     config["dtype"] = "/".join(dtypes)
     for name, value in spec["args"].items():

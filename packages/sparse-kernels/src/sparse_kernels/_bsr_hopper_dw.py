@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from sparse_kernels._bsr_hopper import _INTERPRET, HAS_TRITON, SM90_BLOCK_SIZES
-from sparse_kernels._bsr_launch import aligned, dot_precision, sdd_splits, sm_count
+from sparse_kernels._bsr_launch import aligned, check_sdd, dot_precision, sdd_plan, sm_count
 from sparse_kernels.layout import BlockLayout
 
 
@@ -107,10 +107,7 @@ if HAS_TRITON:
 
         _check(x, values, layout, layout.in_features, "x")
         _check(dy, values, layout, layout.out_features, "dy")
-        if dy.shape[0] != x.shape[0]:
-            raise ValueError(f"`dy` has {dy.shape[0]} rows but `x` has {x.shape[0]}")
-        if splits is not None and splits < 1:
-            raise ValueError(f"`splits` ({splits}) must be >= 1")
+        check_sdd(dy, x, splits)
         M, nnzb, b = x.shape[0], layout.nnzb, layout.block_size
         if nnzb == 0 or M == 0:
             return torch.zeros_like(values)
@@ -118,15 +115,12 @@ if HAS_TRITON:
         bm = cfg["BLOCK_M"]
         dy, x = aligned(dy), aligned(x)
         dy, x = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (dy, x))
-        sms = 4 if x.device.type == "cpu" else sm_count(x.device)
-        if splits is None:
-            splits = sdd_splits(nnzb, M, bm, 2 * sms)
-        per = triton.cdiv(triton.cdiv(M, splits), bm) * bm
-        splits = triton.cdiv(M, per)
+        splits, per = sdd_plan(M, nnzb, bm, splits, x.device)
         f32 = torch.float32
         out = (
             torch.empty_like(values) if splits == 1 else x.new_empty(splits, nnzb, b, b, dtype=f32)
         )
+        sms = 4 if x.device.type == "cpu" else sm_count(x.device)
         programs = max(1, min(programs or sms, nnzb * splits))
         _sdd_tma_kernel[(programs,)](
             TensorDescriptor.from_tensor(dy, [bm, b]), TensorDescriptor.from_tensor(x, [bm, b]),

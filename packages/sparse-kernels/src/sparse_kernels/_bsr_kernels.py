@@ -36,10 +36,10 @@ from torch import Tensor
 from sparse_kernels._bsr_launch import (
     BLOCK_SIZES,
     aligned,
+    check_sdd,
     dot_precision,
     kernel_config,
-    sdd_splits,
-    sm_count,
+    sdd_plan,
 )
 from sparse_kernels.layout import BlockLayout
 
@@ -372,20 +372,13 @@ def sdd_triton(
     """
     _check(x, values, layout, layout.in_features, "x")
     _check(dy, values, layout, layout.out_features, "dy")
-    if dy.shape[0] != x.shape[0]:
-        raise ValueError(f"`dy` has {dy.shape[0]} rows but `x` has {x.shape[0]}")
-    if splits is not None and splits < 1:
-        raise ValueError(f"`splits` ({splits}) must be >= 1")
+    check_sdd(dy, x, splits)
     dy, x = aligned(dy), aligned(x)
     cfg = config or _launch_config("sdd", layout.block_size, x.dtype)
     M, nnzb, b = x.shape[0], layout.nnzb, layout.block_size
     if nnzb == 0 or M == 0:
         return torch.zeros_like(values)
-    if splits is None:
-        sms = 4 if x.device.type == "cpu" else sm_count(x.device)
-        splits = sdd_splits(nnzb, M, cfg["BLOCK_M"], 2 * sms)
-    per = triton.cdiv(triton.cdiv(M, splits), cfg["BLOCK_M"]) * cfg["BLOCK_M"]
-    splits = triton.cdiv(M, per)
+    splits, per = sdd_plan(M, nnzb, cfg["BLOCK_M"], splits, x.device)
     f32 = torch.float32
     out = torch.empty_like(values) if splits == 1 else x.new_empty(splits, nnzb, b, b, dtype=f32)
     _sdd_kernel[(nnzb, splits)](

@@ -3,7 +3,8 @@
 Plain torch, no Triton: the tile edges the kernels take (`BLOCK_SIZES`), the GPU launch
 configuration of each kernel (`kernel_config`, which the launchers use and `tools/gpu_compile.py`
 compiles for sm_80/sm_90 through `_bsr_kernels.gpu_launch_configs`), the precision of their fp32
-`tl.dot` (`dot_precision`), the token splits of the dW kernel (`sdd_splits`, `sm_count`) and the
+`tl.dot` (`dot_precision`), the token splits of the dW kernels (`sdd_splits`, `sdd_plan`,
+`sm_count`) and the
 16-column padding of the operands (`aligned`).
 """
 
@@ -75,6 +76,30 @@ def sdd_splits(nnzb: int, tokens: int, block_m: int, programs: int) -> int:
     """
     want = -(-programs // max(nnzb, 1))
     return max(1, min(want, tokens // (4 * block_m), 16))
+
+
+def check_sdd(dy: Tensor, x: Tensor, splits: int | None) -> None:
+    """The dW launchers' own argument checks (beyond the operand checks of `_bsr_kernels`)."""
+    if dy.shape[0] != x.shape[0]:
+        raise ValueError(f"`dy` has {dy.shape[0]} rows but `x` has {x.shape[0]}")
+    if splits is not None and splits < 1:
+        raise ValueError(f"`splits` ({splits}) must be >= 1")
+
+
+def sdd_plan(
+    tokens: int, nnzb: int, block_m: int, splits: int | None, device: torch.device
+) -> tuple[int, int]:
+    """(splits, tokens per split) of a dW launch over `tokens` >= 1 and `nnzb` >= 1 tiles.
+
+    `splits` None: `sdd_splits` over two waves of SMs (4 "SMs" on CPU). Tokens per split are a
+    multiple of `block_m`, and the splits are recounted from them.
+    """
+    if splits is None:
+        sms = 4 if device.type == "cpu" else sm_count(device)
+        splits = sdd_splits(nnzb, tokens, block_m, 2 * sms)
+    per_split = -(-tokens // splits)
+    per = -(-per_split // block_m) * block_m
+    return -(-tokens // per), per
 
 
 def sm_count(device: torch.device) -> int:
