@@ -244,27 +244,41 @@ def _go_offline() -> None:
                 setattr(sys.modules[module], name, True)
 
 
-def check_init_model(name: str) -> None:
+def check_init_model(name: str, *, weights: bool = True) -> None:
     """`init_model` must be a causal-LM folder with a tokenizer, or a reachable / cached hub id.
 
+    A folder needs a `config.json` of a causal-LM architecture transformers knows and, with
+    `weights`, its tokenizer and every weight shard (`model.safetensors`, or the shards a
+    `model.safetensors.index.json` lists). `weights=False` checks the config only (`leanlm
+    plan` reads nothing else).
+
     Raises:
-        ConfigError: naming `init_model` and what is missing.
+        ConfigError: naming `init_model`, the path and what is missing.
     """
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
             raise ConfigError("init_model", f"{name!r} is not a model folder (no config.json)")
-        arch = json.loads((path / "config.json").read_text()).get("architectures") or []
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except ValueError as err:
+            raise ConfigError("init_model", f"{path / 'config.json'} is not JSON: {err}") from None
+        arch = config.get("architectures") or []
         if not any(str(a).endswith("ForCausalLM") for a in arch):
             raise ConfigError(
                 "init_model", f"{name!r} is not a causal LM (its architectures: {arch})"
             )
-        if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        if weights and not any(
+            (path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
+        ):
             raise ConfigError(
                 "init_model",
                 f"{name!r} has no tokenizer (tokenizer.json); save one with "
                 "`tokenizer.save_pretrained` next to the model",
             )
+        _check_architecture(name, config)
+        if weights:
+            _check_shards(path)
         return
     if not _HUB_ID.match(name) or name.startswith((".", "/", "~")):
         raise ConfigError("init_model", f"{name!r} does not exist (and is not a hub id)")
@@ -279,6 +293,48 @@ def check_init_model(name: str) -> None:
             "HF_HUB_OFFLINE set) and it is not in the hub cache",
         )
     _go_offline()
+
+
+def _check_architecture(name: str, config: dict[str, Any]) -> None:
+    """The folder's `model_type` / `architectures` must be a causal LM transformers has."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    known = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) if model_type else None
+    names = {known} if isinstance(known, str) else set(known or ())
+    arch = config.get("architectures") or []
+    if not names or not any(a in names for a in arch):
+        raise ConfigError(
+            "init_model",
+            f"{name!r} holds an unsupported architecture ({', '.join(map(str, arch))}, "
+            f"model_type {model_type!r}): this transformers has no such causal LM; use a "
+            "Llama-family checkpoint (e.g. Llama, Mistral, Qwen2)",
+        )
+
+
+def _check_shards(path: Path) -> None:
+    """Every weight file the folder's index lists exists (or the single `model.safetensors`)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as err:
+            raise ConfigError("init_model", f"{index} is not a weight index: {err!r}") from None
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise ConfigError(
+                "init_model",
+                f"{path} lacks {len(missing)} of the {len(shards)} weight shards its "
+                f"model.safetensors.index.json lists: {', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''}; copy the whole checkpoint folder",
+            )
+        return
+    if not (path / "model.safetensors").is_file():
+        raise ConfigError(
+            "init_model",
+            f"{path} has no weights (model.safetensors, or model.safetensors.index.json and "
+            "its shards); leanlm reads safetensors checkpoints",
+        )
 
 
 def check_hub_dataset(config: RunConfig) -> None:
