@@ -121,7 +121,7 @@ if HAS_TRITON:
         n_out,
         n_blocks,
         stride_om,
-        NUM_PROGRAMS: tl.constexpr,
+        n_programs,
         TRANS_W: tl.constexpr,
         HAS_PERM: tl.constexpr,
         HAS_BIAS: tl.constexpr,
@@ -132,7 +132,7 @@ if HAS_TRITON:
         BK: tl.constexpr,
         BLOCK_M: tl.constexpr,
     ):
-        """Persistent program: work items w = pid, pid + NUM_PROGRAMS, ... of (block, token tile).
+        """Persistent program: work items w = pid, pid + n_programs, ... of (block, token tile).
 
         Block j = order[w // tiles_m] (output block row for the forward, block column for dX),
         token tile w % tiles_m. Its stored tiles are positions q in [seg_ptr[j], seg_ptr[j+1]):
@@ -148,7 +148,7 @@ if HAS_TRITON:
         offs_b = tl.arange(0, BS)
         steps = BS // BK
         n_items = n_blocks * tiles_m
-        for w in range(pid, n_items, NUM_PROGRAMS):
+        for w in range(pid, n_items, n_programs):
             j = tl.load(order + w // tiles_m)
             m0 = (w % tiles_m) * BLOCK_M
             start = tl.load(seg_ptr + j)
@@ -180,7 +180,7 @@ if HAS_TRITON:
                 mask=(offs_m[:, None] < M) & (n[None, :] < n_out),
             )
             if TRACE:
-                tl.store(trace_ptr + 2 * w, j)  # w = round · NUM_PROGRAMS + pid
+                tl.store(trace_ptr + 2 * w, j)  # w = round · n_programs + pid
                 tl.store(trace_ptr + 2 * w + 1, w % tiles_m)
 
     def _launch(
@@ -222,7 +222,7 @@ if HAS_TRITON:
             a_desc, w_desc, seg_ptr, perm if perm is not None else seg_ptr, idx, order,
             bias if bias is not None else out, out, trace if trace is not None else seg_ptr,
             M, out.shape[1], n_blocks, out.stride(0),
-            NUM_PROGRAMS=programs, TRANS_W=trans_w, HAS_PERM=perm is not None,
+            n_programs=programs, TRANS_W=trans_w, HAS_PERM=perm is not None,
             HAS_BIAS=bias is not None, TRACE=trace is not None, UPCAST=_INTERPRET,
             PRECISION=dot_precision(a.dtype), BS=b, BK=bk, BLOCK_M=bm,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -292,7 +292,7 @@ if HAS_TRITON:
                             "seg_ptr": i32, "perm": i32, "idx": i32, "order": i32,
                             "b_ptr": dtype, "out_ptr": dtype, "trace_ptr": i32,
                             "M": M, "n_out": 4096, "n_blocks": 4096 // bs, "stride_om": 4096,
-                            "NUM_PROGRAMS": 132, "TRANS_W": trans_w, "HAS_PERM": trans_w,
+                            "n_programs": 132, "TRANS_W": trans_w, "HAS_PERM": trans_w,
                             "HAS_BIAS": not trans_w, "TRACE": False, "UPCAST": False,
                             "PRECISION": "tf32", "BS": bs, "BK": bk, "BLOCK_M": bm,
                         }  # fmt: skip

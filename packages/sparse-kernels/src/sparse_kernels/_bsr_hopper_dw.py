@@ -53,13 +53,13 @@ if HAS_TRITON:
         M,
         nnzb,
         m_per_split,
-        NUM_PROGRAMS: tl.constexpr,
+        n_programs,
         UPCAST: tl.constexpr,
         PRECISION: tl.constexpr,
         BS: tl.constexpr,
         BLOCK_M: tl.constexpr,
     ):
-        """Items w = pid, pid + NUM_PROGRAMS, ...: out[s, p] = Σ_{m in split s} dY[m, r]ᵀX[m, c].
+        """Items w = pid, pid + n_programs, ...: out[s, p] = Σ_{m in split s} dY[m, r]ᵀX[m, c].
 
         Split s covers tokens [s·m_per_split, (s+1)·m_per_split) (a multiple of BLOCK_M);
         fp32 accumulator, one cast on store.
@@ -67,7 +67,7 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         splits = tl.cdiv(M, m_per_split)
         offs_b = tl.arange(0, BS)
-        for w in range(pid, nnzb * splits, NUM_PROGRAMS):
+        for w in range(pid, nnzb * splits, n_programs):
             p = w % nnzb
             s = w // nnzb
             r = tl.load(row_idx + p)
@@ -125,7 +125,7 @@ if HAS_TRITON:
         _sdd_tma_kernel[(programs,)](
             TensorDescriptor.from_tensor(dy, [bm, b]), TensorDescriptor.from_tensor(x, [bm, b]),
             layout.row_idx, layout.col_idx, out, M, nnzb, per,
-            NUM_PROGRAMS=programs, UPCAST=_INTERPRET, PRECISION=dot_precision(x.dtype), BS=b,
+            n_programs=programs, UPCAST=_INTERPRET, PRECISION=dot_precision(x.dtype), BS=b,
             BLOCK_M=bm, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         return out if splits == 1 else out.sum(0).to(values.dtype)
@@ -146,7 +146,7 @@ if HAS_TRITON:
                         desc = TensorDescriptor.from_tensor(t, [cfg["BLOCK_M"], bs])
                         args = {"dy_desc": desc, "x_desc": desc, "row_idx": torch.int32,
                                 "col_idx": torch.int32, "out_ptr": out, "M": M, "nnzb": 409,
-                                "m_per_split": 512, "NUM_PROGRAMS": 132, "UPCAST": False,
+                                "m_per_split": 512, "n_programs": 132, "UPCAST": False,
                                 "PRECISION": "tf32", "BS": bs,
                                 "BLOCK_M": cfg["BLOCK_M"]}  # fmt: skip
                         options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
