@@ -175,27 +175,30 @@ def block_kernels(pt: GpuPoint, nnzb: int, gpu: R.Gpu) -> list[KernelCost]:
     if pt.op == "fwd":
         return kernels
     kernels.append(_gemm_tile_cost("dX", pt, nnzb, gpu, out_f=k, in_f=n))
+    # sm_90: a program owns a pair of tiles of one block row (about nnzb / 2 pairs: exact when
+    # every row has an even count) and loads each dY box once for both
+    items, x_boxes = (_cdiv(nnzb, 2), 2) if pt.kernels == "sm90" else (nnzb, 1)
     if pt.kernels == "sm90":
         from sparse_kernels._bsr_hopper_dw import sm90_dw_config
 
         cfg = sm90_dw_config(b, torch.bfloat16)
     else:
         cfg = kernel_config("sdd", b, torch.bfloat16)
-    splits = sdd_splits(nnzb, m, cfg["BLOCK_M"], 2 * gpu.sms)
+    splits = sdd_splits(items, m, cfg["BLOCK_M"], 2 * gpu.sms)
     per = _cdiv(_cdiv(m, splits), cfg["BLOCK_M"]) * cfg["BLOCK_M"]
     splits = _cdiv(m, per)  # as the launcher rounds them
     tiles = nnzb * b * b
     out = splits * tiles * FP32 if splits > 1 else tiles * BF16
-    reads = 2 * m * b * nnzb * BF16
+    reads = (m * b * nnzb + m * b * items) * BF16  # X per tile, dY per item
     kernels.append(
         KernelCost(
             "dW",
             2.0 * m * nnzb * b * b,
             (m * n + m * k) * BF16 + out,
             reads + out,
-            programs=nnzb * splits,
+            programs=items * splits,
             threads=32 * cfg["num_warps"],
-            shared_bytes=cfg["num_stages"] * 2 * cfg["BLOCK_M"] * b * BF16,
+            shared_bytes=cfg["num_stages"] * (1 + x_boxes) * cfg["BLOCK_M"] * b * BF16,
         )
     )
     if splits > 1:  # the launcher's fp32 sum of the partials, cast to bf16

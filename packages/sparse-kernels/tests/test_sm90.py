@@ -71,6 +71,8 @@ def test_sm90_kernel_matches_dense_reference_at_shipped_tiles(name, dtype):
     ref = T.dsdt_dense_reference(dy, values, layout)
     assert_verbose_allclose(dx, ref, atol=atol, rtol=rtol, name="dX")
     ref = T.sdd_dense_reference(dy, x, layout)
+    starts = HW.pair_starts(layout.row_ptr)
+    assert (starts[1:] - starts[:-1]).tolist().count(1) >= 1 or name == "pow2"  # a lone tile
     for splits in (1, 3):  # dvalues written directly; fp32 partials summed in split order
         dv = HW.sdd_sm90(dy, x, layout, values, splits=splits, programs=3)
         assert_verbose_allclose(dv, ref, atol=atol * 4, rtol=rtol, name=f"dW, {splits} split")
@@ -117,6 +119,13 @@ def test_sm90_kernel_runs_the_longest_first_persistent_schedule(programs):
         by_length = [lengths[blk] for blk, _ in ran[::tiles_m]]
         assert by_length == sorted(lengths, reverse=True)
         assert len(set(lengths)) > 1  # the order is not the identity by accident
+
+
+def test_dw_pairs_are_consecutive_tiles_of_one_block_row():
+    # rows of 3, 0, 2 and 1 tiles: pairs {0, 1} {2} | {3, 4} | {5}
+    starts = HW.pair_starts(torch.tensor([0, 3, 3, 5, 6], dtype=torch.int32))
+    assert starts.tolist() == [0, 2, 3, 5, 6]
+    assert HW.pair_starts(torch.zeros(3, dtype=torch.int32)).tolist() == [0]
 
 
 def test_schedule_orders_blocks_longest_first_and_strides_over_programs():

@@ -5,12 +5,13 @@
 The sampled product (SDD) of `_bsr_kernels._sdd_kernel`, reshaped for sm_90 (issue 24, item 1):
 the dY and X slices of a tile arrive as TMA boxes (BLOCK_M tokens x b features, host-built
 `TensorDescriptor`s; TMA zero-fills rows past M), the token loop is multi-buffered (`num_stages`
->= 3) and its dots compile to `wgmma`. The grid is persistent: work item w = (tile w mod nnzb,
-token split w div nnzb), program pid taking items pid, pid + P, ...; the tiles of one block row
-are consecutive in the layout, so programs running at the same time read the same dY slice
-(L2 hits). Splits as `_bsr_kernels.sdd_triton` (`sdd_splits`: fp32 partials summed in split
-order, deterministic). Not done: several tiles of a block row per program sharing one dY load,
-stream-K. Selected with the forward/dX kernel of `_bsr_hopper` (`use_sm90`).
+>= 3) and its dots compile to `wgmma`. A work item is a pair of consecutive tiles of one block
+row (`pair_starts`) and a token split: the pair shares each dY box (half the dY traffic of one
+tile per item). The grid is persistent: item w = (pair w mod pairs, split w div pairs), program
+pid taking items pid, pid + P, ...; consecutive pairs are tiles of the same block row, so
+programs running at the same time read the same dY slice (L2 hits). Splits as
+`_bsr_kernels.sdd_triton` (`sdd_plan`: fp32 partials summed in split order, deterministic).
+Not done: stream-K. Selected with the forward/dX kernel of `_bsr_hopper` (`use_sm90`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from sparse_kernels.layout import BlockLayout
 def sm90_dw_config(block_size: int, dtype: torch.dtype) -> dict[str, int]:
     """Launch configuration of the Hopper dW kernel: `BLOCK_M` tokens per loop step.
 
-    Shared memory per stage: 2 · BLOCK_M · b · bytes (a dY box and an X box); 4 stages (fp32
+    Shared memory per stage: 3 · BLOCK_M · b · bytes (a dY box and two X boxes); 4 stages (fp32
     with TF32 dots: 3 buffers in the compile, 16-bit: 4).
     """
     if block_size not in SM90_BLOCK_SIZES:
@@ -36,6 +37,19 @@ def sm90_dw_config(block_size: int, dtype: torch.dtype) -> dict[str, int]:
     wide = dtype == torch.float32
     return {"BLOCK_M": 32 if wide else 64, "num_warps": 8 if block_size == 128 else 4,
             "num_stages": 4}  # fmt: skip
+
+
+def pair_starts(row_ptr: Tensor) -> Tensor:
+    """Start of each pair of consecutive tiles of one block row, and nnzb at the end (int32).
+
+    Pair g is tiles [starts[g], starts[g + 1]): two tiles, or one (the last of a row with an odd
+    count). `row_ptr` (row_blocks + 1) is the layout's CSR row pointer.
+    """
+    lengths = (row_ptr[1:] - row_ptr[:-1]).long()
+    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=row_ptr.device), lengths)
+    p = torch.arange(int(row_ptr[-1]), device=row_ptr.device)
+    first = (p - row_ptr[rows].long()) % 2 == 0
+    return torch.cat([p[first], row_ptr[-1:].long()]).to(torch.int32)
 
 
 if HAS_TRITON:
@@ -47,11 +61,13 @@ if HAS_TRITON:
     def _sdd_tma_kernel(  # type: ignore[no-untyped-def]
         dy_desc,
         x_desc,
+        pair_start,
         row_idx,
         col_idx,
         out_ptr,
         M,
         nnzb,
+        n_pairs,
         m_per_split,
         n_programs,
         UPCAST: tl.constexpr,
@@ -59,34 +75,46 @@ if HAS_TRITON:
         BS: tl.constexpr,
         BLOCK_M: tl.constexpr,
     ):
-        """Items w = pid, pid + n_programs, ...: out[s, p] = Σ_{m in split s} dY[m, r]ᵀX[m, c].
+        """Items w = pid, pid + n_programs, ...: tiles p0, p1 of pair w mod n_pairs, split s.
 
-        Split s covers tokens [s·m_per_split, (s+1)·m_per_split) (a multiple of BLOCK_M);
-        fp32 accumulator, one cast on store.
+        out[s, p] = Σ_{m in split s} dY[m, r]ᵀ X[m, c_p] for the (one or) two tiles p of a pair,
+        which share their block row r: one dY box per token step feeds both dots. A pair with
+        one tile (the last of an odd row) loads its X box twice and stores once. Split s covers
+        tokens [s·m_per_split, (s+1)·m_per_split) (a multiple of BLOCK_M); fp32 accumulators,
+        one cast on store.
         """
         pid = tl.program_id(0)
         splits = tl.cdiv(M, m_per_split)
         offs_b = tl.arange(0, BS)
-        for w in range(pid, nnzb * splits, n_programs):
-            p = w % nnzb
-            s = w // nnzb
-            r = tl.load(row_idx + p)
-            c = tl.load(col_idx + p)
+        tile = offs_b[:, None] * BS + offs_b[None, :]
+        for w in range(pid, n_pairs * splits, n_programs):
+            g = w % n_pairs
+            s = w // n_pairs
+            p0 = tl.load(pair_start + g)
+            p1 = tl.load(pair_start + g + 1) - 1  # == p0 for a single tile
+            r = tl.load(row_idx + p0)
+            c0 = tl.load(col_idx + p0)
+            c1 = tl.load(col_idx + p1)
             m_lo = s * m_per_split
             m_hi = tl.minimum(m_lo + m_per_split, M)
-            acc = tl.zeros([BS, BS], dtype=tl.float32)
+            acc0 = tl.zeros([BS, BS], dtype=tl.float32)
+            acc1 = tl.zeros([BS, BS], dtype=tl.float32)
             for m0 in range(m_lo, m_hi, BLOCK_M):
                 dy = dy_desc.load([m0, r * BS])
-                x = x_desc.load([m0, c * BS])
+                x0 = x_desc.load([m0, c0 * BS])
+                x1 = x_desc.load([m0, c1 * BS])
                 if UPCAST:
                     dy = dy.to(tl.float32)
-                    x = x.to(tl.float32)
-                acc = tl.dot(tl.trans(dy), x, acc, input_precision=PRECISION)
-            out = (s.to(tl.int64) * nnzb + p) * (BS * BS)
-            tl.store(
-                out_ptr + out + offs_b[:, None] * BS + offs_b[None, :],
-                acc.to(out_ptr.dtype.element_ty),
-            )
+                    x0 = x0.to(tl.float32)
+                    x1 = x1.to(tl.float32)
+                dyt = tl.trans(dy)
+                acc0 = tl.dot(dyt, x0, acc0, input_precision=PRECISION)
+                acc1 = tl.dot(dyt, x1, acc1, input_precision=PRECISION)
+            base = s.to(tl.int64) * nnzb * (BS * BS)
+            tl.store(out_ptr + base + p0.to(tl.int64) * (BS * BS) + tile,
+                     acc0.to(out_ptr.dtype.element_ty))  # fmt: skip
+            tl.store(out_ptr + base + p1.to(tl.int64) * (BS * BS) + tile,
+                     acc1.to(out_ptr.dtype.element_ty), mask=(tile >= 0) & (p1 > p0))  # fmt: skip
 
     def sdd_sm90(
         dy: Tensor,
@@ -115,16 +143,18 @@ if HAS_TRITON:
         bm = cfg["BLOCK_M"]
         dy, x = aligned(dy), aligned(x)
         dy, x = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (dy, x))
-        splits, per = sdd_plan(M, nnzb, bm, splits, x.device)
+        starts = pair_starts(layout.row_ptr)
+        n_pairs = starts.numel() - 1
+        splits, per = sdd_plan(M, n_pairs, bm, splits, x.device)  # splits for the pairs
         f32 = torch.float32
         out = (
             torch.empty_like(values) if splits == 1 else x.new_empty(splits, nnzb, b, b, dtype=f32)
         )
         sms = 4 if x.device.type == "cpu" else sm_count(x.device)
-        programs = max(1, min(programs or sms, nnzb * splits))
+        programs = max(1, min(programs or sms, n_pairs * splits))
         _sdd_tma_kernel[(programs,)](
             TensorDescriptor.from_tensor(dy, [bm, b]), TensorDescriptor.from_tensor(x, [bm, b]),
-            layout.row_idx, layout.col_idx, out, M, nnzb, per,
+            starts, layout.row_idx, layout.col_idx, out, M, nnzb, n_pairs, per,
             n_programs=programs, UPCAST=_INTERPRET, PRECISION=dot_precision(x.dtype), BS=b,
             BLOCK_M=bm, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
@@ -144,10 +174,10 @@ if HAS_TRITON:
                     for out in {torch.float32, dtype}:
                         t = torch.empty(M, 4096, dtype=dtype, device="meta")
                         desc = TensorDescriptor.from_tensor(t, [cfg["BLOCK_M"], bs])
-                        args = {"dy_desc": desc, "x_desc": desc, "row_idx": torch.int32,
-                                "col_idx": torch.int32, "out_ptr": out, "M": M, "nnzb": 409,
-                                "m_per_split": 512, "n_programs": 132, "UPCAST": False,
-                                "PRECISION": "tf32", "BS": bs,
+                        args = {"dy_desc": desc, "x_desc": desc, "pair_start": torch.int32,
+                                "row_idx": torch.int32, "col_idx": torch.int32, "out_ptr": out,
+                                "M": M, "nnzb": 409, "n_pairs": 205, "m_per_split": 512,
+                                "n_programs": 132, "UPCAST": False, "PRECISION": "tf32", "BS": bs,
                                 "BLOCK_M": cfg["BLOCK_M"]}  # fmt: skip
                         options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
                         launches.append({"kernel": _sdd_tma_kernel, "args": args,
