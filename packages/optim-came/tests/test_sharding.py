@@ -22,6 +22,10 @@ CONFIGS = {
         40,
     ),
     "triton": ({"lr": 1e-2, "backend": "triton"}, 5),
+    # int8 exp_avg: blocks inside rows, noise hashed from global element indices (equal seeds:
+    # `_seeded`): every rank's codes equal the unsharded run's rows
+    "int8": ({"lr": 1e-2, "state_dtype": torch.int8}, 20),
+    "int8_sr": ({"lr": 1e-2, "state_dtype": torch.int8, "stochastic_rounding": True}, 20),
 }
 
 
@@ -29,10 +33,16 @@ def _scale(t: torch.Tensor) -> float:
     return t.abs().max().item() if t.numel() else 0.0
 
 
+def _seeded(params, **kw) -> CAME:
+    """CAME whose stochastic-rounding seed (drawn from torch's global generator) is fixed."""
+    torch.manual_seed(0)
+    return CAME(params, **kw)
+
+
 def _worker(rank: int, world_size: int, config: str) -> None:
     kw, steps = CONFIGS[config]
     # g² stats, Σu², instability stats: one bucketed all-reduce each, for 5 parameters
-    run = run_row_sharded(rank, CAME, kw, steps, row_shard_attr=ROW_SHARD_ATTR, collectives=3)
+    run = run_row_sharded(rank, _seeded, kw, steps, row_shard_attr=ROW_SHARD_ATTR, collectives=3)
     for name, p in run.local.items():
         expected = run.rows(name, run.ref_params[name].detach())
         # fp32; only the order of the cross-rank sums differs from the unsharded run. Errors are
@@ -48,7 +58,7 @@ def _worker(rank: int, world_size: int, config: str) -> None:
                 assert_verbose_allclose(
                     col, ref_col, atol=1e-6 * _scale(ref_col), rtol=1e-5, name=f"{name} {key}"
                 )
-        for key in ("exp_avg_sq_row", "exp_avg_res_row", "exp_avg", "exp_avg_sq"):
+        for key in ("exp_avg_sq_row", "exp_avg_res_row", "exp_avg", "exp_avg_sq", "exp_avg_scale"):
             if key in state:
                 ref_row = run.rows(name, ref_state[key])
                 assert_verbose_allclose(

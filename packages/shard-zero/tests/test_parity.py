@@ -26,6 +26,10 @@ from shard_zero import ZeroConfig, full_state_dict, prepare
 
 STEPS = 10
 TOL = 1e-4
+# int8 first moment: the codes are a step function of fp32 values, so the ~1e-7 reordering of
+# the gradient sums flips the odd code at a rounding boundary (one code step, <= 1.6% of the
+# block's absmax); the codes of equal inputs are equal (optim-came's test_sharding.py)
+INT8_TOL = 5e-3
 
 
 class OddNet(nn.Module):
@@ -58,6 +62,8 @@ def _optimizer(name: str) -> Callable[[list[nn.Parameter]], torch.optim.Optimize
         return lambda params: Adafactor(params, lr=1e-2, relative_step=False, beta1=0.9)
     if name == "came":  # CAME: factored second moment + factored instability statistics
         return lambda params: CAME(params, lr=1e-2, weight_decay=0.01, instability_init=1.0)
+    if name == "came_int8":  # blockwise 8-bit exp_avg (optim-came's state_dtype=torch.int8)
+        return lambda params: CAME(params, lr=1e-2, instability_init=1.0, state_dtype=torch.int8)
     if name == "adafactor_undeclared":  # negative control: the shards' row declaration removed
         return lambda params: Adafactor([_undeclared(p) for p in params])
     raise ValueError(name)
@@ -155,6 +161,7 @@ CASES = [
     ],
     *[("llama", "adafactor", ZeroConfig(stage=s, min_shard_numel=100)) for s in (1, 2, 3)],
     *[("llama", "came", ZeroConfig(stage=s, min_shard_numel=100)) for s in (1, 2, 3)],
+    *[("llama", "came_int8", ZeroConfig(stage=s, min_shard_numel=100)) for s in (1, 2, 3)],
     *[
         ("odd", opt, ZeroConfig(stage=s, min_shard_numel=0, bucket_numel=64))
         for s in (1, 2, 3)
@@ -170,7 +177,8 @@ def _parity_worker(rank: int, world: int, cases: list[tuple[str, str, ZeroConfig
         if (kind, opt) not in refs:
             refs[kind, opt] = reference(kind, opt)
         init, ref = refs[kind, opt]
-        assert_update_close(init, ref, got, TOL, f"world {world} stage {config.stage} {kind} {opt}")
+        tol = INT8_TOL if opt == "came_int8" else TOL
+        assert_update_close(init, ref, got, tol, f"world {world} stage {config.stage} {kind} {opt}")
     # negative control: without the row-shard declaration Adafactor's statistics are per-shard
     # (what a sharding wrapper that does not speak the protocol gets) and the metric sees it
     got = zero_train(rank, world, "odd", "adafactor_undeclared", ZeroConfig(min_shard_numel=0))

@@ -23,8 +23,9 @@ placements); it is not a DTensor state dict, so do not pass it to `torch.distrib
 
 For DCP, `distributed_state_dict(optimizer, model)` describes the same state as DTensors over
 each parameter's mesh, which view the local tensors: a state shaped like the local shard gets
-the parameter's placements; a row statistic (key `*_row`; for tensors of 3 or more dims the
-column statistic too, whose dim 0 is the parameter's) gets them with dim 0 of global length; a
+the parameter's placements; a row statistic (key `*_row`, and blockwise quantization scales
+`*_scale`, which are rows x blocks; for tensors of 3 or more dims the column statistic too,
+whose dim 0 is the parameter's) gets them with dim 0 of global length; a
 2-D parameter's column statistic (`*_col`, equal on every rank) is replicated; the step count
 and the hyper-parameters are plain values. DCP saves that once per logical tensor and loads it
 at any number of ranks; `load_distributed_state_dict` then writes what DCP loaded into the
@@ -191,7 +192,7 @@ def _as_dtensor(p: Tensor, key: str, value: Any, name: str) -> Any:
     elif key.endswith("_col") and local.dim() == 2 and value.shape == local.shape[-1:]:
         placements = tuple(Replicate() for _ in placements)  # all-reduced: equal everywhere
         shape = tuple(value.shape)
-    elif key.endswith(("_row", "_col")) and value.shape[:1] == local.shape[:1]:
+    elif key.endswith(("_row", "_col", "_scale")) and value.shape[:1] == local.shape[:1]:
         shape = (p.shape[0], *value.shape[1:])
     else:
         raise ValueError(
