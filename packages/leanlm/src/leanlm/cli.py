@@ -83,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
         default="1",
         help="processes to start (torchrun; auto as for demo); or launch with torchrun yourself",
     )
+    from leanlm.plan_command import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 
@@ -247,6 +250,10 @@ def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     args.argv = argv  # for the report
+    if args.command == "plan":
+        from leanlm.plan_command import plan_command
+
+        return plan_command(args)
     try:
         nproc = resolve_nproc(args.processes)
         if args.command == "demo":

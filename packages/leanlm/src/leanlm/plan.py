@@ -1,0 +1,373 @@
+"""`leanlm plan`: each configured stage's memory-heavy step at full size, without the memory.
+
+Every model is built from `config.json` alone (`init_model`'s, or `[model]` with the
+`[tokenizer]` vocabulary) under `FakeTensorMode`: tensors carry shapes and dtypes, no data, so
+an 8B model "fits" on a laptop. Each stage then runs the step that needs the most memory, with
+the run's settings, while torch's `MemTracker` counts the live bytes by kind
+(`torch.distributed._tools.mem_tracker`; the recipe shard-zero's simulator uses):
+
+- `pretrain`, `control`: a training step of the model (fp32 parameters, `mixed_precision`
+  autocast, the configured optimizer, `activation_checkpointing`), after a warm-up step so that
+  the optimizer state exists;
+- `prune`: the model in its checkpoint dtype and one calibration forward pass without
+  gradients (prune-distill's importance statistics, a few vectors per layer, and a `search`
+  are not planned: `collect_importance` reads values on the host, which fake tensors lack);
+- `distill`: a training step of the pruned student (the `[prune]` sizes when `prune` runs
+  first) with the teacher in its checkpoint dtype (`teacher = "online"`) or one micro-batch of
+  cached top-k logits (`"cached"`, no teacher);
+- `sparsify`: a fine-tune step of that model with its masks (made by magnitude: every method's
+  masks take the same bytes; the one-shot scoring pass is not planned).
+
+One process is planned (several processes: `--processes` sets the global batch and data
+shards, but the engines' sharding is not simulated here; shard-zero's simulator does it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from leanlm.config import RunConfig
+from leanlm.sections import TrainConfig
+
+PARTS = (
+    "weights",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "teacher",
+    "cache_buffers",
+    "other",
+)
+"""What a stage's peak is made of (bytes per process at the peak, by `MemTracker`'s labels):
+`activations` include the step's temporaries, `other` buffers and unlabelled tensors."""
+
+
+@dataclasses.dataclass
+class StagePlan:
+    """One stage's planned peak (bytes per process) and what makes it up at that moment."""
+
+    peak_bytes_per_process: int
+    parts: dict[str, int]
+    model_params: int
+    """Parameters of the model the stage holds (the student for `distill`)."""
+    note: str = ""
+    peak_phase: str = ""
+    """Where in the step the peak falls (`forward`, `backward`, `optimizer`)."""
+    phases: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict, repr=False)
+    """Each phase's own peak: `total` and the parts (what `plan_stage` extrapolates)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON entry: the peak, its parts, the model's parameters and the note."""
+        return {
+            "peak_bytes_per_process": self.peak_bytes_per_process,
+            **self.parts,
+            "model_params": self.model_params,
+            "peak_phase": self.peak_phase,
+            "note": self.note,
+        }
+
+
+def model_config(config: RunConfig) -> Any:
+    """The model's transformers config: `init_model`'s `config.json`, or `[model]`."""
+    if config.init_model:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(config.init_model)  # config.json only
+    from leanlm.model import llama_config
+
+    vocab = config.tokenizer.vocab_size
+    return llama_config(config.model, vocab_size=vocab, bos_id=0, eos_id=1, pad_id=2)
+
+
+def student_config(config: RunConfig, base: Any) -> Any:
+    """`base` with the `[prune]` sizes (when `prune` runs), the head width kept."""
+    cfg = base.__class__.from_dict(base.to_dict())
+    if "prune" in config.stages:
+        cfg.head_dim = getattr(base, "head_dim", None) or (
+            base.hidden_size // base.num_attention_heads
+        )
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads"):
+            setattr(cfg, name, getattr(config.prune, name) or getattr(base, name))
+        cfg.num_key_value_heads = config.prune.num_key_value_heads or base.num_key_value_heads
+        cfg.num_hidden_layers = config.prune.num_hidden_layers or base.num_hidden_layers
+    return cfg
+
+
+def _with_layers(cfg: Any, layers: int) -> Any:
+    out = cfg.__class__.from_dict(cfg.to_dict())
+    out.num_hidden_layers = layers
+    return out
+
+
+def _build(cfg: Any, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    cfg.use_cache = False
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+
+
+def _checkpoint_dtype(cfg: Any) -> torch.dtype:
+    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@contextlib.contextmanager
+def _fake() -> Iterator[None]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        yield
+
+
+class _NoHandle:
+    def remove(self) -> None:
+        pass
+
+
+_NO_HANDLE = _NoHandle()
+
+
+def _measure(step: Callable[[Any], None], tracked: list[Any]) -> dict[str, dict[str, int]]:
+    """Run `step(tracker)` under a `MemTracker`; each phase's peak bytes by kind.
+
+    `step` names the phase it is in with `tracker.phase = ...`.
+    """
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+
+    kinds = {
+        "weights": (_MemRefType.PARAM,),
+        "gradients": (_MemRefType.GRAD,),
+        "optimizer_state": (_MemRefType.OPT,),
+        "activations": (_MemRefType.ACT, _MemRefType.TEMP),
+        "other": (_MemRefType.BUFFER, _MemRefType.OTH),
+    }
+
+    class PhaseTracker(MemTracker):  # type: ignore[no-untyped-call]
+        """Keeps the largest snapshot of every phase (called after every op)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.phase = "forward"
+            self.peaks: dict[str, dict[str, int]] = {}
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            super()._update_peak_stats(peak_state)
+            snap = next(iter(self._curr_mem_snap.values()), None)
+            best = self.peaks.get(self.phase, {}).get("total", -1)
+            if snap is not None and snap[_TOTAL_KEY] > best:
+                out = {name: sum(int(snap.get(k, 0)) for k in keys) for name, keys in kinds.items()}
+                self.peaks[self.phase] = out | {"total": int(snap[_TOTAL_KEY])}
+
+    tracker = PhaseTracker()
+    tracker.track_external(*tracked)
+    # MemTracker hooks every parameter's gradient; a frozen one (the teacher's) cannot take a
+    # hook: mark those as hooked already, with handles that remove nothing
+    for module in tracked:
+        if isinstance(module, torch.nn.Module):
+            for param in module.parameters():
+                if not param.requires_grad:
+                    tracker._param_to_grad_hook_handles[param] = (_NO_HANDLE, _NO_HANDLE)
+    with tracker:
+        step(tracker)
+    return tracker.peaks
+
+
+def _train_step(
+    run: RunConfig,
+    cfg: TrainConfig,
+    model: Any,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    *,
+    vocab: int,
+    extra: list[Any],
+) -> dict[str, dict[str, int]]:
+    from leanlm.model import enable_activation_checkpointing
+    from leanlm.optim import decay_param_groups, optimizer_over
+
+    if cfg.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    model.train()
+    groups = decay_param_groups(model.parameters(), cfg.weight_decay)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # a constructor may draw a real seed (`.item()`)
+        optimizer = optimizer_over(cfg.optimizer, groups, lr=cfg.lr, betas=cfg.betas)
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.mixed_precision)
+
+    def step(tracker: Any = None) -> None:
+        def phase(name: str) -> None:
+            if tracker is not None:
+                tracker.phase = name
+
+        if tracker is not None:
+            tracker.reset_mod_stats()
+        for _ in range(cfg.grad_accum_steps):
+            phase("forward")
+            ids = torch.randint(0, vocab, (cfg.micro_batch_size, run.data.seq_len))
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=bool(autocast)):
+                loss = loss_fn(model, ids)
+            phase("backward")
+            loss.backward()  # type: ignore[no-untyped-call]
+        phase("optimizer")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # warm-up: the optimizer state exists from now on
+    return _measure(step, [model, optimizer, *extra])
+
+
+def _lm_loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    from leanlm.evaluate import causal_lm_loss
+
+    return causal_lm_loss(model, ids)
+
+
+def _stage_step(run: RunConfig, name: str, base: Any, layers: int | None) -> StagePlan:
+    """One stage at `layers` decoder layers (None: the model's own)."""
+    student = student_config(run, base)
+    teacher_cfg = base
+    if layers is not None:
+        student, teacher_cfg = _with_layers(student, layers), _with_layers(base, layers)
+    vocab = base.vocab_size
+    extra: dict[str, int] = {"teacher": 0, "cache_buffers": 0}
+    note = ""
+    with _fake():
+        if name in ("pretrain", "control"):
+            model = _build(_with_layers(base, layers) if layers else base, torch.float32)
+            cfg = getattr(run, name)
+            phases = _train_step(run, cfg, model, _lm_loss, vocab=vocab, extra=[])
+        elif name == "prune":
+            model = _build(teacher_cfg, _checkpoint_dtype(base)).eval()
+            shape = (run.prune.calibration_batch_size, run.data.seq_len)
+            ids = torch.randint(0, vocab, shape)
+
+            def score(tracker: Any) -> None:
+                with torch.no_grad():  # the scoring forward; its loss reads fp32 logits
+                    model(input_ids=ids).logits.float()
+
+            phases = _measure(score, [model])
+            note = (
+                "one calibration forward (no gradients) in the checkpoint dtype; prune-distill's "
+                "importance statistics (a few vectors per layer) and a search are not planned"
+            )
+        elif name in ("distill", "sparsify"):
+            model = _build(student, torch.float32)
+            cfg = getattr(run, name)
+            if name == "sparsify":
+                from sparse_kernels import sparsify_
+
+                # magnitude masks: the same bytes as any method's, and no calibration data
+                sparsify_(model, dataclasses.replace(cfg.sparsity_config, method="magnitude"))
+                note = "the sparse fine-tune step (masks held); one-shot scoring not planned"
+                phases = _train_step(run, cfg, model, _lm_loss, vocab=vocab, extra=[])
+            elif cfg.teacher == "cached":
+                from leanlm.distill_train import cached_distillation_loss
+
+                k = min(cfg.top_k or vocab, vocab)
+                topk = (cfg.micro_batch_size, run.data.seq_len, k)
+                cache = _FakeCache(topk)
+                extra["cache_buffers"] = _nbytes(cache.lookup(torch.empty(0)))
+                loss_fn = cached_distillation_loss(cache, cfg)  # type: ignore[arg-type]
+                phases = _train_step(run, cfg, model, loss_fn, vocab=vocab, extra=[])
+                note = f"cached teacher: top-{k} logits of one micro-batch on the device"
+            else:
+                from leanlm.distill_train import distillation_loss
+
+                teacher = _build(teacher_cfg, _checkpoint_dtype(base))
+                teacher = teacher.eval().requires_grad_(False)
+                extra["teacher"] = _nbytes(teacher.parameters())
+                loss_fn = distillation_loss(teacher, cfg)
+                phases = _train_step(run, cfg, model, loss_fn, vocab=vocab, extra=[teacher])
+                note = "online teacher in its checkpoint dtype"
+        else:
+            raise ValueError(f"`leanlm plan` does not know stage {name!r}")
+        n_params = sum(p.numel() for p in model.parameters())
+    for parts in phases.values():
+        # the teacher's weights and the cache buffers are counted among weights / other
+        parts["weights"] -= extra["teacher"]
+        parts["other"] -= extra["cache_buffers"]
+        parts.update(extra)
+    return _at_peak(phases, n_params, note)
+
+
+def _at_peak(phases: dict[str, dict[str, int]], n_params: int, note: str) -> StagePlan:
+    peak = max(phases, key=lambda name: phases[name]["total"])
+    parts = {k: phases[peak].get(k, 0) for k in PARTS}
+    return StagePlan(phases[peak]["total"], parts, n_params, note, peak, phases)
+
+
+@dataclasses.dataclass
+class _FakeCache:
+    """A `CachedTeacher` stand-in: new top-k buffers per micro-batch, as the real one reads."""
+
+    shape: tuple[int, int, int]
+
+    def lookup(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty(self.shape), torch.empty(self.shape, dtype=torch.int64)
+
+
+def plan_stage(run: RunConfig, name: str, *, layers: tuple[int, int] | None = None) -> StagePlan:
+    """Stage `name`'s planned peak, at full depth or extrapolated from two smaller depths.
+
+    With `layers = (a, b)` the stage runs at a and b decoder layers and the result is
+    extrapolated linearly to the model's depth.
+
+    Why linear: every decoder layer has the same shapes, so each adds the same parameter,
+    gradient and optimizer-state bytes, the same saved activations (its input alone under
+    activation checkpointing) and the same importance statistics; embeddings, head, logits and
+    loss do not depend on depth. So each phase's peak (forward, backward, optimizer step) is
+    affine in the depth; the phases are extrapolated apart, and the plan is the largest one
+    (the overall peak may fall in another phase at a few layers than at the full depth).
+    `test_plan` checks this against full fake runs.
+    """
+    base = model_config(run)
+    if layers is None:
+        return _stage_step(run, name, base, None)
+    a, b = layers
+    first, second = _stage_step(run, name, base, a), _stage_step(run, name, base, b)
+    shaped = student_config(run, base) if name in ("distill", "sparsify") else base
+    depth = int(shaped.num_hidden_layers)
+
+    def extend(x: int, y: int) -> int:
+        return x + (y - x) * (depth - a) // (b - a)
+
+    phases = {
+        phase: {k: extend(v, second.phases[phase][k]) for k, v in parts.items()}
+        for phase, parts in first.phases.items()
+    }
+    note = (first.note + "; " if first.note else "") + f"extrapolated from {a} and {b} layers"
+    return _at_peak(phases, extend(first.model_params, second.model_params), note)
+
+
+def plan(run: RunConfig, *, layers: tuple[int, int] | None = None) -> dict[str, StagePlan]:
+    """Every configured stage's plan, in run order."""
+    return {name: plan_stage(run, name, layers=layers) for name in run.stages}
+
+
+def write_json(plans: dict[str, StagePlan], path: Path, *, processes: int) -> None:
+    """`{"processes": N, "stages": {name: {"peak_bytes_per_process": int, ...}}}`."""
+    data = {"processes": processes, "stages": {k: v.as_dict() for k, v in plans.items()}}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def table(plans: dict[str, StagePlan]) -> str:
+    """The plan as a text table in GiB."""
+    heads = ["stage", "peak", *PARTS, "params"]
+    rows = [heads]
+    for name, p in plans.items():
+        gib = [f"{v / 2**30:.2f}" for v in (p.peak_bytes_per_process, *p.parts.values())]
+        rows.append([name, *gib, f"{p.model_params / 1e9:.2f}B"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(heads))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(["GiB per process:", *lines])
