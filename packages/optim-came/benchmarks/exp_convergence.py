@@ -6,7 +6,12 @@ Command (from the repository root; RESULTS.md's numbers were taken with it):
     nice -n 10 python packages/optim-came/benchmarks/exp_convergence.py \
         --cache /tmp/came_convergence.json --png packages/optim-came/benchmarks/convergence.png
 
-`--quick` is a ~1 minute smoke run (40 steps, one seed, the shared lr only).
+`--quick` is a ~1 minute smoke run (40 steps, one seed, the shared lr only). `--optimizers`
+picks a subset (comma-separated names); `--shared-only` skips the lr sweep (every optimizer at
+the shared lr). The 8-bit comparison of RESULTS.md ran:
+
+    nice -n 10 python packages/optim-came/benchmarks/exp_convergence.py --shared-only \
+        --optimizers "AdamW,CAME ii=1,CAME ii=1 int8,CAME ii=1 int8 SR" --cache /tmp/came8.json
 
 Setup: a byte-level Llama built from `LlamaConfig` (leanlm_testing's `tiny_llama`: 2 layers,
 hidden 64, GQA 4/2 heads, tied 256-entry embeddings, 0.11M parameters) trained on the bytes of
@@ -23,6 +28,8 @@ Optimizers:
 - CAME: `optim_came.CAME` with came-pytorch's defaults (betas 0.9/0.999/0.9999, `R, C` start
   at 0).
 - CAME ii=1: the same with `instability_init=1.0`, the setting the leanlm pipeline uses.
+- CAME ii=1 int8 (SR): the same with `state_dtype=torch.int8` (blockwise 8-bit `exp_avg`), codes
+  rounded to nearest (stochastically).
 
 Protocol: every seed runs at the shared lr; a sweep over a small lr grid with seed 0 picks each
 optimizer's own lr (lowest validation loss), and the other seeds then run at that lr too.
@@ -56,8 +63,11 @@ GRIDS: dict[str, tuple[float, ...]] = {
     "Adafactor": (1e-3, 3e-3, 1e-2),
     "CAME": (1e-4, 3e-4, 1e-3, 3e-3),
     "CAME ii=1": (1e-3, 3e-3, 1e-2),
+    "CAME ii=1 int8": (1e-3, 3e-3, 1e-2),
+    "CAME ii=1 int8 SR": (1e-3, 3e-3, 1e-2),
 }
-COLORS = {"AdamW": "C0", "Adafactor": "C1", "CAME": "C3", "CAME ii=1": "C2"}
+COLORS = {"AdamW": "C0", "Adafactor": "C1", "CAME": "C3", "CAME ii=1": "C2",
+          "CAME ii=1 int8": "C4", "CAME ii=1 int8 SR": "C5"}  # fmt: skip
 TAIL = 50  # steps averaged for the final training loss
 SMOOTH = 25  # moving-average window of the plotted training loss
 VAL_WINDOWS = 256
@@ -95,6 +105,12 @@ def make_optimizer(
         return CAME(params, lr=lr)
     if name == "CAME ii=1":
         return CAME(params, lr=lr, instability_init=1.0)
+    if name == "CAME ii=1 int8":  # blockwise 8-bit exp_avg, rounded to nearest
+        return CAME(params, lr=lr, instability_init=1.0, state_dtype=torch.int8)
+    if name == "CAME ii=1 int8 SR":  # the same, codes rounded stochastically
+        return CAME(
+            params, lr=lr, instability_init=1.0, state_dtype=torch.int8, stochastic_rounding=True
+        )
     raise ValueError(f"`name` ({name!r}) must be one of {sorted(GRIDS)}")
 
 
@@ -259,11 +275,16 @@ def main() -> None:
     parser.add_argument("--cache", type=pathlib.Path, default=None, help="JSON of finished runs")
     parser.add_argument("--png", type=pathlib.Path, default=None, help="write the plot here")
     parser.add_argument("--quick", action="store_true", help="40 steps, 1 seed, shared lr only")
+    parser.add_argument("--shared-only", action="store_true", help="no lr sweep: shared lr only")
+    parser.add_argument("--optimizers", default=",".join(GRIDS), help="comma-separated names")
     args = parser.parse_args()
+    names = args.optimizers.split(",")
+    if unknown := sorted(set(names) - set(GRIDS)):
+        raise ValueError(f"`--optimizers` has unknown names {unknown}; choose from {list(GRIDS)}")
     steps, seeds = (40, 1) if args.quick else (args.steps, args.seeds)
     if steps < 10 or seeds < 1:
         raise ValueError(f"`--steps` ({steps}) must be >= 10 and `--seeds` ({seeds}) >= 1")
-    grids = dict.fromkeys(GRIDS, (SHARED_LR,)) if args.quick else GRIDS
+    grids = {n: (SHARED_LR,) if args.quick or args.shared_only else GRIDS[n] for n in names}
     cache = Cache(args.cache)
     start = time.perf_counter()
 

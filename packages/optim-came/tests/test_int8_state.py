@@ -161,18 +161,6 @@ def test_checkpoints_convert_between_state_dtypes() -> None:
         assert "exp_avg_scale" not in state
 
 
-def test_triton_backend_takes_the_pytorch_path_for_int8_matrices() -> None:
-    pytest.importorskip("triton")
-    a, b = _params(), _params()
-    fused = CAME(a, **KW, state_dtype=torch.int8, backend="triton")
-    eager = CAME(b, **KW, state_dtype=torch.int8, backend="torch")
-    _run(fused, a, range(3))
-    _run(eager, b, range(3))
-    for p, q in zip(a[:3], b[:3], strict=True):
-        assert torch.equal(p, q)
-        assert torch.equal(fused.state[p]["exp_avg"], eager.state[q]["exp_avg"])
-
-
 def test_state_bytes_per_parameter() -> None:
     p = torch.zeros(512, 1024, requires_grad=True)
     opt = CAME([p], lr=1e-3, state_dtype=torch.int8)

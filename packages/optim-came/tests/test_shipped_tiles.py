@@ -61,3 +61,16 @@ def test_fused_matches_torch_path_at_shipped_tiles(gpu_tiles, dtype, config, mul
     kt.check_fused_matches_torch_multi(
         CAME, CONFIGS[config], SHAPES, dtype, multi_tensor=multi_tensor
     )
+
+
+@pytest.mark.parametrize("sr", [False, True])
+def test_int8_state_matches_torch_path_at_shipped_tiles(gpu_tiles, sr) -> None:
+    """int8 `exp_avg` (per-tensor kernels: 256-column tiles, 128 for unaligned widths)."""
+    kw = {"lr": 1e-3, "weight_decay": 0.01, "state_dtype": torch.int8, "stochastic_rounding": sr}
+    kt.check_fused_matches_torch_multi(_seeded, kw, SHAPES, torch.float32, multi_tensor=False)
+
+
+def _seeded(params, **kw) -> CAME:
+    """CAME with a fixed stochastic-rounding seed (drawn from torch's global generator)."""
+    torch.manual_seed(0)
+    return CAME(params, **kw)

@@ -27,7 +27,8 @@ class LosslessState(Optimizer):
     """State dicts without precision loss, and the stochastic-rounding seed and generators.
 
     `FactoredOptimizer` sets `_sr_seed` and `_generators` in its constructor and provides the
-    hooks `_parse_group`, `_state_dtype` and `_convert_loaded_state`.
+    hooks `_parse_group`, `_state_dtype` and `_convert_loaded_state` (and may refine
+    `_adapt_loaded_state`).
     """
 
     _sr_seed: int
@@ -81,12 +82,16 @@ class LosslessState(Optimizer):
                 if not state:
                     continue
                 self._convert_loaded_state(state)
+                self._adapt_loaded_state(p, state, opts)
                 step = state.get("step", 0)
                 state["step"] = int(step.item()) if isinstance(step, Tensor) else int(step)
                 for key, value in state.items():
                     if isinstance(value, Tensor) and key != "step":
                         dtype = self._state_dtype(key, p, opts)
                         state[key] = value.to(device=p.device, dtype=dtype)
+
+    def _adapt_loaded_state(self, p: Tensor, state: dict[str, Any], opts: Any) -> None:
+        """Hook: convert a loaded parameter's state to `opts` before the dtype casts (no-op)."""
 
     def _load_rng(self, saved: dict[str, Any] | None) -> None:
         if saved is not None:

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from optim_adafactor import factored
+from optim_came import _quant
 from optim_came._torch_path import Work, clip_scale
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -43,16 +44,22 @@ BLOCK_M = 64 if _INTERPRET else 256
 NUM_WARPS = 8  # launch option of both kernels (stated, so tools/gpu_compile.py compiles it)
 
 
-def launch_config(n_cols: int) -> tuple[int, int]:
+def launch_config(n_cols: int, *, quant: bool = False) -> tuple[int, int]:
     """(BLOCK_M, num_warps) for rows of `n_cols`.
 
     16 x 256 on 8 warps, or 16 x 64 on 4 warps when `n_cols % 16 != 0` (unaligned masks make
     every load scalar; fewer elements per thread keep the registers low, as optim-adafactor's
-    `_kernels.launch_config`).
+    `_kernels.launch_config`). `quant` (int8 `exp_avg`): tiles of whole quantization blocks,
+    at least `_quant.QBLOCK` columns (also under the interpreter), on 8 warps (the unaligned
+    16 x 128 tile spilled on 4 warps at sm_90).
     """
-    if n_cols % 16 == 0:
-        return BLOCK_M, NUM_WARPS
-    return BLOCK_M // 4, 4
+    bm, warps = (BLOCK_M, NUM_WARPS) if n_cols % 16 == 0 else (BLOCK_M // 4, 4)
+    return (max(bm, _quant.QBLOCK), NUM_WARPS) if quant else (bm, warps)
+
+
+def quant_seed(seed: int | None) -> int:
+    """The additive constant of `_quant.hash_uniform`'s first round, masked to 32 bits."""
+    return 0 if seed is None else (seed * 0x85EBCA6B + 0x27D4EB2F) & 0xFFFFFFFF
 
 
 def available(device: torch.device) -> bool:
@@ -63,6 +70,62 @@ def available(device: torch.device) -> bool:
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    _QB = tl.constexpr(_quant.QBLOCK)
+    _QMAX_SQ = tl.constexpr(float(_quant.QMAX * _quant.QMAX))
+
+    @triton.jit
+    def _dequant(m_ptr, scale_ptr, offs, mask, srow, cols):  # type: ignore[no-untyped-def]
+        """fp32 values of the int8 codes at `offs` (`_quant.dequantize`: q·|q| · scale/127²).
+
+        `srow`: offset of each row's first scale (global row · blocks per row); block k of a
+        row starts at column k·QBLOCK.
+        """
+        q = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.float32)
+        sc = tl.load(scale_ptr + srow[:, None] + (cols // _QB)[None, :], mask=mask, other=0.0)
+        return (q * tl.abs(q)) * tl.div_rn(sc, _QMAX_SQ)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _quant_store(  # type: ignore[no-untyped-def]
+        m, m_ptr, scale_ptr, offs, mask, srow, c0, n_blocks, qseed, QSR: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):  # fmt: skip
+        """Encode fp32 `m` (BLOCK_N x BLOCK_M, whole blocks; masked lanes 0) as `_quant.quantize_`.
+
+        Per block: absmax -> scale; `a = |m|·127²/scale`, `lo = floor(√a)` (corrected to be
+        exact whatever the sqrt's rounding), up by one code when `frac = (a - lo²)/(2lo+1)`
+        exceeds 0.5 (QSR: exceeds the noise of the element's flat index, `_quant.hash_uniform`).
+        Divisions round to nearest (`div_rn`), so the codes equal the PyTorch path's.
+        """
+        nb: tl.constexpr = BLOCK_M // _QB
+        amax = tl.max(tl.reshape(tl.abs(m), (BLOCK_N, nb, _QB)), axis=2)
+        blk = c0 // _QB + tl.arange(0, nb)  # the tile's blocks (c0: its first column)
+        bmask = (srow >= 0)[:, None] & (blk < n_blocks)[None, :]
+        bmask = bmask & (tl.max(tl.reshape(mask.to(tl.int32), (BLOCK_N, nb, _QB)), axis=2) > 0)
+        tl.store(scale_ptr + srow[:, None] + blk[None, :], amax, mask=bmask)
+        amax = tl.reshape(tl.broadcast_to(amax[:, :, None], (BLOCK_N, nb, _QB)), (BLOCK_N, BLOCK_M))
+        nonzero = amax > 0
+        inv = tl.div_rn(tl.full(amax.shape, _QMAX_SQ, tl.float32), tl.where(nonzero, amax, 1.0))
+        inv = tl.where(nonzero, inv, 0.0)
+        a = tl.minimum(tl.abs(m) * inv, _QMAX_SQ)
+        lo = tl.floor(tl.sqrt(a))
+        lo = lo - tl.where(lo * lo > a, 1.0, 0.0)
+        lo = lo + tl.where((lo + 1.0) * (lo + 1.0) <= a, 1.0, 0.0)
+        lo = tl.minimum(tl.maximum(lo, 0.0), 127.0)
+        frac = tl.div_rn(a - lo * lo, 2.0 * lo + 1.0)
+        if QSR:
+            h = (offs * 0x9E3779B1 + qseed) & 0xFFFFFFFF
+            h = h ^ (h >> 16)
+            h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+            h = h ^ (h >> 13)
+            h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+            h = h ^ (h >> 16)
+            up = (h >> 8).to(tl.float32) * (2.0**-24) < frac
+        else:
+            up = frac > 0.5
+        q = tl.minimum(lo + tl.where(up, 1.0, 0.0), 127.0)
+        q = tl.where(m < 0, -q, q)
+        tl.store(m_ptr + offs, q.to(tl.int8), mask=mask)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _momentum_kernel(  # type: ignore[no-untyped-def]
@@ -78,11 +141,17 @@ if HAS_TRITON:
         n_row_blocks,
         BLOCK_N: tl.constexpr,
         BLOCK_M: tl.constexpr,
+        scale_ptr=None,
+        qseed=0,
+        QUANT: tl.constexpr = False,
+        QSR: tl.constexpr = False,
     ):
         """`d = m - g·rs_i·cf_j`; `m ← m - (1-β1)·d`; row sums and partial column sums of d².
 
         One program owns BLOCK_N rows (row sums without atomics) and writes one row-block
-        partial of the column sums; fp32 math, m stored back in its own dtype.
+        partial of the column sums; fp32 math, m stored back in its own dtype. QUANT: m is
+        int8 codes with per-block scales (`_quant`), decoded after the load and re-encoded
+        (QSR: stochastically) before the store; BLOCK_M is a multiple of the block.
         """
         pid_b = tl.program_id(0)
         pid_r = tl.program_id(1)
@@ -90,6 +159,8 @@ if HAS_TRITON:
         row_mask = rows < n_rows
         base = pid_b.to(tl.int64) * n_rows * n_cols
         part = (pid_b * n_row_blocks + pid_r).to(tl.int64)
+        # QUANT: each row's first scale (global row · blocks per row); -1 on masked rows
+        srow = tl.where(row_mask, (pid_b.to(tl.int64) * n_rows + rows) * tl.cdiv(n_cols, _QB), -1)
         rs = tl.load(rs_ptr + pid_b.to(tl.int64) * n_rows + rows, mask=row_mask, other=0.0)
         acc_row = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_M):
@@ -99,10 +170,17 @@ if HAS_TRITON:
             offs = base + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
             g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # upcast first
             cf = tl.load(cf_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
-            m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if QUANT:
+                m = _dequant(m_ptr, scale_ptr, offs, mask, srow, cols)
+            else:
+                m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             d = m - g * rs[:, None] * cf[None, :]
             m = m - (1.0 - beta1) * d
-            tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+            if QUANT:
+                _quant_store(m, m_ptr, scale_ptr, offs, mask, srow, start, tl.cdiv(n_cols, _QB),
+                             qseed, QSR, BLOCK_N, BLOCK_M)  # fmt: skip
+            else:
+                tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
             d2 = d * d  # masked lanes: g = m = 0, so d = 0
             acc_row += tl.sum(d2, axis=1)
             tl.store(colpart_ptr + part * n_cols + cols, tl.sum(d2, axis=0), mask=col_mask)
@@ -122,6 +200,8 @@ if HAS_TRITON:
         SR: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_M: tl.constexpr,
+        scale_ptr=None,
+        QUANT: tl.constexpr = False,
     ):
         """`p ← p - wd_lr·p - m·rRs_i·cR_j` in fp32, stored in p's dtype (SR: stochastic, bf16).
 
@@ -134,6 +214,7 @@ if HAS_TRITON:
         rows = pid_r * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < n_rows
         base = pid_b.to(tl.int64) * n_rows * n_cols
+        srow = (pid_b.to(tl.int64) * n_rows + rows) * tl.cdiv(n_cols, _QB)  # QUANT: scales
         rrs = tl.load(rrs_ptr + pid_b.to(tl.int64) * n_rows + rows, mask=row_mask, other=0.0)
         wd_lr = 0.0
         if HAS_DECAY:
@@ -144,7 +225,10 @@ if HAS_TRITON:
             mask = row_mask[:, None] & col_mask[None, :]
             offs = base + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
             cr = tl.load(cr_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
-            m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if QUANT:
+                m = _dequant(m_ptr, scale_ptr, offs, mask, srow, cols)
+            else:
+                m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             upd = m * rrs[:, None] * cr[None, :]
             factored.store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY, SR)
@@ -152,27 +236,34 @@ if HAS_TRITON:
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch the launchers below make on a GPU (for tools/gpu_compile.py).
 
-        bf16/fp16/fp32 gradients and parameters (momentum fp32), every flag combination, and
-        column counts that are and are not multiples of 16.
+        bf16/fp16/fp32 gradients and parameters, momentum fp32 or int8 (nearest and stochastic
+        codes), every flag combination, and column counts that are and are not multiples of 16.
         """
         f32 = torch.float32
         launches: list[dict[str, Any]] = []
         args: dict[str, Any]
         for dtype in (torch.bfloat16, torch.float16, f32):
             for n_cols in (4096, 4095):
-                bm, warps = launch_config(n_cols)
-                opts = {"num_warps": warps}
-                dims = {"n_rows": 4096, "n_cols": n_cols, "BLOCK_N": BLOCK_N, "BLOCK_M": bm}
-                args = {"g_ptr": dtype, "m_ptr": f32, "rs_ptr": f32, "cf_ptr": f32,
-                        "rowsum_ptr": f32, "colpart_ptr": f32, "beta1": 0.9,
-                        "n_row_blocks": 256, **dims}  # fmt: skip
-                launches.append({"kernel": _momentum_kernel, "args": args, "options": opts})
-                for has_decay in (False, True):
-                    for sr in (False, True) if dtype == torch.bfloat16 else (False,):
-                        args = {"p_ptr": dtype, "m_ptr": f32, "rrs_ptr": f32, "cr_ptr": f32,
-                                "decay_ptr": f32, "seed": 12345, "HAS_DECAY": has_decay,
-                                "SR": sr, **dims}  # fmt: skip
-                        launches.append({"kernel": _apply_kernel, "args": args, "options": opts})
+                dims = {"n_rows": 4096, "n_cols": n_cols, "BLOCK_N": BLOCK_N}
+                for quant, qsr in ((False, False), (True, False), (True, True)):
+                    qbm, warps = launch_config(n_cols, quant=quant)
+                    opts = {"num_warps": warps}
+                    m_dtype = torch.int8 if quant else f32
+                    q = {"scale_ptr": f32 if quant else None, "BLOCK_M": qbm, "QUANT": quant}
+                    args = {"g_ptr": dtype, "m_ptr": m_dtype, "rs_ptr": f32, "cf_ptr": f32,
+                            "rowsum_ptr": f32, "colpart_ptr": f32, "beta1": 0.9,
+                            "n_row_blocks": 256, "qseed": 123456789 if qsr else 0, **dims, **q,
+                            "QSR": qsr}  # fmt: skip
+                    launches.append({"kernel": _momentum_kernel, "args": args, "options": opts})
+                    if qsr:
+                        continue
+                    for has_decay in (False, True):
+                        for sr in (False, True) if dtype == torch.bfloat16 else (False,):
+                            args = {"p_ptr": dtype, "m_ptr": m_dtype, "rrs_ptr": f32,
+                                    "cr_ptr": f32, "decay_ptr": f32, "seed": 12345,
+                                    "HAS_DECAY": has_decay, "SR": sr, **dims, **q}  # fmt: skip
+                            launches.append({"kernel": _apply_kernel, "args": args,
+                                             "options": opts})  # fmt: skip
         return launches
 
 
@@ -237,13 +328,17 @@ def momentum(w: Work, usq: Tensor, buf: Tensor | None = None, *, u_in_buf: bool 
     f32: dict[str, Any] = {"dtype": torch.float32, "device": g3.device}
     rowsum = torch.zeros((b, n), **f32)
     colpart = torch.zeros((b, blocks, m), **f32)
-    nbytes = g3.dtype.itemsize + 2 * st["exp_avg"].dtype.itemsize
+    mom = st["exp_avg"]
+    quant = mom.dtype == torch.int8
+    nbytes = g3.dtype.itemsize + 2 * mom.dtype.itemsize + (8 / _quant.QBLOCK if quant else 0)
     if b * n * m > 0 and not factored.planned(_momentum_kernel, g3, nbytes):
-        bm, warps = launch_config(m)
+        bm, warps = launch_config(m, quant=quant)
         _momentum_kernel[(b, blocks)](
-            g3, st["exp_avg"], (w.rf * w.clip).reshape(b, n).contiguous(),
+            g3, mom, (w.rf * w.clip).reshape(b, n).contiguous(),
             w.cf.reshape(b, m).contiguous(), rowsum, colpart, o.beta1, n, m, blocks,
-            BLOCK_N=BLOCK_N, BLOCK_M=bm, num_warps=warps,
+            BLOCK_N=BLOCK_N, BLOCK_M=bm, scale_ptr=st.get("exp_avg_scale"),
+            qseed=quant_seed(w.quant_seed), QUANT=quant, QSR=w.quant_seed is not None,
+            num_warps=warps,
         )  # fmt: skip
     beta1_sq = o.beta1 * o.beta1
     lead = w.param.shape[:-2]
@@ -260,16 +355,18 @@ def apply(w: Work, buf: Tensor | None = None, *, seed: int = 0) -> None:
     assert w.res_rf is not None
     assert w.res_cf is not None
     p3 = factored.as_3d(w.param)
-    nbytes = w.state["exp_avg"].dtype.itemsize + 2 * p3.dtype.itemsize
+    mom = w.state["exp_avg"]
+    quant = mom.dtype == torch.int8
+    nbytes = mom.dtype.itemsize + 2 * p3.dtype.itemsize + (4 / _quant.QBLOCK if quant else 0)
     if b * n * m == 0 or factored.planned(_apply_kernel, p3, nbytes):
         return
     sr = o.stochastic_rounding and w.param.dtype == torch.bfloat16
     rrs = (w.res_rf * o.lr).reshape(b, n).contiguous()
     # weight_decay · lr on the device (a tensor `lr` is never read on the host)
     wd_lr = torch.empty(1, dtype=torch.float32, device=rrs.device).fill_(o.lr * o.weight_decay)
-    bm, warps = launch_config(m)
+    bm, warps = launch_config(m, quant=quant)
     _apply_kernel[(b, blocks)](
-        p3, w.state["exp_avg"], rrs,
-        w.res_cf.reshape(b, m).contiguous(), wd_lr, seed, n, m,
-        HAS_DECAY=o.weight_decay != 0, SR=sr, BLOCK_N=BLOCK_N, BLOCK_M=bm, num_warps=warps,
+        p3, mom, rrs, w.res_cf.reshape(b, m).contiguous(), wd_lr, seed, n, m,
+        HAS_DECAY=o.weight_decay != 0, SR=sr, BLOCK_N=BLOCK_N, BLOCK_M=bm,
+        scale_ptr=w.state.get("exp_avg_scale"), QUANT=quant, num_warps=warps,
     )  # fmt: skip

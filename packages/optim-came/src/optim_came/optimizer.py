@@ -144,21 +144,10 @@ class CAME(FactoredOptimizer):
         else:
             state["exp_avg"] = m.to(device=p.device, dtype=dtype)
 
-    def _normalise_state(self) -> None:
-        """Loaded state: first convert `exp_avg` to this optimizer's `state_dtype`."""
-        for group in self.param_groups:
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
-            opts = self._parse_group(group)
-            for p in group["params"]:
-                state = self.state.get(p)
-                if state and isinstance(state.get("exp_avg"), Tensor):
-                    self._refresh_state(local_tensor(p), state, opts)
-        super()._normalise_state()
-
-    def _fused_supported(self, p: Tensor, opts: GroupOptions) -> bool:
-        """int8 `exp_avg` (>= 2-D parameters) takes the PyTorch path: no kernel decodes it."""
-        return self._state_dtype("exp_avg", p, opts) != torch.int8
+    def _adapt_loaded_state(self, p: Tensor, state: dict[str, Any], opts: GroupOptions) -> None:
+        """A loaded `exp_avg` in another form than the group's `state_dtype`: convert it."""
+        if isinstance(state.get("exp_avg"), Tensor):
+            self._refresh_state(local_tensor(p), state, opts)
 
     def _convert_loaded_state(self, state: dict[str, Any]) -> None:
         state.pop("RMS", None)  # came-pytorch's unused parameter RMS
