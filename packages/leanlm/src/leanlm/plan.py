@@ -210,9 +210,11 @@ def _train_step(
             if tracker is not None:
                 tracker.phase = name
 
-        if tracker is not None:
-            tracker.reset_mod_stats()
-        for _ in range(cfg.grad_accum_steps):
+        # the second micro-batch already finds every gradient allocated (accumulated in place):
+        # later ones repeat its memory, so at most two run
+        for _ in range(min(cfg.grad_accum_steps, 2)):
+            if tracker is not None:
+                tracker.reset_mod_stats()  # MemTracker's rule for a repeated forward
             phase("forward")
             ids = torch.randint(0, vocab, (cfg.micro_batch_size, run.data.seq_len))
             with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=bool(autocast)):
@@ -294,9 +296,10 @@ def _stage_step(run: RunConfig, name: str, base: Any, layers: int | None) -> Sta
             raise ValueError(f"`leanlm plan` does not know stage {name!r}")
         n_params = sum(p.numel() for p in model.parameters())
     for parts in phases.values():
-        # the teacher's weights and the cache buffers are counted among weights / other
+        # MemTracker counts the teacher's weights among the weights and the cache buffers (made
+        # in the loss, during the forward) among the activations: report them apart
         parts["weights"] -= extra["teacher"]
-        parts["other"] -= extra["cache_buffers"]
+        parts["activations"] -= extra["cache_buffers"]
         parts.update(extra)
     return _at_peak(phases, n_params, note)
 
