@@ -162,6 +162,13 @@ def build_cases(cfg: Config, device: str, dtypes: list[str], *, anchors: bool) -
             bf16,
             lambda p: CAME(p, lr=lr, weight_decay=wd, backend=backend, state_dtype=bf16),
         )
+        add(
+            f"optim_came.CAME{suffix} (int8 first moment)",
+            "came",
+            dtype,
+            torch.int8,
+            lambda p: CAME(p, lr=lr, weight_decay=wd, backend=backend, state_dtype=torch.int8),
+        )
         if not fused:
             # torch's default on CPU is the single-tensor loop (neither foreach nor fused).
             add(
