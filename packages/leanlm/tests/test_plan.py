@@ -18,22 +18,14 @@ from leanlm.config import (
     load_toml,
 )
 from leanlm.plan import plan
+from shard_zero.simulate import PRESETS
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 GiB = 2**30
-LLAMA_3_8B = {
+# the published Llama-3-8B config's shapes (vocab 128256, hidden 4096, MLP 14336, 32 layers,
+# 32 heads / 8 KV heads), as a bf16 checkpoint's config.json
+LLAMA_3_8B = PRESETS["llama-3-8b"] | {
     "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 8192,
-    "rope_theta": 500000.0,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
 }
 

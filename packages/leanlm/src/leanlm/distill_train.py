@@ -114,24 +114,32 @@ def _kl_and_ce(
     return loss
 
 
-def _correction_batches(ctx: StageContext, cfg: DistillConfig) -> Iterator[dict[str, Any]]:
-    """The first `teacher_correction_steps` global batches of the stage, in micro-batches.
+def stage_micro_batches(
+    ctx: StageContext, cfg: DistillConfig, *, steps: int
+) -> Iterator[torch.Tensor]:
+    """The first `steps` global batches of the stage, in micro-batches `(B, T)`.
 
-    Every process walks the whole global batch, so all of them correct the teacher identically
-    without communicating.
+    In the trainer's order (`leanlm.trainer`: process r's micro-batches are the r-th slice).
+    Every process walks the whole global batch, so all of them see the same sequences without
+    communicating.
     """
     from leanlm.data import global_batch_indices
 
     blocks = ctx.resources.train_blocks
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * ctx.accelerator.num_processes
-    for step in range(cfg.teacher_correction_steps):
+    for step in range(steps):
         indices = global_batch_indices(
             step, global_batch=global_batch, num_blocks=blocks.shape[0], seed=ctx.config.seed
         )
         chunk = blocks[indices]
         for start in range(0, global_batch, cfg.micro_batch_size):
-            micro = chunk[start : start + cfg.micro_batch_size]
-            yield {"input_ids": micro.to(ctx.accelerator.device)}
+            yield chunk[start : start + cfg.micro_batch_size]
+
+
+def _correction_batches(ctx: StageContext, cfg: DistillConfig) -> Iterator[dict[str, Any]]:
+    """The first `teacher_correction_steps` global batches of the stage, in micro-batches."""
+    for micro in stage_micro_batches(ctx, cfg, steps=cfg.teacher_correction_steps):
+        yield {"input_ids": micro.to(ctx.accelerator.device)}
 
 
 def corrected_teacher(

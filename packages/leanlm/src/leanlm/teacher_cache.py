@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from leanlm.checkpoint import save_atomically
-from leanlm.data import global_batch_indices
 from leanlm.stages import StageContext
 
 if TYPE_CHECKING:
@@ -42,19 +41,6 @@ def row_key(row: torch.Tensor) -> str:
     """The lookup key of one sequence `(T,)` of token ids (a hash of its int64 bytes)."""
     data = row.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
     return hashlib.blake2b(data, digest_size=8).hexdigest()
-
-
-def _micro_batches(ctx: StageContext, cfg: DistillConfig) -> Iterator[dict[str, torch.Tensor]]:
-    """Every micro-batch of the stage's training, in the trainer's order (`leanlm.trainer`)."""
-    blocks = ctx.resources.train_blocks
-    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * ctx.accelerator.num_processes
-    for step in range(cfg.steps):
-        indices = global_batch_indices(
-            step, global_batch=global_batch, num_blocks=blocks.shape[0], seed=ctx.config.seed
-        )
-        chunk = blocks[indices]
-        for start in range(0, global_batch, cfg.micro_batch_size):
-            yield {"input_ids": chunk[start : start + cfg.micro_batch_size]}
 
 
 def _fingerprint(ctx: StageContext, cfg: DistillConfig, teacher_dir: Path, top_k: int) -> str:
@@ -96,6 +82,7 @@ def ensure_cache(
     The main process writes it (loading the teacher, frozen, in its checkpoint dtype, and
     freeing it afterwards); the others wait for it.
     """
+    from leanlm.distill_train import stage_micro_batches
     from leanlm.model import load_teacher
     from prune_distill import cache_teacher_topk
 
@@ -111,9 +98,9 @@ def ensure_cache(
         keys: list[list[str]] = []
 
         def batches() -> Iterator[dict[str, torch.Tensor]]:
-            for batch in _micro_batches(ctx, cfg):
-                keys.append([row_key(row) for row in batch["input_ids"]])
-                yield {"input_ids": batch["input_ids"].to(acc.device)}
+            for micro in stage_micro_batches(ctx, cfg, steps=cfg.steps):
+                keys.append([row_key(row) for row in micro])
+                yield {"input_ids": micro.to(acc.device)}
 
         def write(tmp: Path) -> None:
             cache = cache_teacher_topk(teacher, batches(), tmp, top_k=top_k)
