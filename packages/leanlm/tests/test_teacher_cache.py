@@ -13,9 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 import leanlm.model
-from leanlm.config import ConfigError, DistillConfig, PruneConfig
+from leanlm.config import ConfigError, DistillConfig, PruneConfig, dumps_toml
 from leanlm.pipeline import run_pipeline
 from leanlm.teacher_cache import CACHE_DIR, MANIFEST
+from leanlm_testing.cli_runs import run_leanlm
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +136,21 @@ def test_resume_reuses_the_cache_and_rewrites_a_damaged_one(pretrained, tmp_path
 def test_a_cached_teacher_rejects_what_needs_the_teacher_model(key, value):
     with pytest.raises(ConfigError, match=f"`distill.{key}`|`{key}`"):
         DistillConfig(teacher="cached", **{key: value})
+
+
+@pytest.mark.distributed
+def test_two_processes_share_one_cache_and_train_like_one(pretrained, tmp_path):
+    # the main process writes the cache, the other waits; both train from it, like one process
+    # with the same global batch (2 x 4 sequences per step, or 1 process x 4 x 2 micro-batches)
+    one = _config(pretrained, teacher="cached", top_k=16, checkpoint_every=0)
+    two = dataclasses.replace(one, distill=dataclasses.replace(one.distill, grad_accum_steps=1))
+    run_pipeline(one, tmp_path / "one")
+    (tmp_path / "two.toml").write_text(dumps_toml(two))
+    done = run_leanlm("run", tmp_path / "two.toml", "--out", tmp_path / "two", "--processes", 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("(written)") == 1
+    manifest = json.loads((tmp_path / "two" / "distill" / CACHE_DIR / MANIFEST).read_text())
+    assert len(manifest["files"]) == 4 * 2  # steps x processes, one micro-batch each
+    torch.testing.assert_close(
+        _losses(tmp_path / "two"), _losses(tmp_path / "one"), atol=1e-5, rtol=1e-5
+    )
