@@ -7,9 +7,11 @@ import json
 import pytest
 import torch
 
+from leanlm.config import dumps_toml
 from leanlm.distill_train import StudentWithHiddenLoss
 from leanlm.model import enable_activation_checkpointing
 from leanlm.pipeline import run_pipeline
+from leanlm_testing.cli_runs import run_leanlm
 from leanlm_testing.models import tiny_llama
 from prune_distill import HiddenStateLoss
 
@@ -86,3 +88,24 @@ def test_a_stage_trains_the_same_with_activation_checkpointing(tmp_path, tiny_co
     plain, checkpointed = _losses(tmp_path / "plain"), _losses(tmp_path / "ckpt")
     assert len(plain) == 4
     torch.testing.assert_close(checkpointed, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "engine",
+    [{"engine": "fsdp2"}, pytest.param({"zero_stage": 3}, marks=pytest.mark.slow)],
+    ids=["fsdp2", "zero3"],
+)
+def test_activation_checkpointing_under_a_sharding_engine(tmp_path, tiny_config, engine):
+    # 2 processes x 4 sequences with the layers recomputed inside the engine's gathers, against
+    # 1 process x 4 x 2 micro-batches without checkpointing
+    common = {"steps": 4, "warmup_steps": 1, "checkpoint_every": 0, "eval_every": 4}
+    one = tiny_config(pretrain={**common, "grad_accum_steps": 2})
+    two = tiny_config(pretrain={**common, **engine, "activation_checkpointing": True})
+    run_pipeline(one, tmp_path / "one")
+    (tmp_path / "two.toml").write_text(dumps_toml(two))
+    done = run_leanlm("run", tmp_path / "two.toml", "--out", tmp_path / "two", "--processes", 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    torch.testing.assert_close(
+        _losses(tmp_path / "two"), _losses(tmp_path / "one"), atol=1e-5, rtol=1e-5
+    )
