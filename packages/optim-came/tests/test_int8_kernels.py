@@ -1,5 +1,5 @@
-"""int8 `exp_avg` in the fused per-tensor kernels (decode -> update -> encode in the momentum
-pass, decode in the apply pass) against the PyTorch reference, under the interpreter."""
+"""int8 `exp_avg` in the fused kernels (decode -> update -> encode in the momentum pass, decode
+in the apply pass; per tensor and multi-tensor) against the PyTorch reference, interpreted."""
 
 import pytest
 import torch
@@ -67,8 +67,9 @@ def test_apply_kernel_int8_matches_reference(shape_name) -> None:
     assert_verbose_allclose(p3, ref, atol=1e-6, rtol=1e-6, name="p")
 
 
+@pytest.mark.parametrize("multi_tensor", [False, True])
 @pytest.mark.parametrize("sr", [False, True])
-def test_fused_int8_optimizer_matches_torch_path(sr) -> None:
+def test_fused_int8_optimizer_matches_torch_path(sr, multi_tensor) -> None:
     dev = device_or_skip(_kernels)
     kw = {"lr": 1e-2, "weight_decay": 0.1, "state_dtype": torch.int8, "stochastic_rounding": sr}
     gen = torch.Generator().manual_seed(0)
@@ -77,13 +78,14 @@ def test_fused_int8_optimizer_matches_torch_path(sr) -> None:
     b = [t.clone().requires_grad_() for t in init]
     fused, eager = CAME(a, backend="triton", **kw), CAME(b, backend="torch", **kw)
     fused._sr_seed = eager._sr_seed
+    fused.multi_tensor = multi_tensor
     for _ in range(3):
         grads = [torch.randn(t.shape, generator=gen).to(dev) for t in init]
         for p, q, g in zip(a, b, grads, strict=True):
             p.grad, q.grad = g.clone(), g.clone()
         fused.step()
         eager.step()
-        assert not fused._multi_cache  # int8 matrices take the per-tensor kernels
+        assert bool(fused._multi_cache) == multi_tensor  # 2-D matrices batched, or not
     for p, q in zip(a, b, strict=True):
         assert_verbose_allclose(p, q, atol=1e-6, rtol=1e-5, name=f"p {tuple(p.shape)}")
         codes, ref = fused.state[p]["exp_avg"], eager.state[q]["exp_avg"]

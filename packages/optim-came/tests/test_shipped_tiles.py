@@ -63,11 +63,15 @@ def test_fused_matches_torch_path_at_shipped_tiles(gpu_tiles, dtype, config, mul
     )
 
 
+@pytest.mark.parametrize("multi_tensor", MULTI)
 @pytest.mark.parametrize("sr", [False, True])
-def test_int8_state_matches_torch_path_at_shipped_tiles(gpu_tiles, sr) -> None:
-    """int8 `exp_avg` (per-tensor kernels: 256-column tiles, 128 for unaligned widths)."""
+def test_int8_state_matches_torch_path_at_shipped_tiles(gpu_tiles, sr, multi_tensor) -> None:
+    """int8 `exp_avg`: tiles of whole 128-column blocks (per tensor 16 x 256, or 16 x 128 for
+    unaligned widths; multi-tensor 8 x 128 momentum, 8 x 256 or 8 x 128 apply)."""
     kw = {"lr": 1e-3, "weight_decay": 0.01, "state_dtype": torch.int8, "stochastic_rounding": sr}
-    kt.check_fused_matches_torch_multi(_seeded, kw, SHAPES, torch.float32, multi_tensor=False)
+    kt.check_fused_matches_torch_multi(
+        _seeded, kw, SHAPES, torch.float32, multi_tensor=multi_tensor
+    )
 
 
 def _seeded(params, **kw) -> CAME:

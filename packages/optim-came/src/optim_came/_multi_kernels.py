@@ -52,15 +52,31 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor.multi_tensor import apply_scalars, store_update
+    from optim_adafactor.multi_tensor import apply_scalars, store_update, tensor_seed
+    from optim_came._kernels import _dequant, _quant_store
 
     _GEO = tl.constexpr(mt.GEO)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _quant_args(  # type: ignore[no-untyped-def]
+        addr, geo, mat, seed_base, NADDR: tl.constexpr, QUANT: tl.constexpr, QSR: tl.constexpr
+    ):
+        """(scale pointer, hash constant) of an int8 matrix (`_kernels.quant_seed` in-kernel)."""
+        q_ptr = addr.to(tl.pointer_type(tl.float32))  # unused unless QUANT
+        qseed = tl.zeros((), dtype=tl.int64)
+        if QUANT:
+            q_ptr = tl.load(addr + mat * NADDR + 6).to(tl.pointer_type(tl.float32))
+            if QSR:
+                seed = tensor_seed(seed_base, tl.load(geo + mat * _GEO + 8)).to(tl.int64)
+                qseed = (seed * 0x85EBCA6B + 0x27D4EB2F) & 0xFFFFFFFF
+        return q_ptr, qseed
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _mt_momentum_kernel(  # type: ignore[no-untyped-def]
         addr, geo, gaddr, items, cfbuf, scal, colpart, rowpart, rpart, g0, m0, beta1, beta3,
         eps2, ALIGNED: tl.constexpr, SUB: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+        BLOCK_T: tl.constexpr, STAGES: tl.constexpr, seed_base=0, NADDR: tl.constexpr = 6,
+        QUANT: tl.constexpr = False, QSR: tl.constexpr = False,
     ):  # fmt: skip
         """`d = m - g·rs_i·cf_j`, `m ← m - (1-β1)·d`; instability row EMA and column partials.
 
@@ -69,7 +85,9 @@ if HAS_TRITON:
         block's sum over a tile goes to `rowpart` (one float per row and tile), and after the
         sweep the row EMA `R = β3 R + (1-β3)(β1² mean_j d² + ε2)` (in place) sums them in tile
         order. `rs_i = clip / √(r_i / mean(r))` (scal[mat] = (mean(r), clip)); the column
-        EMA scales the partials by β1². m is stored in its own dtype.
+        EMA scales the partials by β1². m is stored in its own dtype. QUANT: m is int8 codes
+        with per-block scales (address 6 of the matrix), decoded and re-encoded in the same
+        pass (QSR: stochastically, seeded as the PyTorch path); BLOCK_M is a multiple of 128.
         """
         pid = tl.program_id(0)
         mat = tl.load(items + pid * 5)
@@ -80,9 +98,11 @@ if HAS_TRITON:
         m = tl.load(geo + mat * _GEO + 1)
         cf_off = tl.load(geo + mat * _GEO + 2)
         g_ptr = tl.load(gaddr + mat).to(g0.dtype)
-        m_ptr = tl.load(addr + mat * 6 + 1).to(m0.dtype)
-        row_ptr = tl.load(addr + mat * 6 + 2).to(tl.pointer_type(tl.float32))
-        res_ptr = tl.load(addr + mat * 6 + 4).to(tl.pointer_type(tl.float32))
+        m_ptr = tl.load(addr + mat * NADDR + 1).to(m0.dtype)
+        row_ptr = tl.load(addr + mat * NADDR + 2).to(tl.pointer_type(tl.float32))
+        res_ptr = tl.load(addr + mat * NADDR + 4).to(tl.pointer_type(tl.float32))
+        q_ptr, qseed = _quant_args(addr, geo, mat, seed_base, NADDR, QUANT, QSR)
+        n_blocks = tl.cdiv(m, 128)
         if ALIGNED:
             m = tl.multiple_of(m, 16)
             g_ptr = tl.multiple_of(g_ptr, 16)
@@ -102,10 +122,18 @@ if HAS_TRITON:
                 mask = row_mask[:, None] & col_mask[None, :]
                 offs = rows[:, None].to(tl.int64) * m + cols[None, :]
                 g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
-                mom = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                srow = tl.where(row_mask, rows.to(tl.int64) * n_blocks, -1)
+                if QUANT:
+                    mom = _dequant(m_ptr, q_ptr, offs, mask, srow, cols)
+                else:
+                    mom = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                 d = mom - g.to(tl.float32) * rs[:, None] * cf[None, :]  # upcast first
                 mom = mom - (1.0 - beta1) * d
-                tl.store(m_ptr + offs, mom.to(m_ptr.dtype.element_ty), mask=mask)
+                if QUANT:
+                    _quant_store(mom, m_ptr, q_ptr, offs, mask, srow, c0, n_blocks, qseed, QSR,
+                                 SUB, BLOCK_M)  # fmt: skip
+                else:
+                    tl.store(m_ptr + offs, mom.to(m_ptr.dtype.element_ty), mask=mask)
                 d2 = d * d  # masked lanes: g = m = 0, so d = 0
                 cpart += tl.sum(d2, axis=0)
                 tl.store(rowpart + roff + (rows - r0) * tiles + c0 // BLOCK_M,
@@ -134,7 +162,8 @@ if HAS_TRITON:
     def _mt_came_apply_kernel(  # type: ignore[no-untyped-def]
         addr, geo, items, cfbuf, scal, p0, m0, seed_base,
         HAS_DECAY: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr, SUB: tl.constexpr,
-        BLOCK_M: tl.constexpr, STAGES: tl.constexpr,
+        BLOCK_M: tl.constexpr, STAGES: tl.constexpr, NADDR: tl.constexpr = 6,
+        QUANT: tl.constexpr = False,
     ):  # fmt: skip
         """`p ← p - wd·lr·p - m · rrs_i · cR_j` in fp32, stored in p's dtype (SR for bf16).
 
@@ -148,9 +177,11 @@ if HAS_TRITON:
         r1 = tl.load(items + pid * 5 + 2)
         m = tl.load(geo + mat * _GEO + 1)
         cf_off = tl.load(geo + mat * _GEO + 2)
-        p_ptr = tl.load(addr + mat * 6 + 0).to(p0.dtype)
-        m_ptr = tl.load(addr + mat * 6 + 1).to(m0.dtype)
-        res_ptr = tl.load(addr + mat * 6 + 4).to(tl.pointer_type(tl.float32))
+        p_ptr = tl.load(addr + mat * NADDR + 0).to(p0.dtype)
+        m_ptr = tl.load(addr + mat * NADDR + 1).to(m0.dtype)
+        res_ptr = tl.load(addr + mat * NADDR + 4).to(tl.pointer_type(tl.float32))
+        q_ptr, _ = _quant_args(addr, geo, mat, 0, NADDR, QUANT, False)
+        n_blocks = tl.cdiv(m, 128)
         if ALIGNED:
             m = tl.multiple_of(m, 16)
             p_ptr = tl.multiple_of(p_ptr, 16)
@@ -167,7 +198,10 @@ if HAS_TRITON:
                 mask = row_mask[:, None] & col_mask[None, :]
                 offs = rows[:, None].to(tl.int64) * m + cols[None, :]
                 cr = tl.load(cfbuf + cf_off + cols, mask=col_mask, other=0.0)
-                mom = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+                if QUANT:
+                    mom = _dequant(m_ptr, q_ptr, offs, mask, rows.to(tl.int64) * n_blocks, cols)
+                else:
+                    mom = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
                 p = tl.load(p_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
                 upd = mom.to(tl.float32) * rrs[:, None] * cr[None, :]
                 store_update(p_ptr, offs, mask, p.to(tl.float32), upd, wd_lr, seed, HAS_DECAY, SR)
@@ -175,12 +209,13 @@ if HAS_TRITON:
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch `step_batch` makes on a GPU (for tools/gpu_compile.py).
 
-        Gradient/parameter dtypes bf16, fp16, fp32; `exp_avg` fp32 or bf16 (`state_dtype`);
-        aligned and unaligned batches; every flag. Also optim-adafactor's statistics,
-        column and scalar kernels with CAME's table layout (6 addresses per matrix). The
-        vector step's launches are listed by `_multi_vec`.
+        Gradient/parameter dtypes bf16, fp16, fp32; `exp_avg` fp32, bf16 or int8
+        (`state_dtype`; int8 with nearest and stochastic codes, 7 addresses per matrix);
+        aligned and unaligned batches; every flag. Also optim-adafactor's statistics, column
+        and scalar kernels with CAME's table layouts. The vector step's launches are listed by
+        `_multi_vec`.
         """
-        i64, f32 = torch.int64, torch.float32
+        i64, f32, i8 = torch.int64, torch.float32, torch.int8
         launches: list[dict[str, Any]] = []
         args: dict[str, Any]
         for dtype in (torch.bfloat16, torch.float16, f32):
@@ -188,22 +223,34 @@ if HAS_TRITON:
                 sub, bm, warps = launch_config(aligned, stats=True)
                 opts = {"num_warps": warps}
                 tile = {"ALIGNED": aligned, "SUB": sub, "BLOCK_M": bm, "STAGES": mt.stages(aligned)}
-                args = {"addr": i64, "geo": i64, "gaddr": i64, "items": i64, "colpart": f32,
-                        "wpart": f32, "rpart": f32, "ppart": f32, "g0": dtype, "p0": dtype,
-                        "beta2": 0.999, "eps1": 1e-30, "HAS_P": False, "NADDR": NADDR,
-                        **tile}  # fmt: skip
-                launches.append({"kernel": mt.stats_kernel, "args": args, "options": opts})
-                for m_dtype in (f32, torch.bfloat16):  # the momentum kernel: the same tiles
+                for naddr in (NADDR, NADDR + 1):
+                    args = {"addr": i64, "geo": i64, "gaddr": i64, "items": i64, "colpart": f32,
+                            "wpart": f32, "rpart": f32, "ppart": f32, "g0": dtype, "p0": dtype,
+                            "beta2": 0.999, "eps1": 1e-30, "HAS_P": False, "NADDR": naddr,
+                            **tile}  # fmt: skip
+                    launches.append({"kernel": mt.stats_kernel, "args": args, "options": opts})
+                for m_dtype, qsr in (
+                    (f32, False),
+                    (torch.bfloat16, False),
+                    (i8, False),
+                    (i8, True),
+                ):
+                    quant = m_dtype == i8
+                    q_sub, q_bm, q_warps = quant_tile(sub, bm, warps, quant=quant)
                     args = {"addr": i64, "geo": i64, "gaddr": i64, "items": i64, "cfbuf": f32,
                             "scal": f32, "colpart": f32, "rowpart": f32, "rpart": f32,
                             "g0": dtype, "m0": m_dtype, "beta1": 0.9, "beta3": 0.9999,
-                            "eps2": 1e-16, "BLOCK_T": BLOCK_T, **tile}  # fmt: skip
+                            "eps2": 1e-16, "BLOCK_T": BLOCK_T, **tile, "SUB": q_sub,
+                            "BLOCK_M": q_bm, "seed_base": 12345 if quant else 0,
+                            "NADDR": NADDR + quant, "QUANT": quant, "QSR": qsr}  # fmt: skip
                     launches.append({"kernel": _mt_momentum_kernel, "args": args,
-                                     "options": opts})  # fmt: skip
-                sub, bm, warps = launch_config(aligned)
-                opts = {"num_warps": warps}
-                tile = {"ALIGNED": aligned, "SUB": sub, "BLOCK_M": bm, "STAGES": mt.stages(aligned)}
-                for m_dtype in (f32, torch.bfloat16):
+                                     "options": {"num_warps": q_warps}})  # fmt: skip
+                for m_dtype in (f32, torch.bfloat16, i8):
+                    quant = m_dtype == i8
+                    a_sub, a_bm, a_warps = quant_tile(*launch_config(aligned), quant=quant)
+                    tile = {"ALIGNED": aligned, "SUB": a_sub, "BLOCK_M": a_bm,
+                            "STAGES": mt.stages(aligned), "NADDR": NADDR + quant,
+                            "QUANT": quant}  # fmt: skip
                     for has_decay in (False, True):
                         for sr in (False, True) if dtype == torch.bfloat16 else (False,):
                             args = {"addr": i64, "geo": i64, "items": i64, "cfbuf": f32,
@@ -211,13 +258,19 @@ if HAS_TRITON:
                                     "seed_base": 12345, "HAS_DECAY": has_decay, "SR": sr,
                                     **tile}  # fmt: skip
                             launches.append({"kernel": _mt_came_apply_kernel, "args": args,
-                                             "options": opts})  # fmt: skip
-        for col, has_w in ((3, True), (RES_COL, False)):
-            launches.append(mt.cols_launch_config(naddr=NADDR, col=col, has_w=has_w))
+                                             "options": {"num_warps": a_warps}})  # fmt: skip
+        for naddr in (NADDR, NADDR + 1):
+            for col, has_w in ((3, True), (RES_COL, False)):
+                launches.append(mt.cols_launch_config(naddr=naddr, col=col, has_w=has_w))
         return launches
 
 
 # ---------------------------------------------------------------------------------- launcher
+def quant_tile(sub: int, bm: int, warps: int, *, quant: bool) -> tuple[int, int, int]:
+    """(SUB, BLOCK_M, num_warps) of a launch; int8 `exp_avg`: 8 x 128 on 4 warps (whole blocks)."""
+    return (8, 128, 4) if quant and bm != 256 else (sub, bm, warps)
+
+
 def fuse_vector(p: Tensor) -> bool:
     """Whether an unfactored parameter takes the batched vector step (optim-adafactor's rule)."""
     return mt.fusable(p)
@@ -227,7 +280,8 @@ def eligible(w: Work) -> bool:
     """Whether `w` can join a batch: a plain, non-empty 2-D matrix, or a fused vector."""
     if not w.factored:
         return w.state["exp_avg"].dtype in (torch.float32, torch.bfloat16)
-    return mt.eligible_matrix(w) and w.state["exp_avg"].dtype in (torch.float32, torch.bfloat16)  # type: ignore[arg-type]
+    m_dtypes = (torch.float32, torch.bfloat16, torch.int8)
+    return mt.eligible_matrix(w) and w.state["exp_avg"].dtype in m_dtypes  # type: ignore[arg-type]
 
 
 def batch_key(w: Work) -> tuple[object, ...]:
@@ -251,9 +305,13 @@ def step_batch(opt: CAME, works: list[Work], cache: dict[tuple[object, ...], Any
         return
     o, step, p0, g0, m0 = w0.opts, w0.step, w0.param, w0.grad, w0.state["exp_avg"]
     is_aligned = bool(batch_key(w0)[-1])
-    sub, bm, warps = launch_config(is_aligned)
-    m_sub, m_bm, m_warps = launch_config(is_aligned, stats=True)  # the momentum kernel's tiles
-    keys = ("exp_avg", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_res_row", "exp_avg_res_col")
+    quant = m0.dtype == torch.int8  # codes + scales (address 6): tiles of whole 128-blocks
+    sub, bm, warps = quant_tile(*launch_config(is_aligned), quant=quant)
+    # the momentum kernel's tiles
+    m_sub, m_bm, m_warps = quant_tile(*launch_config(is_aligned, stats=True), quant=quant)
+    naddr = NADDR + 1 if quant else NADDR
+    keys = ["exp_avg", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_res_row", "exp_avg_res_col"]
+    keys += ["exp_avg_scale"] if quant else []
     mats = [(w.param, *(w.state[k] for k in keys)) for w in works]
     tables = mt.tables_for(cache, mats, works, is_aligned)
     buf = tables.buf
@@ -264,28 +322,30 @@ def step_batch(opt: CAME, works: list[Work], cache: dict[tuple[object, ...], Any
     gb, mb, pb = mt.size(g0.dtype), mt.size(m0.dtype), mt.size(p0.dtype)
     for group, gaddr in zip(tables.groups, tables.gaddr([w.grad for w in works]), strict=True):
         mt.launch_stats(tables, group, gaddr, g0, p0, beta2=o.beta2, eps1=o.eps1, has_p=False,
-                        naddr=NADDR, is_aligned=is_aligned)  # fmt: skip
+                        naddr=naddr, is_aligned=is_aligned)  # fmt: skip
         mt.launch_cols(tables, group, beta2=o.beta2, eps1=o.eps1, col_mult=1.0, cf_scale=corr2,
-                       naddr=NADDR, col=3, has_w=True)  # fmt: skip
+                       naddr=naddr, col=3, has_w=True)  # fmt: skip
         mt.launch_scalars(tables, group, 1.0, eps2=0.0, clip_threshold=o.clip_threshold,
                           coef=1.0, weight_decay=0.0, has_p=False)  # fmt: skip
         work = group.row_work
         nbytes = work.total * (gb + 2 * mb) + 4 * group.partial_floats + 16 * group.n_rows
         nbytes += 8 * work.total // m_bm  # row partials, written then read
+        nbytes += 8 * work.total // 128 if quant else 0  # block scales, read and written
         if not mt.planned(_mt_momentum_kernel, work, nbytes):
             _mt_momentum_kernel[(len(group.rows),)](
                 group.addr, group.geo, gaddr, group.rows, buf["cf"], group.scal, buf["colpart"],
                 buf["rowpart"], buf["rpart"], g0, m0, o.beta1, o.beta3, o.eps2,
                 ALIGNED=is_aligned, SUB=m_sub, BLOCK_M=m_bm, BLOCK_T=BLOCK_T,
-                STAGES=mt.stages(is_aligned), num_warps=m_warps,
+                STAGES=mt.stages(is_aligned), seed_base=seed_base, NADDR=naddr, QUANT=quant,
+                QSR=quant and o.stochastic_rounding, num_warps=m_warps,
             )  # fmt: skip
         mt.launch_cols(tables, group, beta2=o.beta3, eps1=o.eps2, col_mult=o.beta1 * o.beta1,
-                       cf_scale=corr3, naddr=NADDR, col=RES_COL, has_w=False)  # fmt: skip
+                       cf_scale=corr3, naddr=naddr, col=RES_COL, has_w=False)  # fmt: skip
         mt.launch_scalars(tables, group, o.lr, eps2=0.0, clip_threshold=None, coef=1.0,
                           weight_decay=o.weight_decay, has_p=False)  # fmt: skip
-        if not mt.planned(_mt_came_apply_kernel, work, work.total * (mb + 2 * pb)):
+        if not mt.planned(_mt_came_apply_kernel, work, work.total * (mb + 2 * pb + quant / 32)):
             _mt_came_apply_kernel[(len(group.rows),)](
                 group.addr, group.geo, group.rows, buf["cf"], group.scal, p0, m0, seed_base,
                 HAS_DECAY=o.weight_decay != 0, SR=sr, ALIGNED=is_aligned, SUB=sub, BLOCK_M=bm,
-                STAGES=mt.stages(is_aligned), num_warps=warps,
+                STAGES=mt.stages(is_aligned), NADDR=naddr, QUANT=quant, num_warps=warps,
             )  # fmt: skip
