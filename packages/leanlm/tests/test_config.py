@@ -93,6 +93,12 @@ SEARCH = {"search": True, "search_params": 100_000, "search_hidden_size": [128]}
             "'prune' must be a stage that runs before 'distill'",
         ),
         ({"pretrain": {"optimizer": "lion"}}, "pretrain.optimizer", "must be one of ['came'"),
+        (
+            {"pretrain": {"optimizer": "adamw", "state_dtype": "int8"}},
+            "pretrain.state_dtype",
+            "('int8') is for `optimizer = \"came\"`, got optimizer 'adamw'",
+        ),
+        ({"pretrain": {"state_dtype": "fp8"}}, "pretrain.state_dtype", "must be one of ['fp32'"),
         ({"pretrain": {"zero_stage": 4}}, "pretrain.zero_stage", "must be one of [0, 1, 2, 3]"),
         ({"pretrain": {"max_bad_steps": -1}}, "pretrain.max_bad_steps", "must be >= 0"),
         (

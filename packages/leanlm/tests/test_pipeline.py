@@ -189,3 +189,29 @@ def test_resume_after_a_config_change_reruns_the_stage(tmp_path, tiny_config):
     assert names == ["step-00000006", "step-00000012"]  # the new run's, old ones dropped
     rows = (out / "pretrain" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows if '"loss"' in r] == list(range(1, 15))
+
+
+def test_pretrain_with_came_int8_state(tmp_path, tiny_config):
+    """`state_dtype = "int8"`: CAME keeps 8-bit codes and block scales, and trains as fp32 does."""
+    losses = {}
+    for dtype in ("fp32", "int8"):
+        section = {"optimizer": "came", "state_dtype": dtype, "lr": 1e-2, "steps": 20}
+        run_pipeline(tiny_config(pretrain=section), tmp_path / dtype)
+        rows = (tmp_path / dtype / "pretrain" / "metrics.jsonl").read_text().splitlines()
+        losses[dtype] = [r["loss"] for r in map(json.loads, rows) if "loss" in r]
+    first, last = sum(losses["int8"][:4]) / 4, sum(losses["int8"][-4:]) / 4
+    assert last < first - 0.3, losses
+    assert abs(last - sum(losses["fp32"][-4:]) / 4) < 0.05, losses
+    assert losses["int8"] != losses["fp32"]  # the state really is another one
+    state = torch.load(
+        tmp_path / "int8" / "pretrain" / "checkpoints" / "step-00000018" / "optimizer.bin",
+        weights_only=False,
+    )
+    matrices = [s for s in state["state"].values() if "exp_avg_sq_row" in s]
+    assert matrices
+    for s in matrices:  # one int8 code per element, one fp32 scale per 128 elements of a row
+        assert s["exp_avg"].dtype == torch.int8
+        assert s["exp_avg_scale"].dtype == torch.float32
+        rows_, cols = s["exp_avg"].shape
+        assert tuple(s["exp_avg_scale"].shape) == (rows_, -(-cols // 128))
+        assert s["exp_avg"].abs().max() == 127  # each block's absmax is coded exactly

@@ -150,7 +150,9 @@ def corrected_teacher(
 
     def make_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         groups = decay_param_groups(params, cfg.weight_decay)
-        return optimizer_over(cfg.optimizer, groups, lr=lr, betas=cfg.betas)
+        return optimizer_over(
+            cfg.optimizer, groups, lr=lr, betas=cfg.betas, state_dtype=cfg.state_dtype
+        )
 
     world = ctx.accelerator.num_processes
     return correct_teacher(

@@ -193,7 +193,9 @@ class Parallel:
 
         def make_optimizer(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
             groups = decay_param_groups(params, cfg.weight_decay)
-            return optimizer_over(cfg.optimizer, groups, lr=cfg.lr, betas=cfg.betas)
+            return optimizer_over(
+                cfg.optimizer, groups, lr=cfg.lr, betas=cfg.betas, state_dtype=cfg.state_dtype
+            )
 
         if cfg.compile:
             layers = compile_layers(model)

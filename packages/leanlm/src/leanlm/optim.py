@@ -34,6 +34,7 @@ def optimizer_over(
     *,
     lr: float,
     betas: tuple[float, float],
+    state_dtype: str = "fp32",
 ) -> torch.optim.Optimizer:
     """The optimizer `name` over `params` (tensors or param-group dicts).
 
@@ -41,7 +42,8 @@ def optimizer_over(
     an explicit `lr` and without its relative step and parameter-scale heuristics (HF's
     recommended settings for an external schedule). CAME uses `betas[0]` as its β1 with its
     default β2 = 0.999 and β3 = 0.9999, and `instability_init=1.0` (no early update spike; see
-    the optim-came README). AdamW uses `betas` as given.
+    the optim-came README), and keeps its first moment in `state_dtype` ("fp32", "bf16" or
+    "int8"; the other optimizers take only "fp32"). AdamW uses `betas` as given.
 
     Raises:
         ValueError: for an unknown `name`.
@@ -50,7 +52,10 @@ def optimizer_over(
     if name == "came":
         from optim_came import CAME
 
-        return CAME(groups, lr=lr, betas=(betas[0], 0.999, 0.9999), instability_init=1.0)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[state_dtype]
+        return CAME(
+            groups, lr=lr, betas=(betas[0], 0.999, 0.9999), instability_init=1.0, state_dtype=dtype
+        )
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=betas)
     if name == "adafactor":

@@ -202,7 +202,9 @@ def _train_step(
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # a constructor may draw a real seed (`.item()`)
-        optimizer = optimizer_over(cfg.optimizer, groups, lr=cfg.lr, betas=cfg.betas)
+        optimizer = optimizer_over(
+            cfg.optimizer, groups, lr=cfg.lr, betas=cfg.betas, state_dtype=cfg.state_dtype
+        )
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.mixed_precision)
 
     def step(tracker: Any = None) -> None:

@@ -166,6 +166,11 @@ class TrainConfig:
     `ZeroConfig.offload_optimizer`: the fp32 master shards, their gradients and the optimizer
     state live in host memory and the optimizer steps there, on the CPU; the accelerator keeps
     the compute parameters only. Same updates as without it."""
+    state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    """For `optimizer = "came"`: the dtype of its one full-size state, the first moment
+    (optim-came's `state_dtype`): `fp32` (4 B per parameter), `bf16` (2 B), or `int8`
+    (blockwise 8-bit codes with one fp32 scale per 128 elements of a row, about 1.04 B; see the
+    optim-came README for its quality and its CPU step time)."""
     compile: bool = False
     """`torch.compile` each decoder layer of the trained model (its `forward`, in place, before
     the engine wraps or shards it, as torchtitan compiles per block before FSDP; the engine's
@@ -254,6 +259,13 @@ class TrainConfig:
                     "accumulates full gradients, as DDP), got "
                     f"engine {self.resolved_engine!r}, zero_stage {self.zero_stage}",
                 )
+
+        if self.state_dtype != "fp32" and self.optimizer != "came":
+            raise ConfigError(
+                "state_dtype",
+                f'({self.state_dtype!r}) is for `optimizer = "came"`, got optimizer '
+                f'{self.optimizer!r}: leave it at "fp32"',
+            )
 
         if self.zero_offload_optimizer and self.resolved_engine != "zero":
             raise ConfigError(
