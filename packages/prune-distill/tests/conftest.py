@@ -97,49 +97,30 @@ _LLAMA_LIKE: dict[str, dict[str, Any]] = {
 
 
 # A width + depth target every test architecture accepts (GPT-2 / GPT-NeoX: hidden = heads x
-# head_dim; the config validators want hidden_size divisible by the heads).
+# head_dim; the config validators want hidden_size divisible by the heads), all to 2 layers:
+# (hidden_size, intermediate_size, num_attention_heads, num_key_value_heads or None).
+_TARGET_SIZES: dict[str, tuple[int, int, int, int | None]] = {
+    "llama": (40, 50, 4, None),
+    "mistral": (40, 50, 4, 1),
+    "qwen2": (36, 64, 3, None),
+    "qwen3": (40, 72, 4, None),
+    "gemma2": (36, 56, 2, None),
+    "gemma3": (48, 56, 2, 1),
+    "phi3": (40, 50, 4, None),
+    "olmo2": (40, 64, 4, None),
+    "granite": (48, 64, 2, None),
+    "gpt_neox": (36, 50, 3, None),
+    "gpt2": (48, 64, 3, None),
+}
 TARGETS: dict[str, PruneTarget] = {
-    "llama": PruneTarget(
-        hidden_size=40, intermediate_size=50, num_attention_heads=4, num_hidden_layers=2
-    ),
-    "mistral": PruneTarget(
-        hidden_size=40,
-        intermediate_size=50,
-        num_attention_heads=4,
-        num_key_value_heads=1,
+    arch: PruneTarget(
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         num_hidden_layers=2,
-    ),
-    "qwen2": PruneTarget(
-        hidden_size=36, intermediate_size=64, num_attention_heads=3, num_hidden_layers=2
-    ),
-    "qwen3": PruneTarget(
-        hidden_size=40, intermediate_size=72, num_attention_heads=4, num_hidden_layers=2
-    ),
-    "gemma2": PruneTarget(
-        hidden_size=36, intermediate_size=56, num_attention_heads=2, num_hidden_layers=2
-    ),
-    "gemma3": PruneTarget(
-        hidden_size=48,
-        intermediate_size=56,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_hidden_layers=2,
-    ),
-    "phi3": PruneTarget(
-        hidden_size=40, intermediate_size=50, num_attention_heads=4, num_hidden_layers=2
-    ),
-    "olmo2": PruneTarget(
-        hidden_size=40, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2
-    ),
-    "granite": PruneTarget(
-        hidden_size=48, intermediate_size=64, num_attention_heads=2, num_hidden_layers=2
-    ),
-    "gpt_neox": PruneTarget(
-        hidden_size=36, intermediate_size=50, num_attention_heads=3, num_hidden_layers=2
-    ),
-    "gpt2": PruneTarget(
-        hidden_size=48, intermediate_size=64, num_attention_heads=3, num_hidden_layers=2
-    ),
+    )
+    for arch, (hidden, ffn, heads, kv_heads) in _TARGET_SIZES.items()
 }
 
 

@@ -1,8 +1,8 @@
-"""Architecture adapters: one module per family, one table here.
+"""Model families as data: one `ArchSpec` per family, one table (`FAMILIES`) here.
 
-Adding a family is one file defining an `ArchSpec` (module paths, the axis of every parameter,
-config field names, and hooks for scales that depend on a pruned size) and one line in
-`FAMILIES`.
+A Llama-style family is one `llama_style(...)` call naming what differs (norms, q/k norms,
+fused projections, scales); another layout writes its `ArchSpec` out (`gpt2.py`, `gpt_neox.py`).
+Adding a family is one short module and one line in `FAMILIES`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from prune_distill.arch.gemma import GEMMA2, GEMMA3
 from prune_distill.arch.gpt2 import GPT2
 from prune_distill.arch.gpt_neox import GPT_NEOX
 from prune_distill.arch.granite import GRANITE
-from prune_distill.arch.llama import LLAMA
+from prune_distill.arch.llama import LLAMA, llama_style
 from prune_distill.arch.olmo2 import OLMO2
 from prune_distill.arch.phi3 import PHI3
 from prune_distill.arch.qwen3 import QWEN3
@@ -46,6 +46,7 @@ __all__ = [
     "dims_of",
     "in_width",
     "layers_of",
+    "llama_style",
     "model_device",
 ]
 

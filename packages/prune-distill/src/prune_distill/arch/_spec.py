@@ -1,4 +1,4 @@
-"""What an architecture adapter declares: module paths, parameter axes, config fields, scales.
+"""`ArchSpec`: what pruning needs to know about a family (module paths, parameter axes, config).
 
 Every prunable tensor is described by the axis each of its dimensions indexes:
 
@@ -13,15 +13,15 @@ Every prunable tensor is described by the axis each of its dimensions indexes:
 * ``"ffn2"``: a fused ``[gate | up]`` MLP input projection (Phi-3 ``gate_up_proj``);
 * ``None``: a dimension that is never pruned (vocabulary, positions, a per-head norm).
 
-A parameter the adapter does not list makes pruning fail loudly instead of silently producing a
-model with a stale tensor.
+A parameter the spec does not list makes pruning fail loudly instead of leaving a stale tensor.
+Most families are written as differences from the Llama-style spec (`arch.llama.llama_style`).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -44,7 +44,7 @@ class Dims:
 
 @dataclass(frozen=True)
 class Resize:
-    """What `prune` did, for adapters whose scales depend on a pruned size.
+    """What `prune` did, for specs whose scales depend on a pruned size.
 
     Attributes:
         old: the source model's sizes.
@@ -61,6 +61,15 @@ class Resize:
     new_config: Any
 
 
+def no_buffers(_config: Any) -> dict[str, torch.Tensor]:
+    """The default `ArchSpec.buffers`: every non-persistent buffer is copied from the source."""
+    return {}
+
+
+def any_variant(_config: Any) -> None:
+    """The default `ArchSpec.check`: every variant of the family is accepted."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ArchSpec:
     """How one architecture family lays out its modules, parameters and config fields."""
@@ -68,7 +77,7 @@ class ArchSpec:
     name: str
     """Family name used in messages."""
     model_types: tuple[str, ...]
-    """``config.model_type`` values this adapter handles."""
+    """``config.model_type`` values this spec handles."""
     layers: str
     """Dotted path of the decoder-layer `ModuleList`."""
     attn_out: str
@@ -76,8 +85,7 @@ class ArchSpec:
     mlp_out: str
     """Module (relative to a layer) whose *input* is the MLP activation (one channel per neuron)."""
     layer_norms: tuple[str, ...]
-    """Every per-layer norm over the hidden width (pre- and post-norms); their outputs score
-    hidden channels."""
+    """Every per-layer norm over the hidden width; their outputs score hidden channels."""
     final_norm: str
     layer_params: ParamAxes
     """Parameter name relative to a layer -> the axis of each dimension."""
@@ -96,9 +104,9 @@ class ArchSpec:
     """Per-layer config lists sliced on depth pruning."""
     rescale: Callable[[dict[str, torch.Tensor], Resize], None] | None = None
     """Adjusts the pruned state dict in place for scales that depend on a pruned size."""
-    buffers: Callable[[Any], dict[str, torch.Tensor]] = field(default=lambda _config: {})
+    buffers: Callable[[Any], dict[str, torch.Tensor]] = no_buffers
     """Non-persistent buffers that must be recomputed from the new config (not copied)."""
-    check: Callable[[Any], None] = field(default=lambda _config: None)
+    check: Callable[[Any], None] = any_variant
     """Raises `ValueError` for variants of the family that are not supported."""
 
     @property
@@ -123,28 +131,6 @@ def norm(name: str, axis: Axis = "hidden", *, bias: bool = False) -> dict[str, t
     return axes
 
 
-def llama_attention(prefix: str = "self_attn") -> dict[str, tuple[Axis, ...]]:
-    """Separate q/k/v/o projections, biases optional (Llama, Mistral, Qwen, Gemma, OLMo ...)."""
-    return {
-        **linear(f"{prefix}.q_proj", "q", "hidden"),
-        **linear(f"{prefix}.k_proj", "kv", "hidden"),
-        **linear(f"{prefix}.v_proj", "kv", "hidden"),
-        **linear(f"{prefix}.o_proj", "hidden", "q"),
-    }
-
-
-def gated_mlp(prefix: str = "mlp") -> dict[str, tuple[Axis, ...]]:
-    """gate/up/down projections of a gated MLP, biases optional."""
-    return {
-        **linear(f"{prefix}.gate_proj", "ffn", "hidden"),
-        **linear(f"{prefix}.up_proj", "ffn", "hidden"),
-        **linear(f"{prefix}.down_proj", "hidden", "ffn"),
-    }
-
-
-LLAMA_TOP: dict[str, tuple[Axis, ...]] = {
-    "model.embed_tokens.weight": (None, "hidden"),
-    "model.norm.weight": ("hidden",),
-    **linear("lm_head", None, "hidden"),
-}
-"""Embeddings, final norm and LM head of every ``model.*`` + ``lm_head`` family."""
+def norms(names: tuple[str, ...], *, bias: bool = False) -> dict[str, tuple[Axis, ...]]:
+    """Axes of every norm in `names`, each over the hidden width."""
+    return {key: axes for name in names for key, axes in norm(name, bias=bias).items()}

@@ -1,8 +1,7 @@
-"""GPT-2 adapter.
+"""GPT-2: Conv1D weights stored transposed (``[in, out]``) and a fused ``c_attn`` (``[q | k | v]``).
 
-Conv1D weights stored transposed (``[in, out]``), fused ``c_attn`` ([q | k | v]),
-learned position embeddings, LayerNorms with biases. The attention width is ``n_embd``, so heads
-and hidden size are pruned together.
+Learned position embeddings and LayerNorms with biases. The attention width is ``n_embd``, so
+heads and hidden size are pruned together.
 
 With ``scale_attn_by_inverse_layer_idx`` each layer divides its attention scores by
 ``layer_idx + 1``, which depth pruning renumbers. `_rescale` multiplies a kept layer's query
@@ -15,10 +14,13 @@ from typing import Any
 
 import torch
 
-from prune_distill.arch._spec import ArchSpec, Axis, Resize, norm
+from prune_distill.arch._spec import ArchSpec, Axis, Resize, norm, norms
+
+_NORMS = ("ln_1", "ln_2")
 
 
 def _conv1d(name: str, out: Axis, inp: Axis) -> dict[str, tuple[Axis, ...]]:
+    """Axes of a transformers `Conv1D` (weight stored ``[in, out]``, bias ``[out]``)."""
     return {f"{name}.weight": (inp, out), f"{name}.bias": (out,)}
 
 
@@ -46,15 +48,14 @@ GPT2 = ArchSpec(
     layers="transformer.h",
     attn_out="attn.c_proj",
     mlp_out="mlp.c_proj",
-    layer_norms=("ln_1", "ln_2"),
+    layer_norms=_NORMS,
     final_norm="transformer.ln_f",
     layer_params={
-        **norm("ln_1", bias=True),
         **_conv1d("attn.c_attn", "qkv", "hidden"),
         **_conv1d("attn.c_proj", "hidden", "q"),
-        **norm("ln_2", bias=True),
         **_conv1d("mlp.c_fc", "ffn", "hidden"),
         **_conv1d("mlp.c_proj", "hidden", "ffn"),
+        **norms(_NORMS, bias=True),
     },
     top_params={
         "transformer.wte.weight": (None, "hidden"),

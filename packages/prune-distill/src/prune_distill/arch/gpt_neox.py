@@ -1,14 +1,15 @@
-"""GPT-NeoX / Pythia adapter.
+"""GPT-NeoX / Pythia: LayerNorms with biases and a fused per-head ``query_key_value``.
 
-LayerNorms with biases, fused ``query_key_value`` laid out per head
-(``[q_h | k_h | v_h]`` for every head h), parallel or sequential residual, partial rotary
-embeddings within ``head_dim``. The config derives ``head_dim = hidden_size / heads``, so the
-attention width must stay equal to the hidden size: prune heads and hidden size together.
+``query_key_value`` is laid out ``[q_h | k_h | v_h]`` for every head h; the residual is parallel
+or sequential; partial rotary embeddings act within ``head_dim``. The config derives
+``head_dim = hidden_size / heads``, so heads and hidden size are pruned together.
 """
 
 from __future__ import annotations
 
-from prune_distill.arch._spec import ArchSpec, linear, norm
+from prune_distill.arch._spec import ArchSpec, linear, norm, norms
+
+_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 GPT_NEOX = ArchSpec(
     name="gpt_neox",
@@ -16,15 +17,14 @@ GPT_NEOX = ArchSpec(
     layers="gpt_neox.layers",
     attn_out="attention.dense",
     mlp_out="mlp.dense_4h_to_h",
-    layer_norms=("input_layernorm", "post_attention_layernorm"),
+    layer_norms=_NORMS,
     final_norm="gpt_neox.final_layer_norm",
     layer_params={
         **linear("attention.query_key_value", "qkv_heads", "hidden"),
         **linear("attention.dense", "hidden", "q"),
         **linear("mlp.dense_h_to_4h", "ffn", "hidden"),
         **linear("mlp.dense_4h_to_h", "hidden", "ffn"),
-        **norm("input_layernorm", bias=True),
-        **norm("post_attention_layernorm", bias=True),
+        **norms(_NORMS, bias=True),
     },
     top_params={
         "gpt_neox.embed_in.weight": (None, "hidden"),

@@ -1,32 +1,17 @@
-"""OLMo 2 adapter.
+"""OLMo 2: the Llama-style spec with post-norms only and whole-projection q/k norms.
 
-Post-norms only (after attention and after the MLP), q/k RMSNorms over the *whole*
-projection (``num_heads * head_dim`` and ``num_key_value_heads * head_dim`` channels).
-
-The q/k norms are sliced with their heads. Their RMS is then taken over fewer channels, so
-pruning live heads rescales the remaining ones, like hidden-channel pruning does for every norm
-(Minitron accepts this and distillation repairs it); no compensation is applied.
+The norms come after attention and after the MLP. ``q_norm`` / ``k_norm`` span the whole
+projection (``heads * head_dim`` and ``kv_heads * head_dim`` channels) and are sliced with their
+heads; their RMS is then taken over fewer channels, like every norm after hidden-channel pruning
+(Minitron accepts this and distillation repairs it), so no compensation is applied.
 """
 
 from __future__ import annotations
 
-from prune_distill.arch._spec import LLAMA_TOP, ArchSpec, gated_mlp, llama_attention, norm
+from prune_distill.arch.llama import llama_style
 
-OLMO2 = ArchSpec(
-    name="olmo2",
-    model_types=("olmo2",),
-    layers="model.layers",
-    attn_out="self_attn.o_proj",
-    mlp_out="mlp.down_proj",
+OLMO2 = llama_style(
+    "olmo2",
     layer_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
-    final_norm="model.norm",
-    layer_params={
-        **llama_attention(),
-        **gated_mlp(),
-        **norm("self_attn.q_norm", "q"),
-        **norm("self_attn.k_norm", "kv"),
-        **norm("post_attention_layernorm"),
-        **norm("post_feedforward_layernorm"),
-    },
-    top_params=LLAMA_TOP,
+    qk_norm="projection",
 )
