@@ -113,6 +113,12 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         return tuple(
             _convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True))
         )
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, f"must be a table, got {type(value).__name__} {value!r}")
+        return {
+            _convert(k, args[0], key): _convert(v, args[1], f"{key}.{k}") for k, v in value.items()
+        }
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(key, f"must be a table, got {type(value).__name__} {value!r}")

@@ -3,7 +3,9 @@
 The default corpus needs no network: the source of the running interpreter's standard library
 (found with `sysconfig`) plus `pydoc_data/topics.py`, whose ~0.7 MB of English prose keeps the
 model from seeing only code. Local text files and hub datasets go through the same path: a
-`datasets.DatasetDict` with `train` and `validation` splits and one `text` column.
+`datasets.DatasetDict` with `train` and `validation` splits and one `text` column (hub datasets
+and local data files: `leanlm.data_hub`; with `[data] streaming` the splits are read and
+tokenized on demand instead: `leanlm.data_stream`).
 """
 
 from __future__ import annotations
@@ -115,9 +117,12 @@ def split_by_file(
 
 @dataclass(frozen=True)
 class Corpus:
-    """The text of a run: `dataset` has `train` and `validation` splits with a `text` column."""
+    """The text of a run: `dataset` has `train` and `validation` splits with a `text` column.
 
-    dataset: datasets.DatasetDict
+    With `[data] streaming` the splits are `datasets.IterableDataset`s, read on demand.
+    """
+
+    dataset: datasets.DatasetDict | datasets.IterableDatasetDict
     fingerprint: str
     """Identifies the text (content hashes or the `datasets` fingerprints), for caches."""
     description: str
@@ -133,7 +138,7 @@ def _hash_files(files: list[Path]) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
+def quiet_datasets() -> Iterator[None]:
     """No "Downloading data" / "Generating split" bars: local files are not downloaded."""
     was_disabled = datasets.utils.are_progress_bars_disabled()
     verbosity = datasets.utils.logging.get_verbosity()
@@ -149,7 +154,7 @@ def _quiet_datasets() -> Iterator[None]:
 
 def _load_files(train: list[Path], val: list[Path], cache_dir: Path) -> datasets.DatasetDict:
     # One row per file ("document"): keeps line breaks, and EOS then separates files.
-    with _quiet_datasets():
+    with quiet_datasets():
         return datasets.load_dataset(
             "text",
             data_files={"train": [str(p) for p in train], "validation": [str(p) for p in val]},
@@ -162,7 +167,8 @@ def load_corpus(config: DataConfig, *, cache_dir: Path) -> Corpus:
     """Load the corpus `config` describes as a `datasets.DatasetDict` (train / validation).
 
     Raises:
-        ConfigError: if listed files are missing or the hub dataset lacks a split or column.
+        ConfigError: if listed files are missing or the hub dataset lacks a split or column
+            (`leanlm.data_hub.load_hub`).
     """
     if config.source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
@@ -198,49 +204,9 @@ def load_corpus(config: DataConfig, *, cache_dir: Path) -> Corpus:
             fingerprint=_hash_files(train) + _hash_files(val),
             description=f"{len(train)} train / {len(val)} validation local files",
         )
-    return _load_hub(config, cache_dir)
+    from leanlm.data_hub import load_hub  # it imports this module
 
-
-def _load_hub(config: DataConfig, cache_dir: Path) -> Corpus:
-    try:
-        loaded = datasets.load_dataset(config.hub_name, config.hub_config, cache_dir=str(cache_dir))
-    except (ConnectionError, OSError, ValueError) as err:  # not found, offline and not cached
-        offline = " (offline: HF_HUB_OFFLINE or no network, and not in the cache)"
-        why = (str(err).splitlines() or [type(err).__name__])[0]
-        raise ConfigError(
-            "data.hub_name",
-            f"{config.hub_name!r} could not be loaded"
-            f"{offline if datasets.config.HF_HUB_OFFLINE else ''}: {why}",
-        ) from err
-    splits = {"train": config.hub_train_split, "validation": config.hub_validation_split}
-    out = {}
-    for ours, theirs in splits.items():
-        if theirs not in loaded:
-            raise ConfigError(
-                f"data.hub_{ours}_split",
-                f"{config.hub_name!r} has no split {theirs!r}; it has {sorted(loaded)}",
-            )
-        split = loaded[theirs]
-        if config.text_column not in split.column_names:
-            raise ConfigError(
-                "data.text_column",
-                f"{config.hub_name!r} split {theirs!r} has no column {config.text_column!r}; "
-                f"columns: {split.column_names}",
-            )
-        split = split.select_columns([config.text_column])
-        if config.text_column != "text":
-            split = split.rename_column(config.text_column, "text")
-        out[ours] = split
-    dataset = datasets.DatasetDict(out)
-    name = config.hub_name + (f"/{config.hub_config}" if config.hub_config else "")
-    return Corpus(
-        dataset,
-        fingerprint=hashlib.sha256(
-            "".join(dataset[s]._fingerprint for s in ("train", "validation")).encode()
-        ).hexdigest()[:16],
-        description=f"{name}: {len(dataset['train'])} train / {len(dataset['validation'])} "
-        "validation rows",
-    )
+    return load_hub(config, cache_dir)
 
 
 @dataclass(frozen=True)
@@ -257,6 +223,8 @@ def tokenize_corpus(corpus: Corpus, tokenizer: Any, *, tokenizer_key: str) -> To
     The cache entry is named by the corpus and tokenizer fingerprints, so a second run (or a
     second process, after the first) reads the token ids instead of tokenizing again.
     """
+    dataset = corpus.dataset
+    assert isinstance(dataset, datasets.DatasetDict), "a stream is tokenized by data_stream"
     eos = tokenizer.eos_token_id
 
     def encode(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
@@ -265,10 +233,10 @@ def tokenize_corpus(corpus: Corpus, tokenizer: Any, *, tokenizer_key: str) -> To
 
     streams = {}
     for split in ("train", "validation"):
-        tokenized = corpus.dataset[split].map(
+        tokenized = dataset[split].map(
             encode,
             batched=True,
-            remove_columns=corpus.dataset[split].column_names,
+            remove_columns=dataset[split].column_names,
             new_fingerprint=hashlib.sha256(
                 f"leanlm:{corpus.fingerprint}:{tokenizer_key}:{split}".encode()
             ).hexdigest()[:32],

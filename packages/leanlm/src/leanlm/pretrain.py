@@ -32,9 +32,19 @@ class Pretrain(Stage):
 
     @classmethod
     def check_run(cls, run: RunConfig) -> None:
-        """`pretrain` can only be the first stage."""
+        """`pretrain` can only be the first stage; `[data] streaming` / `packing` feed it alone."""
         if cls.name in run.stages[1:]:
             raise ConfigError("stages", f"'pretrain' can only come first: {list(run.stages)}")
+        # the other stages read the materialized training blocks (calibration, a teacher's
+        # cache or correction) or train against a teacher that would not see the boundaries
+        others = [s for s in run.stages if s != cls.name]
+        for key in ("streaming", "packing"):
+            if getattr(run.data, key) and others:
+                raise ConfigError(
+                    f"data.{key}",
+                    f"(true) is supported for stage 'pretrain' only, but `stages` also has "
+                    f"{others}: run those in a run with {key} = false",
+                )
 
     def run(self, ctx: StageContext) -> StageResult:
         """Build the model from `config.model` (or load `init_model`), train it, save it."""

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from accelerate import Accelerator
 
+from leanlm.configio import ConfigError
 from leanlm.data import (
     Corpus,
     TokenStreams,
@@ -18,6 +19,13 @@ from leanlm.data import (
     load_corpus,
     spread_windows,
     tokenize_corpus,
+)
+from leanlm.data_stream import (
+    BatchSource,
+    BlockBatches,
+    StreamBatches,
+    WindowStream,
+    first_windows,
 )
 from leanlm.tokenizer import load_or_train_tokenizer
 
@@ -82,11 +90,32 @@ class RunResources:
 
     @cached_property
     def train_blocks(self) -> torch.Tensor:
-        """Training sequences `(N, seq_len)`."""
+        """Training sequences `(N, seq_len)` (not with `[data] streaming`)."""
+        if self.config.data.streaming:
+            raise ConfigError(
+                "data.streaming",
+                "(true) holds no training blocks in memory, and this stage needs them: "
+                "run it with streaming = false",
+            )
         return blocks(self.streams.train, self.config.data.seq_len)
 
     @cached_property
     def validation_windows(self) -> torch.Tensor:
-        """The validation windows `(N, seq_len)` every stage is scored on."""
+        """The validation windows `(N, seq_len)` every stage is scored on.
+
+        Spread evenly over the validation split; with `[data] streaming`, the first
+        `eval_windows` windows of the validation stream (only those are tokenized).
+        """
         data = self.config.data
+        if data.streaming:
+            split = self.corpus.dataset["validation"]
+            return first_windows(split, self.tokenizer, data.seq_len, data.eval_windows)
         return spread_windows(self.streams.validation, data.seq_len, data.eval_windows)
+
+    def train_batches(self) -> BatchSource:
+        """A new source of the trainer's global batches, at the start of the training data."""
+        data = self.config.data
+        if data.streaming:
+            split = self.corpus.dataset["train"]
+            return StreamBatches(WindowStream(split, self.tokenizer, data.seq_len))
+        return BlockBatches(self.train_blocks, seed=self.config.seed)

@@ -32,7 +32,11 @@ class DataConfig:
     validation_files: tuple[str, ...] = ()
     """For `source="files"`: explicit validation files; empty = split `files` by file."""
     hub_name: str = ""
-    """For `source="hub"`: the `datasets.load_dataset` path, e.g. `wikitext` or a local folder."""
+    """For `source="hub"`: the `datasets.load_dataset` path, e.g. `wikitext`, a local folder, or
+    a builder for local files (`json`, `parquet`, `text`, `csv`) with `data_files`."""
+    data_files: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """For `source="hub"`: `datasets.load_dataset`'s `data_files`, split name -> files (paths or
+    glob patterns), e.g. `{train = ["a.jsonl"], validation = ["b.jsonl"]}`; empty = none."""
     hub_config: str | None = None
     """For `source="hub"`: the dataset configuration, e.g. `wikitext-103-raw-v1`."""
     hub_train_split: str = "train"
@@ -51,7 +55,15 @@ class DataConfig:
     """Tokens per training sequence and per validation window."""
     eval_windows: int = 64
     """Validation windows of `seq_len` tokens, spread evenly over the validation split, that every
-    stage is scored on; 0 = all."""
+    stage is scored on; 0 = all. With `streaming`: the first this many of the validation stream."""
+    streaming: bool = False
+    """For `source="hub"`: read the splits through `datasets` streaming and tokenize the training
+    text on the fly, never holding the tokenized corpus in memory; training windows are taken
+    in stream order (no shuffling) and the stream position is saved in checkpoints."""
+    packing: bool = False
+    """Pack documents into `seq_len` windows with per-document position ids (restarting at 0 after
+    each end-of-sequence token), so attention never crosses a document boundary, and no loss on
+    predicting a document's first token from the one before. Training stage `pretrain` only."""
 
     def __post_init__(self) -> None:
         positive(self, "seq_len")
@@ -67,6 +79,14 @@ class DataConfig:
             raise ConfigError("files", 'must list at least one file when `source = "files"`')
         if self.source == "hub" and not self.hub_name:
             raise ConfigError("hub_name", 'must name a dataset when `source = "hub"`')
+        for key in ("data_files", "streaming"):
+            if getattr(self, key) and self.source != "hub":
+                raise ConfigError(
+                    key, f'is for `source = "hub"`, got source {self.source!r}: remove it'
+                )
+        for split, files in self.data_files.items():
+            if not files:
+                raise ConfigError(f"data_files.{split}", "must list at least one file")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

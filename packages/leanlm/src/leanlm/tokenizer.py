@@ -61,9 +61,9 @@ def train_tokenizer(texts: Iterator[list[str]], config: TokenizerConfig) -> PreT
 
 
 def _batches(corpus: Corpus, batch_size: int = 256) -> Iterator[list[str]]:
-    train = corpus.dataset["train"]
-    for start in range(0, len(train), batch_size):
-        yield train[start : start + batch_size]["text"]
+    # `iter` reads a loaded split and a stream (`[data] streaming`) alike, in order
+    for batch in corpus.dataset["train"].iter(batch_size=batch_size):
+        yield batch["text"]
 
 
 def load_or_train_tokenizer(

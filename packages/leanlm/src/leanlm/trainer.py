@@ -1,7 +1,8 @@
 """The training loop shared by the stages that train (`pretrain`, `distill`).
 
 One optimizer step consumes a global batch of `micro_batch_size x grad_accum_steps x processes`
-sequences chosen by `data.global_batch_indices(step)`; process r takes the r-th contiguous slice.
+sequences chosen by `data.global_batch_indices(step)` (or the next windows of the stream with
+`[data] streaming`, `leanlm.data_stream`); process r takes the r-th contiguous slice.
 Every micro-batch has the same number of tokens (fixed-length blocks, no padding), so the mean of
 micro-batch losses, averaged over processes by DDP, is exactly the loss of the global batch: one
 process with `grad_accum_steps = k` and k processes with 1 optimise the same objective.
@@ -28,7 +29,6 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from leanlm import interrupt
 from leanlm.checkpoint import Checkpointer, save_atomically
 from leanlm.configio import ConfigError
-from leanlm.data import global_batch_indices
 from leanlm.engines import Parallel
 from leanlm.evaluate import EvalResult, causal_lm_loss, evaluate_perplexity
 from leanlm.metrics import MetricsLog
@@ -93,20 +93,26 @@ class _Loop:
         self.ctx, self.cfg, self.loss_fn, self.save = ctx, cfg, loss_fn, save
         self.name = ctx.stage_dir.name
         self.acc = acc = ctx.accelerator
-        self.train_blocks = ctx.resources.train_blocks
+        # the global batches: shuffled in-memory blocks, or a stream (`[data] streaming`)
+        self.batches = ctx.resources.train_batches()
+        available = self.batches.num_sequences
         self.world, self.rank = acc.num_processes, acc.process_index
         self.per_rank = cfg.micro_batch_size * cfg.grad_accum_steps
         self.global_batch = self.per_rank * self.world
-        if self.global_batch > self.train_blocks.shape[0]:
+        if available is not None and self.global_batch > available:
             raise ConfigError(
                 f"{self.name}.micro_batch_size",
                 f"x `grad_accum_steps` x processes = {cfg.micro_batch_size} x "
                 f"{cfg.grad_accum_steps} x {self.world} = {self.global_batch} sequences per "
-                f"step, more than the training set holds ({self.train_blocks.shape[0]}); lower "
+                f"step, more than the training set holds ({available}); lower "
                 "them or use more data",
             )
         self.tokens_per_step = self.global_batch * ctx.config.data.seq_len
         self.n_params = count_parameters(model)
+        if ctx.config.data.packing:  # per-document positions and labels (`leanlm.packing`)
+            from leanlm import packing
+
+            packing.install(model, ctx.resources.tokenizer.eos_token_id)
         self.par = Parallel(ctx, model, cfg)
         self.model, self.optimizer = self.par.model, self.par.optimizer
         # The scheduler is stepped by us once per optimizer step and not passed to `prepare`:
@@ -144,6 +150,7 @@ class _Loop:
             wall_before=state["wall_time_s"],
             bad_steps=state.get("bad_steps", 0),
         )
+        self.batches.load_state(state.get("data", {}), self.counters.step)
         written = state.get("processes", self.world)
         moved = f", written on {written} process(es)" if written != self.world else ""
         acc.print(f"[{self.name}] resuming from {latest.name} (step {self.counters.step}{moved})")
@@ -161,6 +168,7 @@ class _Loop:
                 "wall_time_s": c.wall_before + time.perf_counter() - self.wall_start,
                 "bad_steps": c.bad_steps,
                 "processes": self.world,
+                "data": self.batches.state(),
             },
             sharded=self.par.sharded,
             whole=self.par.whole,
@@ -176,14 +184,9 @@ class _Loop:
         """
         cfg, acc, par = self.cfg, self.acc, self.par
         t0 = time.perf_counter()
-        indices = global_batch_indices(
-            step,
-            global_batch=self.global_batch,
-            num_blocks=self.train_blocks.shape[0],
-            seed=self.ctx.config.seed,
-        )
         lo = self.rank * self.per_rank
-        mine = self.train_blocks[indices[lo : lo + self.per_rank]].to(acc.device)
+        everyone = self.batches.global_batch(step, self.global_batch)
+        mine = everyone[lo : lo + self.per_rank].to(acc.device)
         loss_sum = torch.zeros((), device=acc.device)
         for micro in range(cfg.grad_accum_steps):
             batch = mine[micro * cfg.micro_batch_size : (micro + 1) * cfg.micro_batch_size]
@@ -289,12 +292,17 @@ class _Loop:
         cfg, acc, name = self.cfg, self.acc, self.name
         start = self.counters.step
         log = MetricsLog(
-            self.ctx.stage_dir / "metrics.jsonl", enabled=acc.is_main_process, resume_step=start
+            self.ctx.stage_dir / "metrics.jsonl",
+            enabled=acc.is_main_process,
+            resume_step=start,
+            sinks=self.ctx.sinks,
         )
         parallel = self.par.label
+        available = self.batches.num_sequences
+        sequences = f"{available:,}" if available is not None else "streamed"
         procs = f"{self.world} process(es)" + (f" {parallel}" if parallel else "")
         acc.print(
-            f"[{name}] {self.n_params:,} params, {self.train_blocks.shape[0]:,} train sequences "
+            f"[{name}] {self.n_params:,} params, {sequences} train sequences "
             f"of {self.ctx.config.data.seq_len} tokens, global batch {self.global_batch} "
             f"({self.tokens_per_step:,} tokens) on {procs}, {cfg.steps} steps, {cfg.optimizer}"
         )
