@@ -41,6 +41,8 @@ class Member:
     path: Path
     sibling_deps: tuple[str, ...]
     test_requirements: tuple[str, ...]
+    optional_requirements: tuple[str, ...] = ()
+    """Its `[project.optional-dependencies]`, all extras (their tests list them in `test` too)."""
 
 
 def _req_name(requirement: str) -> str:
@@ -58,8 +60,12 @@ def _load_members() -> dict[str, Member]:
     for path, toml in tomls.items():
         deps = [_req_name(r) for r in toml["project"].get("dependencies", [])]
         tests = toml.get("dependency-groups", {}).get("test", [])
+        optional = [
+            r for rs in toml["project"].get("optional-dependencies", {}).values() for r in rs
+        ]
         name = toml["project"]["name"]
-        members[name] = Member(name, path, tuple(d for d in deps if d in names), tuple(tests))
+        siblings = tuple(d for d in deps if d in names)
+        members[name] = Member(name, path, siblings, tuple(tests), tuple(optional))
     return members
 
 
@@ -198,9 +204,11 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none", tags=["ci"])
 def typecheck(session: nox.Session) -> None:
-    """mypy (strict) over every package's src/."""
+    """mypy (strict) over every package's src/, with every package's extras installed."""
     stack = Stack(session)
-    stack.install_only(PACKAGES, extra=nox.project.dependency_groups(PYPROJECT, "typecheck"))
+    optional = [r for m in MEMBERS.values() for r in m.optional_requirements]
+    typecheck = nox.project.dependency_groups(PYPROJECT, "typecheck")
+    stack.install_only(PACKAGES, extra=(*typecheck, *optional))
     srcs = [str(m.path / "src") for m in MEMBERS.values()]
     stack.run("-m", "mypy", *srcs, *session.posargs)
 

@@ -1,7 +1,8 @@
 """Run configuration: frozen dataclasses, one per section, filled from Python or from TOML.
 
 A TOML file mirrors the dataclasses: top-level keys of `RunConfig`, one table per section
-(`[data]`, `[tokenizer]`, `[model]`, from `leanlm.sections`) and one per stage (`[pretrain]`,
+(`[data]`, `[tokenizer]`, `[model]`, from `leanlm.sections`; `[eval]` and `[logging]` from
+`leanlm.extra_sections`) and one per stage (`[pretrain]`,
 ...; each stage's section is defined in the stage's module and named by its `Stage.config`).
 Unknown keys, wrong types and impossible values raise `ConfigError` (a `ValueError`) naming the
 dotted key, before any work starts. The stages a run can list are the registered ones
@@ -25,6 +26,7 @@ import tomli_w
 from leanlm.configio import ConfigError, from_dict, to_dict, with_overrides
 from leanlm.control import ControlConfig
 from leanlm.distill import DistillConfig
+from leanlm.extra_sections import EvalConfig, LoggingConfig
 from leanlm.pretrain import PretrainConfig
 from leanlm.prune import PruneConfig
 from leanlm.sections import INIT_STAGE, DataConfig, ModelConfig, TokenizerConfig, TrainConfig
@@ -40,6 +42,8 @@ __all__ = [
     "ControlConfig",
     "DataConfig",
     "DistillConfig",
+    "EvalConfig",
+    "LoggingConfig",
     "ModelConfig",
     "PretrainConfig",
     "PruneConfig",
@@ -95,6 +99,10 @@ class RunConfig:
     """Settings of the `sparsify` stage."""
     control: ControlConfig = dataclasses.field(default_factory=ControlConfig)
     """Settings of the `control` stage."""
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Downstream evaluation (lm-evaluation-harness tasks) of every stage's model."""
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    """Where training scalars go besides `metrics.jsonl` and TensorBoard (Weights & Biases)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.collective_timeout_s < float("inf"):

@@ -1,28 +1,147 @@
-"""Training metrics: `metrics.jsonl` rows and TensorBoard scalars, written by the main process."""
+"""Training metrics: `metrics.jsonl` rows, mirrored to scalar sinks by the main process.
+
+A sink takes the numeric fields of each row: TensorBoard (always, in `<stage>/tensorboard/`) and,
+with `[logging] wandb = true`, one Weights & Biases run per leanlm run (`leanlm[wandb]`), opened
+by the pipeline on the main process, each stage's scalars under `<stage>/` with `<stage>/step`
+as their x-axis.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import importlib.util
 import json
+import os
 import resource
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
+from leanlm.configio import ConfigError
+from leanlm.extra_sections import LoggingConfig
 
-class MetricsLog:
-    """Appends JSON rows to `path` and mirrors numeric fields to TensorBoard.
+WANDB_ID_FILE = "wandb_run_id"
+"""In the run folder: the W&B run id, so that `--resume` continues the same W&B run."""
 
-    On resume (`resume_step` > 0) rows after that step are dropped first, and TensorBoard purges
-    its events after it, so a resumed run's logs read like an uninterrupted run's.
+
+class ScalarSink(Protocol):
+    """Something that records scalars against a step (TensorBoard, a W&B run, ...)."""
+
+    def add_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Record `scalars` (name -> value) at `step`."""
+
+    def close(self) -> None:
+        """Flush; the sink takes no more scalars."""
+
+
+class TensorBoardSink:
+    """A TensorBoard `SummaryWriter` in `log_dir`; `purge_step` drops the events after it."""
+
+    def __init__(self, log_dir: Path, *, purge_step: int | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+
+    def add_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        """One TensorBoard scalar per key at `step`."""
+        for key, value in scalars.items():
+            self._writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        self._writer.close()
+
+
+class WandbRun:
+    """One W&B run for a leanlm run; `stage(name)` is the sink a stage logs to.
+
+    Construction raises `ConfigError` if wandb is not installed (`pip install leanlm[wandb]`).
     """
 
-    def __init__(self, path: Path, *, enabled: bool, resume_step: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: LoggingConfig,
+        run_dir: Path,
+        *,
+        name: str,
+        config: Mapping[str, Any],
+        resume: bool,
+    ) -> None:
+        require_wandb(cfg)
+        import wandb
+
+        id_file = run_dir / WANDB_ID_FILE
+        run_id = id_file.read_text().strip() if resume and id_file.is_file() else None
+        self.run = wandb.init(
+            project=cfg.project,
+            entity=cfg.entity or None,
+            name=cfg.run_name or name,
+            config=dict(config),
+            # read here, not once per process by wandb's settings: each run sees the current
+            # WANDB_DIR / WANDB_MODE
+            dir=os.environ.get("WANDB_DIR") or str(run_dir),
+            mode=cast(Any, os.environ.get("WANDB_MODE") or None),  # wandb checks the value
+            id=run_id,
+            resume="allow",
+            reinit="finish_previous",
+        )
+        id_file.write_text(f"{self.run.id}\n")
+
+    def stage(self, name: str) -> ScalarSink:
+        """The sink of stage `name`: its scalars as `name/<key>` against `name/step`."""
+        self.run.define_metric(f"{name}/step", hidden=True)
+        self.run.define_metric(f"{name}/*", step_metric=f"{name}/step")
+        return _WandbStage(self.run, name)
+
+    def close(self) -> None:
+        """Finish the W&B run (uploads it, or closes its offline files)."""
+        self.run.finish()
+
+
+@dataclasses.dataclass
+class _WandbStage:
+    run: Any
+    name: str
+
+    def add_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        row = {f"{self.name}/{key}": value for key, value in scalars.items()}
+        self.run.log({f"{self.name}/step": step, **row})
+
+    def close(self) -> None:
+        """Nothing: the run outlives the stage (`WandbRun.close` finishes it)."""
+
+
+def require_wandb(cfg: LoggingConfig) -> None:
+    """`ConfigError` naming `logging.wandb` if it is on and wandb is not installed."""
+    if cfg.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "logging.wandb", "is true but wandb is not installed: pip install leanlm[wandb]"
+        )
+
+
+class MetricsLog:
+    """Appends JSON rows to `path` and mirrors their numeric fields to TensorBoard and `sinks`.
+
+    On resume (`resume_step` > 0) rows after that step are dropped first, and TensorBoard purges
+    its events after it, so a resumed run's logs read like an uninterrupted run's (a W&B run
+    cannot drop logged points: it shows the repeated steps twice).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        enabled: bool,
+        resume_step: int = 0,
+        sinks: Sequence[ScalarSink] = (),
+    ) -> None:
         self.path = path
         self.enabled = enabled
-        self._writer: Any = None
+        self._sinks: list[ScalarSink] = []
         if not enabled:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -32,11 +151,8 @@ class MetricsLog:
             else []
         )
         path.write_text("".join(json.dumps(row) + "\n" for row in kept))
-        from torch.utils.tensorboard import SummaryWriter
-
-        self._writer = SummaryWriter(
-            log_dir=str(path.parent / "tensorboard"), purge_step=resume_step or None
-        )
+        board = TensorBoardSink(path.parent / "tensorboard", purge_step=resume_step or None)
+        self._sinks = [board, *sinks]
 
     def log(self, row: dict[str, Any]) -> None:
         """Write one row (must contain `step`)."""
@@ -44,14 +160,18 @@ class MetricsLog:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        for key, value in row.items():
-            if key != "step" and isinstance(value, int | float):
-                self._writer.add_scalar(key, value, row["step"])
+        scalars = {
+            k: v
+            for k, v in row.items()
+            if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        for sink in self._sinks:
+            sink.add_scalars(row["step"], scalars)
 
     def close(self) -> None:
-        """Flush TensorBoard."""
-        if self._writer is not None:
-            self._writer.close()
+        """Flush the sinks."""
+        for sink in self._sinks:
+            sink.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -13,8 +13,9 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
 from leanlm import interrupt
-from leanlm.config import INIT_STAGE, RunConfig, dumps_toml  # registers the stages
-from leanlm.metrics import peak_memory_mib, reset_peak_memory
+from leanlm.config import INIT_STAGE, RunConfig, dumps_toml, to_dict  # registers the stages
+from leanlm.downstream import Downstream
+from leanlm.metrics import WandbRun, peak_memory_mib, require_wandb, reset_peak_memory
 from leanlm.model import weights_stats
 from leanlm.report import write_report
 from leanlm.resources import RunResources
@@ -56,16 +57,22 @@ def run_pipeline(
     replaced). With `resume`, a config change that would discard a stored result or checkpoint
     (see `leanlm.rundir.check_reuse`) stops the run unless `restart_changed`: then the stages
     whose inputs changed, and all after them, start over. `command` is how the run was started
-    (shown in the report).
+    (shown in the report). With `[eval]` tasks each stage's model is then scored by
+    lm-evaluation-harness (`leanlm.downstream`; a stored result only on the tasks it lacks);
+    with `[logging] wandb` the main process logs the training scalars to one W&B run.
 
     Raises:
+        leanlm.configio.ConfigError: `[eval]` or `[logging]` needs a package that is not
+            installed, or names an unknown task (before any work).
         FileExistsError: if `out_dir` holds a run and `resume` is false.
         leanlm.rundir.ConfigChangedError: `resume` with a changed config (the keys are listed)
             and not `restart_changed`.
         leanlm.interrupt.Interrupted: the run was stopped by SIGTERM / SIGINT.
     """
     out_dir = Path(out_dir)
+    require_wandb(config.logging)
     accelerator = make_accelerator(config)
+    downstream = Downstream(config, accelerator)  # checks `[eval]`'s tasks before any work
     processes = accelerator.num_processes
     check_reuse(
         out_dir, config, resume=resume, restart_changed=restart_changed, processes=processes
@@ -78,6 +85,11 @@ def run_pipeline(
         (out_dir / CONFIG_FILE).write_text(dumps_toml(config))
     accelerator.wait_for_everyone()
     resources = RunResources(config, accelerator)
+    wandb_run = None
+    if config.logging.wandb and accelerator.is_main_process:
+        wandb_run = WandbRun(
+            config.logging, out_dir, name=config.name, config=to_dict(config), resume=resume
+        )
     accelerator.print(f"[leanlm] corpus: {resources.corpus.description}")
 
     results: list[StageResult] = []
@@ -108,6 +120,7 @@ def run_pipeline(
                 resources=resources,
                 resume=resume,
                 config_hash=digest,
+                sinks=(wandb_run.stage(name),) if wandb_run else (),
             )
             reset_peak_memory(accelerator.device)  # each stage's peak is its own
             result = STAGES[name]().run(ctx)
@@ -120,6 +133,7 @@ def run_pipeline(
             if accelerator.is_main_process:
                 result.save(stage_dir)
             accelerator.wait_for_everyone()
+        result = downstream.score(result, out_dir)  # `[eval]` tasks not yet in its result
         results.append(result)
         previous_dir, previous_hash = out_dir / result.model_dir, digest
         outputs[name] = previous_dir
@@ -128,5 +142,7 @@ def run_pipeline(
             out_dir, config, results, corpus=resources.corpus.description, command=command
         )
         accelerator.print(f"[leanlm] done in {time.perf_counter() - start:.0f} s; report: {report}")
+    if wandb_run is not None:
+        wandb_run.close()
     accelerator.wait_for_everyone()
     return results

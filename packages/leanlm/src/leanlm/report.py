@@ -44,9 +44,28 @@ VERSIONED = ("leanlm", "torch", "transformers", "accelerate")
 """Packages whose versions the report lists."""
 
 
+METRIC_MEANINGS = {
+    "acc": "accuracy, the share of documents whose gold answer the model scores highest "
+    "(summed log-likelihood of each choice)",
+    "acc_norm": "accuracy with each choice's log-likelihood divided by its length in characters",
+}
+"""What the usual lm-eval metrics mean, for the report's note under the table."""
+
+
+def task_columns(results: list[StageResult]) -> list[tuple[str, str]]:
+    """One column per lm-eval task scored on any stage: (row key, title naming the metric)."""
+    found: dict[str, str] = {}
+    for r in results:
+        for task, score in r.metrics.get("lm_eval", {}).items():
+            found.setdefault(task, score["metric"])
+    return [(f"lm_eval/{task}", f"{task} ({metric})") for task, metric in found.items()]
+
+
 def _row(result: StageResult) -> dict[str, Any]:
     """A stage's metrics plus the derived columns."""
     m = {"stage": result.stage, **result.metrics}
+    for task, score in result.metrics.get("lm_eval", {}).items():
+        m[f"lm_eval/{task}"] = score["value"]
     # The smallest lossless file the stage wrote: the compact sparse format where there is one.
     size = m.get("disk_bytes", m.get("weights_bytes"))
     if size is not None:
@@ -68,11 +87,39 @@ def _fmt(value: Any) -> str:
 
 
 def stage_table(results: list[StageResult]) -> str:
-    """A markdown table with one row per stage."""
-    header = "| " + " | ".join(title for _, title in COLUMNS) + " |"
-    rule = "|" + "|".join("---" if key == "stage" else "---:" for key, _ in COLUMNS) + "|"
-    rows = ["| " + " | ".join(_fmt(_row(r).get(key)) for key, _ in COLUMNS) + " |" for r in results]
+    """A markdown table with one row per stage (and a column per lm-eval task)."""
+    columns = [*COLUMNS, *task_columns(results)]
+    header = "| " + " | ".join(title for _, title in columns) + " |"
+    rule = "|" + "|".join("---" if key == "stage" else "---:" for key, _ in columns) + "|"
+    rows = ["| " + " | ".join(_fmt(_row(r).get(key)) for key, _ in columns) + " |" for r in results]
     return "\n".join([header, rule, *rows])
+
+
+def tasks_note(config: RunConfig, results: list[StageResult]) -> str:
+    """What the task columns are: lm-eval's version, metrics, documents and shots."""
+    scored = [r.metrics["lm_eval"] for r in results if r.metrics.get("lm_eval")]
+    if not scored:
+        return ""
+    try:
+        harness = f"lm-evaluation-harness {metadata.version('lm_eval')}"
+    except metadata.PackageNotFoundError:
+        harness = "lm-evaluation-harness"
+    cfg = config.eval
+    shots = (
+        "each task's default few-shot count"
+        if cfg.lm_eval_num_fewshot is None
+        else f"{cfg.lm_eval_num_fewshot}-shot"
+    )
+    counts = {task: score["samples"] for s in scored for task, score in s.items()}
+    docs = ", ".join(f"`{t}` {n:,}" if isinstance(n, int) else f"`{t}`" for t, n in counts.items())
+    metrics = sorted({score["metric"] for s in scored for score in s.values()})
+    meaning = "; ".join(f"`{m}` is {METRIC_MEANINGS[m]}" for m in metrics if m in METRIC_MEANINGS)
+    limit = f" (the first {cfg.lm_eval_limit} only)" if cfg.lm_eval_limit else ""
+    return (
+        f"Task columns: {harness} through its Python API on each stage's saved model, {shots}; "
+        f"documents per task{limit}: {docs}. {meaning + '. ' if meaning else ''}Full results "
+        "(standard errors included) in each stage's `lm_eval.json`."
+    )
 
 
 def notes(results: list[StageResult]) -> str:
@@ -199,6 +246,8 @@ own; first token unscored). Every stage is scored on the same windows.
 ## Stages
 
 {stage_table(results)}
+
+{tasks_note(config, results)}
 
 Peak memory is each stage's own peak resident set (CPU; reset before each stage) or allocated
 CUDA memory of one process; wall time includes evaluation and saving.

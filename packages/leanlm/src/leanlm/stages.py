@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from leanlm.config import RunConfig
+    from leanlm.metrics import ScalarSink
     from leanlm.resources import RunResources
 
 
@@ -47,6 +48,9 @@ class StageContext:
     """Continue from this stage's latest training checkpoint if there is one."""
     config_hash: str
     """Hash of everything this stage depends on (its checkpoints must carry the same)."""
+    sinks: tuple[ScalarSink, ...] = ()
+    """Where the main process mirrors the stage's training scalars besides TensorBoard (a W&B
+    run with `[logging] wandb = true`); `leanlm.metrics.MetricsLog` takes them."""
 
     @property
     def name(self) -> str:
