@@ -61,7 +61,7 @@ def _skip_without_triton():
 
 
 def _skip_unless_interpreter():
-    if not (K._INTERPRET and K.HAS_TRITON):
+    if not (K.INTERPRET and K.HAS_TRITON):
         pytest.skip("records the dots' precision through the Triton interpreter")
 
 
@@ -334,26 +334,13 @@ def test_backend_validation():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("tokens", [1, 2048])
-def test_triton_kernels_real_sizes_gpu(tokens, block, dtype):
+def test_triton_kernels_real_sizes_gpu(tokens, block, dtype, gpu_case):
     """fp32 at torch's default matmul precision "highest": IEEE dots, fp32 reference."""
     with _matmul_precision("highest"):
-        _check_real_sizes_gpu(tokens, block, dtype)
+        _check_real_sizes_gpu(*gpu_case(tokens, block, dtype), dtype)
 
 
-def _gpu_case(tokens, block, dtype):
-    gen = torch.Generator().manual_seed(0)
-    N = Kf = 4096
-    mask = torch.rand(N // block, Kf // block, generator=gen) < 0.25
-    layout = BlockLayout.from_block_mask(mask, out_features=N, in_features=Kf, block_size=block)
-    layout = layout.to(torch.device("cuda"))
-    values = (torch.randn(layout.nnzb, block, block, generator=gen) / 64).to("cuda", dtype)
-    x = torch.randn(tokens, Kf, generator=gen).to("cuda", dtype)
-    dy = torch.randn(tokens, N, generator=gen).to("cuda", dtype)
-    return layout, values, x, dy
-
-
-def _check_real_sizes_gpu(tokens, block, dtype):
-    layout, values, x, dy = _gpu_case(tokens, block, dtype)
+def _check_real_sizes_gpu(layout, values, x, dy, dtype):
     # fp32 accumulation over up to 4096 products of bf16/fp16 inputs; fp32 inputs are exact
     # (IEEE dots) and keep the fp16 tolerance (the reference sums in another order)
     atol, rtol = (2e-2, 2e-2) if dtype == torch.bfloat16 else (5e-3, 5e-3)
@@ -377,10 +364,10 @@ def _check_real_sizes_gpu(tokens, block, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("tokens", [1, 2048])
-def test_triton_kernels_tf32_real_sizes_gpu(tokens, block):
+def test_triton_kernels_tf32_real_sizes_gpu(tokens, block, gpu_case):
     """fp32 at matmul precision "high": TF32 dots, against the float64 product of the operands
     rounded to TF32 (to nearest, or cut as Triton's unconverted operands may be)."""
-    layout, values, x, dy = _gpu_case(tokens, block, torch.float32)
+    layout, values, x, dy = gpu_case(tokens, block, torch.float32)
     with _matmul_precision("high"):
         _assert_tf32_products(x, dy, values, layout, roundings=("zero", "nearest"))
 

@@ -57,27 +57,33 @@ def test_tiny_llama_sparsified_runs_and_pattern_holds(pattern, method):
     assert get_mask(model.lm_head) is None
 
 
+class _OneLinear(nn.Module):
+    """One Linear named `blocks.0` (a name the default targets select), called on batch["x"]."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(in_features, out_features, bias=bias)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](x)
+
+
+def _with_weight(weight: torch.Tensor) -> _OneLinear:
+    net = _OneLinear(weight.shape[1], weight.shape[0])
+    with torch.no_grad():
+        net.blocks[0].weight.copy_(weight)
+    return net
+
+
 def test_wanda_picks_by_weight_times_input_norm():
     # weight row [1, 2, 3, 4]; inputs scale feature j by [10, 1, 1, 0.1]:
     # scores |W|·‖X_j‖ ∝ [10, 2, 3, 0.4] -> 2:4 keeps features 0 and 2 (magnitude: 2 and 3).
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList([nn.Linear(4, 1, bias=False)])
-
-        def forward(self, x):
-            return self.blocks[0](x)
-
-    net = Net()
-    with torch.no_grad():
-        net.blocks[0].weight.copy_(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+    net = _with_weight(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
     scale = torch.tensor([10.0, 1.0, 1.0, 0.1])
     batches = [{"x": torch.randn(64, 4) * scale} for _ in range(2)]
     m = sparsify_(net, SparsityConfig(pattern="2:4", method="wanda"), calibration=batches)
     assert m["blocks.0"].tolist() == [[True, False, True, False]]
-    net2 = Net()
-    with torch.no_grad():
-        net2.blocks[0].weight.copy_(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+    net2 = _with_weight(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
     m2 = sparsify_(net2, SparsityConfig(pattern="2:4", method="magnitude"))
     assert m2["blocks.0"].tolist() == [[False, False, True, True]]
 
@@ -87,21 +93,11 @@ def test_wanda_unstructured_ranks_within_each_output_row_by_default():
     best of 4. Ranked over the layer, the large row would keep everything and the small row
     nothing; that stays available as `granularity="layer"`."""
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList([nn.Linear(4, 2, bias=False)])
-
-        def forward(self, x):
-            return self.blocks[0](x)
-
     weight = torch.tensor([[10.0, 20.0, 30.0, 40.0], [4.0, 1.0, 3.0, 2.0]])
     batches = [{"x": torch.ones(8, 4)}]  # equal input norms: the score order is |W|'s
     masks = {}
     for granularity in (None, "row", "layer"):
-        net = Net()
-        with torch.no_grad():
-            net.blocks[0].weight.copy_(weight)
+        net = _with_weight(weight)
         cfg = SparsityConfig(method="wanda", sparsity=0.5, granularity=granularity)
         masks[granularity] = sparsify_(net, cfg, calibration=batches)["blocks.0"].tolist()
     per_row = [[False, False, True, True], [True, False, True, False]]
@@ -120,17 +116,12 @@ def _correlated_layer(seed: int = 0, rows: int = 48, cols: int = 64, tokens: int
     x = (torch.randn(tokens, cols, generator=gen) @ mix) * scales + 0.5 * torch.randn(
         cols, generator=gen
     )
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList([nn.Linear(cols, rows)])
-
-        def forward(self, x):
-            return self.blocks[0](x)
-
     torch.manual_seed(seed)
-    return Net(), [{"x": x[i : i + 128]} for i in range(0, tokens, 128)], x
+    return (
+        _OneLinear(cols, rows, bias=True),
+        [{"x": x[i : i + 128]} for i in range(0, tokens, 128)],
+        x,
+    )
 
 
 @pytest.mark.parametrize("pattern", ["2:4", "unstructured", "block"])

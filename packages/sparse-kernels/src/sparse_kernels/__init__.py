@@ -89,10 +89,9 @@ __all__ = [
 class _Package(types.ModuleType):
     """This package's module type: `masks` stays the function `sparsify.masks`.
 
-    `masks` names both a submodule and an exported function. Importing a submodule binds its
-    name on the package; the eager imports this package used to do rebound it to the function
-    right after, so the binding of the submodule `masks` is ignored here instead (the submodule
-    stays importable by its full name: `from sparse_kernels.masks import nm_mask`).
+    `masks` names both a submodule and an exported function; importing the submodule would bind
+    it on the package, so that binding is ignored (`from sparse_kernels.masks import nm_mask`
+    still works).
     """
 
     def __setattr__(self, name: str, value: Any) -> None:

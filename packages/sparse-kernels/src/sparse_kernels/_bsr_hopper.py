@@ -1,36 +1,17 @@
 # Triton convention: upper-case constexpr kernel arguments, many positional kernel arguments.
 # ruff: noqa: N803, PLR0917
-"""Hopper (sm_90) block-sparse x dense kernel for the forward and dX: TMA, wgmma, persistent.
+"""Hopper (sm_90) block-sparse kernel for the forward and dX: TMA, wgmma, persistent grid.
 
-One kernel computes both products of `_bsr_kernels` that multiply a dense operand A by stored
-tiles of W (notation there):
-
-* forward (DSD):  Y[:, r]  = Σ_{p in row r}  X[:, c_p]  · values[p]ᵀ   (+ bias)
-* dX (DSDᵀ):      dX[:, c] = Σ_{p in col c}  dY[:, r_p] · values[p]
-
-What differs from the sm_80 kernels (issue 24, item 1; `research/gpu-h100.md` §6): A's tiles and
-W's tiles arrive through host-built TMA tensor descriptors (`triton.tools.tensor_descriptor`,
-`cp.async.bulk.tensor` in the PTX), the dots compile to `wgmma` (16-bit operands or TF32), the
-loop is multi-buffered with `num_stages` >= 3, the token tile is 256 rows (W is re-read from L2
-once per 256 tokens, 4x less than the sm_80 kernels' 64), and the grid is persistent: one
-program per SM walks work items (token tile, output block) in a fixed order, the output blocks
-ordered longest-first (most stored tiles first; ties by index), the token tiles of one block
-consecutive, program `pid` taking items pid, pid + P, pid + 2P, ... (`schedule` is that order in
-plain Python, and what the tests check the kernel against).
-
-Numerics as `_bsr_kernels`: fp32 accumulator, one cast on store; fp32 operands follow the
-PRECISION constexpr (`dot_precision`). TMA zero-fills out-of-range rows and columns of A, so
-tails need no masks on the loads; the store is masked.
-
-`use_sm90` picks this kernel: on an sm_90 device (`torch.cuda.get_device_capability() ==
-(9, 0)`) for block sizes in `SM90_BLOCK_SIZES` and 16-bit or TF32 operands; the environment
-variable `SPARSE_KERNELS_SM90` = "1" forces it (also on CPU under TRITON_INTERPRET=1, which runs
-tensor descriptors), "0" forbids it. The same choice picks dW's Hopper kernel (`_bsr_hopper_dw`).
+The products of `_bsr_kernels` that multiply a dense A by stored tiles of W:
+Y[:, r] = Σ_{p in row r} X[:, c_p] · values[p]ᵀ (+ bias) and dX[:, c] = Σ_{p in col c}
+dY[:, r_p] · values[p]. Unlike the sm_80 kernels, A and W boxes arrive by TMA (zero-filled past
+the edges), dots are wgmma, the token tile is 256 rows (W re-read 4x less often) and one
+program per SM walks (output block, token tile) items longest block first (`schedule`).
+`use_sm90` picks it (and dW's `_bsr_hopper_dw`); design notes in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Any
 
@@ -39,10 +20,9 @@ from torch import Tensor
 
 from sparse_kernels._bsr_kernels import _check
 from sparse_kernels._bsr_launch import aligned, dot_precision, sm_count
+from sparse_kernels._triton import HAS_TRITON, INTERPRET
 from sparse_kernels.layout import BlockLayout
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 SM90_BLOCK_SIZES = (64, 128)
 """Tile edges the Hopper kernel takes (16/32 stay on the sm_80 kernels)."""
 ENV = "SPARSE_KERNELS_SM90"
@@ -223,7 +203,7 @@ if HAS_TRITON:
             bias if bias is not None else out, out, trace if trace is not None else seg_ptr,
             M, out.shape[1], n_blocks, out.stride(0),
             n_programs=programs, TRANS_W=trans_w, HAS_PERM=perm is not None,
-            HAS_BIAS=bias is not None, TRACE=trace is not None, UPCAST=_INTERPRET,
+            HAS_BIAS=bias is not None, TRACE=trace is not None, UPCAST=INTERPRET,
             PRECISION=dot_precision(a.dtype), BS=b, BK=bk, BLOCK_M=bm,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip

@@ -2,16 +2,10 @@
 # ruff: noqa: N803, PLR0917
 """Hopper (sm_90) dW kernel: dvalues[p] = dY[:, r_p]ᵀ · X[:, c_p] with TMA, wgmma, persistent.
 
-The sampled product (SDD) of `_bsr_kernels._sdd_kernel`, reshaped for sm_90 (issue 24, item 1):
-the dY and X slices of a tile arrive as TMA boxes (BLOCK_M tokens x b features, host-built
-`TensorDescriptor`s; TMA zero-fills rows past M), the token loop is multi-buffered (`num_stages`
->= 3) and its dots compile to `wgmma`. A work item is a pair of consecutive tiles of one block
-row (`pair_starts`) and a token split: the pair shares each dY box (half the dY traffic of one
-tile per item). The grid is persistent: item w = (pair w mod pairs, split w div pairs), program
-pid taking items pid, pid + P, ...; consecutive pairs are tiles of the same block row, so
-programs running at the same time read the same dY slice (L2 hits). Splits as
-`_bsr_kernels.sdd_triton` (`sdd_plan`: fp32 partials summed in split order, deterministic).
-Not done: stream-K. Selected with the forward/dX kernel of `_bsr_hopper` (`use_sm90`).
+The sampled product (SDD) of `_bsr_kernels._sdd_kernel` for sm_90: dY and X slices arrive as TMA
+boxes, the token loop is multi-buffered into wgmma dots, and a work item is a pair of consecutive
+tiles of one block row (`pair_starts`) and a token split, so one dY box feeds both tiles. Splits
+as `sdd_triton`; chosen with `_bsr_hopper` by `use_sm90`; design notes in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -21,16 +15,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sparse_kernels._bsr_hopper import _INTERPRET, HAS_TRITON, SM90_BLOCK_SIZES
-from sparse_kernels._bsr_launch import aligned, check_sdd, dot_precision, sdd_plan, sm_count
+from sparse_kernels._bsr_hopper import SM90_BLOCK_SIZES
+from sparse_kernels._bsr_kernels import _check_sdd_args, _sdd_out, _sdd_sum
+from sparse_kernels._bsr_launch import aligned, dot_precision, sdd_plan, sm_count
+from sparse_kernels._triton import HAS_TRITON, INTERPRET
 from sparse_kernels.layout import BlockLayout
 
 
 def sm90_dw_config(block_size: int, dtype: torch.dtype) -> dict[str, int]:
     """Launch configuration of the Hopper dW kernel: `BLOCK_M` tokens per loop step.
 
-    Shared memory per stage: 3 · BLOCK_M · b · bytes (a dY box and two X boxes); 4 stages (fp32
-    with TF32 dots: 3 buffers in the compile, 16-bit: 4).
+    Shared memory per stage: 3 · BLOCK_M · b · bytes (a dY box and two X boxes); 4 stages.
     """
     if block_size not in SM90_BLOCK_SIZES:
         raise ValueError(f"`block_size` ({block_size}) must be in {SM90_BLOCK_SIZES} for sm_90")
@@ -131,11 +126,7 @@ if HAS_TRITON:
         `splits` as `_bsr_kernels.sdd_triton` (default `sdd_splits`), `programs` the persistent
         grid (default one per SM, 4 on CPU).
         """
-        from sparse_kernels._bsr_kernels import _check
-
-        _check(x, values, layout, layout.in_features, "x")
-        _check(dy, values, layout, layout.out_features, "dy")
-        check_sdd(dy, x, splits)
+        _check_sdd_args(dy, x, layout, values, splits)
         M, nnzb, b = x.shape[0], layout.nnzb, layout.block_size
         if nnzb == 0 or M == 0:
             return torch.zeros_like(values)
@@ -146,19 +137,16 @@ if HAS_TRITON:
         starts = pair_starts(layout.row_ptr)
         n_pairs = starts.numel() - 1
         splits, per = sdd_plan(M, n_pairs, bm, splits, x.device)  # splits for the pairs
-        f32 = torch.float32
-        out = (
-            torch.empty_like(values) if splits == 1 else x.new_empty(splits, nnzb, b, b, dtype=f32)
-        )
+        out = _sdd_out(values, splits)
         sms = 4 if x.device.type == "cpu" else sm_count(x.device)
         programs = max(1, min(programs or sms, n_pairs * splits))
         _sdd_tma_kernel[(programs,)](
             TensorDescriptor.from_tensor(dy, [bm, b]), TensorDescriptor.from_tensor(x, [bm, b]),
             starts, layout.row_idx, layout.col_idx, out, M, nnzb, n_pairs, per,
-            n_programs=programs, UPCAST=_INTERPRET, PRECISION=dot_precision(x.dtype), BS=b,
+            n_programs=programs, UPCAST=INTERPRET, PRECISION=dot_precision(x.dtype), BS=b,
             BLOCK_M=bm, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
-        return out if splits == 1 else out.sum(0).to(values.dtype)
+        return _sdd_sum(out, values, splits)
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """The Hopper dW kernel's launches for tools/gpu_compile.py (sm_90; TMA, wgmma required).

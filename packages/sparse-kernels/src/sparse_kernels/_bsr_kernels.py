@@ -1,33 +1,21 @@
 # Triton convention: upper-case constexpr kernel arguments, many positional kernel arguments.
 # ruff: noqa: N803, PLR0917
-"""Block-sparse x dense kernels for `BlockSparseLinear`: Triton kernels, launchers, references.
+"""Block-sparse x dense kernels of `BlockSparseLinear` (sm_80 and later): kernels, launchers.
 
-With W (N x K, tiles of b x b stored as `values[p]`, layout in `BlockLayout`) and X (M x K):
+W (N x K) stores b x b tiles `values[p]` (layout in `BlockLayout`); X is (M, K):
 
 * forward (DSD):      Y[:, r] = Σ_{p in row r}  X[:, c_p] · values[p]ᵀ   (+ bias)
 * dX (DSDᵀ):          dX[:, c] = Σ_{p in col c} dY[:, r_p] · values[p]
 * dW (SDD, sampled):  dvalues[p] = dY[:, r_p]ᵀ · X[:, c_p]   (only stored tiles are computed)
 
-so all three training GEMMs cost density x dense (the STK decomposition, Gale et al.,
-"MegaBlocks", arXiv 2211.15841). Numerics: every kernel accumulates in fp32 (`tl.dot` with an
-fp32 accumulator) and casts once on store. Loads are upcast to fp32 when UPCAST is set (always
-under TRITON_INTERPRET=1, where bf16 arithmetic is wrong); on a GPU bf16/fp16 operands go to
-the tensor cores as they are. fp32 operands follow `torch.get_float32_matmul_precision()`
-through the PRECISION constexpr (`_bsr_launch.dot_precision`): "ieee" for "highest" (torch's
-default: exact fp32, as `nn.Linear`), "tf32" for "high"/"medium" (10-bit-mantissa operands on
-the tensor cores). dW splits the token sum over programs when there are few tiles: fp32
-partials, summed in split order (deterministic).
-Launch configurations: `_bsr_launch.kernel_config` (also compiled for sm_80/sm_90 by
-tools/gpu_compile.py).
-
-The PyTorch paths (`*_torch`, the CPU implementation) and the dense references the kernel tests
-compare against (`*_dense_reference`) are in `_bsr_torch`.
+so all three training GEMMs cost density x dense (the STK decomposition of MegaBlocks, Gale et
+al., arXiv 2211.15841). fp32 accumulation, one cast on store; fp32 operands at
+`dot_precision`; UPCAST (the interpreter, whose bf16 arithmetic is wrong) upcasts loads to fp32.
+Launch configs: `_bsr_launch`; PyTorch paths and references: `_bsr_torch`.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Any
 
 import torch
@@ -41,30 +29,49 @@ from sparse_kernels._bsr_launch import (
     kernel_config,
     sdd_plan,
 )
+from sparse_kernels._triton import HAS_TRITON, INTERPRET, available
 from sparse_kernels.layout import BlockLayout
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 _INTERPRET_BLOCK_M = 16  # the interpreter pays ~0.5 ms per program and per op: small tiles
 
 
 def _launch_config(kernel: str, block_size: int, dtype: torch.dtype) -> dict[str, int]:
     config = kernel_config(kernel, block_size, dtype)
-    if _INTERPRET:
+    if INTERPRET:
         config["BLOCK_M"] = _INTERPRET_BLOCK_M
     return config
-
-
-def available(device: torch.device) -> bool:
-    """Whether the Triton kernels can run on `device` (CUDA, or CPU under the interpreter)."""
-    if not HAS_TRITON:
-        return False
-    return device.type == "cuda" or (_INTERPRET and device.type == "cpu")
 
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _program_tile(  # type: ignore[no-untyped-def]
+        a_ptr, stride_am, M, BS: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr
+    ):
+        """Output block (grid axis 1), token rows (axis 0: offsets, mask, row addresses in A)."""
+        pid_m = tl.program_id(0)
+        blk = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_b = tl.arange(0, BS)
+        offs_k = tl.arange(0, BK)
+        m_mask = offs_m < M
+        rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
+        return blk, offs_m, m_mask, rows, offs_b, offs_k
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _store_rows(  # type: ignore[no-untyped-def]
+        out_ptr, acc, offs_m, m_mask, n, n_out, stride_om, b_ptr, HAS_BIAS: tl.constexpr
+    ):
+        """out[offs_m, n] = acc (+ bias[n]) where m_mask and n < n_out, cast once."""
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n < n_out, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            out_ptr + offs_m[:, None].to(tl.int64) * stride_om + n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=m_mask[:, None] & (n[None, :] < n_out),
+        )
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _dsd_kernel(  # type: ignore[no-untyped-def]
@@ -86,27 +93,20 @@ if HAS_TRITON:
         BK: tl.constexpr,
         BLOCK_M: tl.constexpr,
     ):
-        """One program: rows [pid_m·BLOCK_M, +BLOCK_M) of Y, block column r (= block row of W).
+        """Token rows of Y (grid axis 0) in block column r (axis 1).
 
-        One flat loop over (stored tile p of row r, chunk of BK of its columns): a tile index
-        load, then two operand loads and a dot, a shape Triton's software pipeliner
-        multi-buffers. `K` is the masked width of x (the launcher pads x to a multiple of 16
-        columns, so rows are 16-byte aligned and the loads vectorize).
+        One flat loop over (stored tile p of row r, chunk of BK of its columns): a shape
+        Triton's software pipeliner multi-buffers.
         """
-        pid_m = tl.program_id(0)
-        r = tl.program_id(1)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_b = tl.arange(0, BS)
-        offs_k = tl.arange(0, BK)
-        m_mask = offs_m < M
-        x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+        r, offs_m, m_mask, x_rows, offs_b, offs_k = _program_tile(
+            x_ptr, stride_xm, M, BS, BK, BLOCK_M
+        )
         w_tile = v_ptr + offs_b[:, None] * BS + offs_k[None, :]  # (BS, BK) chunk of a tile
         acc = tl.zeros([BLOCK_M, BS], dtype=tl.float32)
         start = tl.load(row_ptr + r)
         end = tl.load(row_ptr + r + 1)
-        # the tile's block column is loaded one step ahead (loop-carried), so the operand
-        # addresses never wait on a load of the same step: Triton then pipelines the operand
-        # loads with num_stages - 1 buffers (with the index load in the same step, sm_80 got 1)
+        # NOTE: the block column c is loaded one step ahead (loop-carried), so the operand
+        # addresses never wait on a load of the same step and the operand loads pipeline
         c = tl.load(col_idx + start, mask=start < end, other=0)
         for it in range(0, (end - start) * (BS // BK)):
             p = start + it // (BS // BK)
@@ -120,14 +120,8 @@ if HAS_TRITON:
                 x = x.to(tl.float32)
                 w = w.to(tl.float32)
             acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-        n = r * BS + offs_b
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(
-            y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + n[None, :],
-            acc.to(y_ptr.dtype.element_ty),
-            mask=m_mask[:, None] & (n[None, :] < N),
-        )
+        _store_rows(y_ptr, acc, offs_m, m_mask, r * BS + offs_b, N, stride_ym, b_ptr,
+                    HAS_BIAS)  # fmt: skip
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _dsdt_kernel(  # type: ignore[no-untyped-def]
@@ -148,18 +142,10 @@ if HAS_TRITON:
         BK: tl.constexpr,
         BLOCK_M: tl.constexpr,
     ):
-        """One program: rows of dX in block column c.
-
-        One flat loop over (stored tile of column c, chunk of BK of its rows). `N` is the
-        masked (16-padded) width of dy.
-        """
-        pid_m = tl.program_id(0)
-        c = tl.program_id(1)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_b = tl.arange(0, BS)
-        offs_k = tl.arange(0, BK)
-        m_mask = offs_m < M
-        dy_rows = dy_ptr + offs_m[:, None].to(tl.int64) * stride_dym
+        """Token rows of dX in block column c: as `_dsd_kernel`, over the stored tiles of c."""
+        c, offs_m, m_mask, dy_rows, offs_b, offs_k = _program_tile(
+            dy_ptr, stride_dym, M, BS, BK, BLOCK_M
+        )
         w_tile = v_ptr + offs_k[:, None] * BS + offs_b[None, :]  # (BK, BS) chunk of a tile
         acc = tl.zeros([BLOCK_M, BS], dtype=tl.float32)
         start = tl.load(col_ptr + c)
@@ -179,12 +165,8 @@ if HAS_TRITON:
                 dy = dy.to(tl.float32)
                 w = w.to(tl.float32)
             acc += tl.dot(dy, w, input_precision=PRECISION)
-        k = c * BS + offs_b
-        tl.store(
-            dx_ptr + offs_m[:, None].to(tl.int64) * stride_dxm + k[None, :],
-            acc.to(dx_ptr.dtype.element_ty),
-            mask=m_mask[:, None] & (k[None, :] < K),
-        )
+        _store_rows(dx_ptr, acc, offs_m, m_mask, c * BS + offs_b, K, stride_dxm, dx_ptr,
+                    False)  # fmt: skip
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _sdd_kernel(  # type: ignore[no-untyped-def]
@@ -205,11 +187,10 @@ if HAS_TRITON:
         BS: tl.constexpr,
         BLOCK_M: tl.constexpr,
     ):
-        """Program (p, s): out[s, p] = Σ_{m in split s} dY[m, r_p]ᵀ X[m, c_p] (fp32 accumulator).
+        """Program (p, s): out[s, p] = Σ_{m in split s} dY[m, r_p]ᵀ X[m, c_p].
 
-        Split s covers tokens [s·m_per_split, (s+1)·m_per_split) (a multiple of BLOCK_M); with
-        one split `out` is dvalues itself, otherwise fp32 partials the launcher sums in a fixed
-        order (deterministic, no atomics).
+        Split s covers tokens [s·m_per_split, (s+1)·m_per_split); with one split `out` is
+        dvalues, otherwise fp32 partials the launcher sums in split order (no atomics).
         """
         p = tl.program_id(0)
         s = tl.program_id(1)
@@ -307,6 +288,26 @@ def _check(x: Tensor, values: Tensor, layout: BlockLayout, features: int, what: 
         raise ValueError(f"the Triton kernels need `block_size` in {BLOCK_SIZES}, got {b}")
 
 
+def _check_sdd_args(
+    dy: Tensor, x: Tensor, layout: BlockLayout, values: Tensor, splits: int | None
+) -> None:
+    _check(x, values, layout, layout.in_features, "x")
+    _check(dy, values, layout, layout.out_features, "dy")
+    check_sdd(dy, x, splits)
+
+
+def _sdd_out(values: Tensor, splits: int) -> Tensor:
+    """What the dW kernels write: dvalues itself (one split) or fp32 partials (splits, *shape)."""
+    if splits == 1:
+        return torch.empty_like(values)
+    return values.new_empty(splits, *values.shape, dtype=torch.float32)
+
+
+def _sdd_sum(out: Tensor, values: Tensor, splits: int) -> Tensor:
+    """Dvalues from `_sdd_out`'s buffer: the partials summed in split order (deterministic)."""
+    return out if splits == 1 else out.sum(0).to(values.dtype)
+
+
 def dsd_triton(
     x: Tensor,
     values: Tensor,
@@ -329,7 +330,7 @@ def dsd_triton(
     _dsd_kernel[grid](
         x, values, layout.row_ptr, layout.col_idx, bias if bias is not None else x, y,
         M, layout.out_features, x.shape[1], x.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, UPCAST=_INTERPRET, PRECISION=dot_precision(x.dtype),
+        HAS_BIAS=bias is not None, UPCAST=INTERPRET, PRECISION=dot_precision(x.dtype),
         BS=layout.block_size, BK=cfg["BK"],
         BLOCK_M=cfg["BLOCK_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
@@ -350,7 +351,7 @@ def dsdt_triton(
     _dsdt_kernel[grid](
         dy, values, layout.col_ptr, layout.t_perm, layout.row_idx, dx,
         M, dy.shape[1], layout.in_features, dy.stride(0), dx.stride(0),
-        UPCAST=_INTERPRET, PRECISION=dot_precision(dy.dtype), BS=layout.block_size, BK=cfg["BK"],
+        UPCAST=INTERPRET, PRECISION=dot_precision(dy.dtype), BS=layout.block_size, BK=cfg["BK"],
         BLOCK_M=cfg["BLOCK_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return dx
@@ -370,21 +371,18 @@ def sdd_triton(
     The token dimension is split over `splits` programs per tile (default `sdd_splits`: about
     two waves of SMs), whose fp32 partials are summed in split order (deterministic).
     """
-    _check(x, values, layout, layout.in_features, "x")
-    _check(dy, values, layout, layout.out_features, "dy")
-    check_sdd(dy, x, splits)
+    _check_sdd_args(dy, x, layout, values, splits)
     dy, x = aligned(dy), aligned(x)
     cfg = config or _launch_config("sdd", layout.block_size, x.dtype)
     M, nnzb, b = x.shape[0], layout.nnzb, layout.block_size
     if nnzb == 0 or M == 0:
         return torch.zeros_like(values)
     splits, per = sdd_plan(M, nnzb, cfg["BLOCK_M"], splits, x.device)
-    f32 = torch.float32
-    out = torch.empty_like(values) if splits == 1 else x.new_empty(splits, nnzb, b, b, dtype=f32)
+    out = _sdd_out(values, splits)
     _sdd_kernel[(nnzb, splits)](
         dy, x, layout.row_idx, layout.col_idx, out,
         M, dy.shape[1], x.shape[1], nnzb, per, dy.stride(0), x.stride(0),
-        UPCAST=_INTERPRET, PRECISION=dot_precision(x.dtype), BS=b,
+        UPCAST=INTERPRET, PRECISION=dot_precision(x.dtype), BS=b,
         BLOCK_M=cfg["BLOCK_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    return out if splits == 1 else out.sum(0).to(values.dtype)
+    return _sdd_sum(out, values, splits)

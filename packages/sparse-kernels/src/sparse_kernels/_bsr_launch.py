@@ -1,11 +1,8 @@
 """Launch configurations and operand layout of the block-sparse kernels in `_bsr_kernels`.
 
-Plain torch, no Triton: the tile edges the kernels take (`BLOCK_SIZES`), the GPU launch
-configuration of each kernel (`kernel_config`, which the launchers use and `tools/gpu_compile.py`
-compiles for sm_80/sm_90 through `_bsr_kernels.gpu_launch_configs`), the precision of their fp32
-`tl.dot` (`dot_precision`), the token splits of the dW kernels (`sdd_splits`, `sdd_plan`,
-`sm_count`) and the
-16-column padding of the operands (`aligned`).
+Plain torch, no Triton: the tile edges the kernels take, each kernel's GPU launch configuration
+(`kernel_config`, also compiled by `tools/gpu_compile.py`), the precision of their fp32 `tl.dot`,
+the token splits of the dW kernels and the 16-column padding of the operands (`aligned`).
 """
 
 from __future__ import annotations
@@ -25,14 +22,10 @@ def kernel_config(kernel: str, block_size: int, dtype: torch.dtype) -> dict[str,
 
     `BLOCK_M` is the token tile (the rows of X/dY a program owns; for "sdd" the token step of its
     reduction loop), `BK` the reduction chunk of a tile per loop step ("dsd"/"dsdt"), and
-    `num_warps`/`num_stages` go to the launch. The launchers use exactly these, and
-    `gpu_launch_configs()` lists them for `tools/gpu_compile.py`, which checks on sm_80/sm_90
-    that they compile without spills, within shared memory, onto tensor cores, pipelined.
-
-    * "dsd"/"dsdt" loop over (tile, chunk of BK) pairs; `num_stages` = 3 gives 2 operand
-      buffers on sm_80 and 3 on sm_90 (the tile indices are prefetched one step ahead).
-    * "sdd" holds a (b, b) fp32 accumulator: 8 warps at b = 128 keep it at 64 registers per
-      thread, and a 32-token step keeps the operand buffers small.
+    `num_warps`/`num_stages` go to the launch. The launchers use exactly these (compile records:
+    benchmarks/RESULTS.md). "dsd"/"dsdt" take 3 stages where they fit `_SHARED_BUDGET`; "sdd"
+    holds a (b, b) fp32 accumulator: 8 warps at b = 128 keep it at 64 registers per thread, and
+    a 32-token step keeps the operand buffers small.
     """
     if kernel not in ("dsd", "dsdt", "sdd"):
         raise ValueError(f"`kernel` ({kernel!r}) must be 'dsd', 'dsdt' or 'sdd'")

@@ -8,8 +8,10 @@ tiles of the weight gradient SDD), with fp32 accumulation (float64 for float64 i
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from sparse_kernels.layout import BlockLayout, blocks_to_dense, dense_to_blocks
@@ -38,6 +40,17 @@ def _acc_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _through_dense(
+    a: Tensor, values: Tensor, layout: BlockLayout, product: Callable[[Tensor, Tensor], Tensor]
+) -> Tensor:
+    """`product(a, W)` through the materialized weight W; 16-bit `a` in fp32, cast back."""
+    w = blocks_to_dense(values, layout)
+    if a.dtype in (torch.float32, torch.float64):
+        return product(a, w)
+    acc = _acc_dtype(a)
+    return product(a.to(acc), w.to(acc)).to(a.dtype)
+
+
 def dsd_torch(
     x: Tensor,
     values: Tensor,
@@ -53,16 +66,17 @@ def dsd_torch(
     `addmm` per stored tile into an fp32 accumulator. Above `dense_crossover` tile density:
     one dense GEMM through the materialized weight (faster there).
     """
+    if layout.density > dense_crossover:
+        return _through_dense(
+            x,
+            values,
+            layout,
+            lambda a, w: F.linear(a, w, None if bias is None else bias.to(a.dtype)),
+        )
     b = layout.block_size
     rb, cb = layout.row_blocks, layout.col_blocks
     M = x.shape[0]
     acc = _acc_dtype(x)
-    if layout.density > dense_crossover:
-        w = blocks_to_dense(values, layout)
-        if x.dtype in (torch.float32, torch.float64):
-            return torch.nn.functional.linear(x, w, bias)
-        y = torch.nn.functional.linear(x.to(acc), w.to(acc), None if bias is None else bias.to(acc))
-        return y.to(x.dtype)
     xp = _pad_cols(x, cb * b).to(acc)
     if x.device.type == "cpu":
         w = _bsr(values.to(acc), layout.row_ptr, layout.col_idx, rb * b, cb * b)
@@ -89,15 +103,12 @@ def dsdt_torch(
     CPU: BSR of the transposed tiles; other devices: one `addmm` per tile. Above
     `dense_crossover` tile density: one dense GEMM through the materialized weight.
     """
+    if layout.density > dense_crossover:
+        return _through_dense(dy, values, layout, torch.matmul).contiguous()
     b = layout.block_size
     rb, cb = layout.row_blocks, layout.col_blocks
     M = dy.shape[0]
     acc = _acc_dtype(dy)
-    if layout.density > dense_crossover:
-        w = blocks_to_dense(values, layout)
-        if dy.dtype in (torch.float32, torch.float64):
-            return (dy @ w).contiguous()
-        return (dy.to(acc) @ w.to(acc)).to(dy.dtype)
     dyp = _pad_cols(dy, rb * b).to(acc)
     va = values.to(acc)
     if dy.device.type == "cpu":

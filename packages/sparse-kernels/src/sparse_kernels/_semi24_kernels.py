@@ -2,38 +2,50 @@
 # ruff: noqa: N803, PLR0917
 """Triton kernels for 2:4 compression / decompression (row-major metadata), with launchers.
 
-One program handles BLOCK_R rows x BLOCK_W metadata words; a word covers 16 columns = 4 groups
-of 4. Per group the kept positions are the non-zeros, padded with the earliest zero positions
-up to 2 (`idx0 < idx1`), exactly the rule of the PyTorch reference `semi24.compress_24`; the
-4-bit code `idx0 | idx1 << 2` of group q of a word goes to bits 4q..4q+3 of the int16 word.
-The kernels only move and select values (loads are upcast to fp32, which is exact for
-fp16/bf16/fp32, and cast back on store), so both directions are bit-exact.
+A program handles BLOCK_R rows x BLOCK_W metadata words; an int16 word holds the 4-bit codes
+`idx0 | idx1 << 2` of 4 groups of 4 columns (group q at bits 4q..4q+3). Kept positions are the
+non-zeros padded with the earliest zeros up to 2, the rule of `semi24.compress_24`. The kernels
+only move values (fp32 upcast is exact for fp16/bf16/fp32), so both directions are bit-exact.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Any
 
 import torch
 from torch import Tensor
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+from sparse_kernels._triton import HAS_TRITON, INTERPRET, available
+
 BLOCK_R = 16
-BLOCK_W = 4 if _INTERPRET else 8
+BLOCK_W = 4 if INTERPRET else 8
 NUM_WARPS = 4  # launch option of both kernels (Triton's default, stated so the gate compiles it)
-
-
-def available(device: torch.device) -> bool:
-    """Whether the kernels can run on `device` (CUDA, or CPU under the interpreter)."""
-    return HAS_TRITON and (device.type == "cuda" or (_INTERPRET and device.type == "cpu"))
 
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _tile(rows, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):  # type: ignore[no-untyped-def]
+        """This program's rows r (grid axis 0), metadata words (axis 1) and row mask."""
+        pid_r = tl.program_id(0)
+        pid_w = tl.program_id(1)
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        words = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+        return r, words, r < rows
+
+    @triton.jit
+    def _words(meta_ptr, r, r_mask, words, n_words):  # type: ignore[no-untyped-def]
+        """Addresses and mask of the (BLOCK_R, BLOCK_W) metadata words."""
+        mask = r_mask[:, None] & (words[None, :] < n_words)
+        return meta_ptr + r[:, None].to(tl.int64) * n_words + words[None, :], mask
+
+    @triton.jit
+    def _group(words, q, r_mask, cols):  # type: ignore[no-untyped-def]
+        """Group g = 4·word + q of each word, masked to the matrix's cols // 4 groups."""
+        g = words * 4 + q
+        return g, r_mask[:, None] & (g[None, :] < cols // 4)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _compress_kernel(  # type: ignore[no-untyped-def]
@@ -47,17 +59,12 @@ if HAS_TRITON:
         BLOCK_W: tl.constexpr,
     ):
         """values[r, 2g + j] = w[r, 4g + idx_j]; meta word = Σ_q code_q << 4q."""
-        pid_r = tl.program_id(0)
-        pid_w = tl.program_id(1)
-        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        words = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
-        r_mask = r < rows
+        r, words, r_mask = _tile(rows, BLOCK_R, BLOCK_W)
         row_w = r[:, None].to(tl.int64) * cols
         row_v = r[:, None].to(tl.int64) * (cols // 2)
         meta = tl.zeros([BLOCK_R, BLOCK_W], dtype=tl.int32)
         for q in tl.static_range(4):
-            g = words * 4 + q
-            mask = r_mask[:, None] & (g[None, :] < cols // 4)
+            g, mask = _group(words, q, r_mask, cols)
             base = w_ptr + row_w + g[None, :] * 4
             a0 = tl.load(base + 0, mask=mask, other=0.0).to(tl.float32)
             a1 = tl.load(base + 1, mask=mask, other=0.0).to(tl.float32)
@@ -83,12 +90,8 @@ if HAS_TRITON:
             code = tl.where(mask, idx0 | (idx1 << 2), 0)  # missing tail groups: code 0
             meta = meta | (code << (4 * q))
         meta = tl.where(meta >= 32768, meta - 65536, meta)  # two's complement int16
-        w_mask = r_mask[:, None] & (words[None, :] < n_words)
-        tl.store(
-            meta_ptr + r[:, None].to(tl.int64) * n_words + words[None, :],
-            meta.to(tl.int16),
-            mask=w_mask,
-        )
+        meta_words, w_mask = _words(meta_ptr, r, r_mask, words, n_words)
+        tl.store(meta_words, meta.to(tl.int16), mask=w_mask)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _decompress_kernel(  # type: ignore[no-untyped-def]
@@ -102,21 +105,14 @@ if HAS_TRITON:
         BLOCK_W: tl.constexpr,
     ):
         """w[r, 4g + idx_j] = values[r, 2g + j]; zeros elsewhere."""
-        pid_r = tl.program_id(0)
-        pid_w = tl.program_id(1)
-        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        words = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
-        r_mask = r < rows
-        w_mask = r_mask[:, None] & (words[None, :] < n_words)
-        meta = tl.load(
-            meta_ptr + r[:, None].to(tl.int64) * n_words + words[None, :], mask=w_mask, other=0
-        ).to(tl.int32)
+        r, words, r_mask = _tile(rows, BLOCK_R, BLOCK_W)
+        meta_words, w_mask = _words(meta_ptr, r, r_mask, words, n_words)
+        meta = tl.load(meta_words, mask=w_mask, other=0).to(tl.int32)
         meta = meta & 0xFFFF
         row_w = r[:, None].to(tl.int64) * cols
         row_v = r[:, None].to(tl.int64) * (cols // 2)
         for q in tl.static_range(4):
-            g = words * 4 + q
-            mask = r_mask[:, None] & (g[None, :] < cols // 4)
+            g, mask = _group(words, q, r_mask, cols)
             code = (meta >> (4 * q)) & 15
             idx0 = code & 3
             idx1 = code >> 2

@@ -32,6 +32,7 @@ from sparse_kernels import _bsr_hopper_dw as HW
 from sparse_kernels import _bsr_kernels as K
 from sparse_kernels import _bsr_torch as T
 from sparse_kernels._bsr_launch import BLOCK_SIZES
+from sparse_kernels._triton import HAS_TRITON, available
 from sparse_kernels.layout import BlockLayout, blocks_to_dense, dense_to_blocks
 from sparse_kernels.masks import block_scores
 
@@ -48,9 +49,9 @@ def resolve_backend(backend: str, device: torch.device, block_size: int) -> str:
         raise ValueError(f"`backend` ({backend!r}) must be 'auto', 'torch' or 'triton'")
     kernel_ok = block_size in BLOCK_SIZES
     if backend == "auto":
-        return "triton" if device.type == "cuda" and K.HAS_TRITON and kernel_ok else "torch"
+        return "triton" if device.type == "cuda" and HAS_TRITON and kernel_ok else "torch"
     if backend == "triton":
-        if not K.available(device):
+        if not available(device):
             raise ValueError(
                 f"backend 'triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on "
                 f"CPU); got {device}"

@@ -24,7 +24,8 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from sparse_kernels._semi24_kernels import available, compress_24_triton, decompress_24_triton
+from sparse_kernels._semi24_kernels import compress_24_triton, decompress_24_triton
+from sparse_kernels._triton import available
 
 MetaLayout = Literal["rowmajor", "cutlass"]
 Backend = Literal["auto", "torch", "triton"]
