@@ -142,6 +142,7 @@ def tests(session: nox.Session, package: str) -> None:
         str(MEMBERS[package].path / "tests"),
         "-m",
         "not gpu and not slow",
+        "--durations=15",  # the slowest tests in every CI log: where CI time goes
         *session.posargs,
         env=_pytest_env(),
         success_codes=[0, 5],  # 5: nothing selected
@@ -159,6 +160,7 @@ def integration(session: nox.Session) -> None:
         str(ROOT / "integration_tests"),
         "-m",
         "not gpu and not slow",
+        "--durations=15",  # the slowest tests in every CI log: where CI time goes
         *session.posargs,
         env=_pytest_env(),
         success_codes=[0, 5],
