@@ -20,23 +20,17 @@ STAGES = ("pretrain", "prune", "distill", "sparsify", "control")
 
 
 def _full_config(tiny_config, **pretrain):
+    tiny = {"micro_batch_size": 4, "eval_batch_size": 4}  # the tiny run's batches (conftest)
     return tiny_config(
         stages=STAGES,
         pretrain={"steps": 120, "warmup_steps": 6, "eval_every": 60, "checkpoint_every": 60}
         | pretrain,
         prune=PruneConfig(hidden_size=16, intermediate_size=32, calibration_samples=16),
-        distill=DistillConfig(
-            steps=40, micro_batch_size=4, warmup_steps=4, eval_every=20, eval_batch_size=4
-        ),
+        distill=DistillConfig(steps=40, warmup_steps=4, eval_every=20, **tiny),
         sparsify=SparsifyConfig(
-            steps=10,
-            micro_batch_size=4,
-            warmup_steps=2,
-            eval_every=10,
-            eval_batch_size=4,
-            calibration_samples=16,
+            steps=10, warmup_steps=2, eval_every=10, calibration_samples=16, **tiny
         ),
-        control=ControlConfig(micro_batch_size=4, warmup_steps=2, eval_every=30, eval_batch_size=4),
+        control=ControlConfig(warmup_steps=2, eval_every=30, **tiny),
     )
 
 

@@ -28,6 +28,9 @@ def smoke() -> RunConfig:
     Pruned to 3/4 of its width, distilled, then 2:4 sparsified and fine-tuned; `control` trains
     the dense model on for the same tokens.
     """
+    train: dict[str, Any] = {"micro_batch_size": 8, "zero_stage": 2}  # every training stage
+    # `distill` and `control` (its dense baseline, trained on for as many tokens) train alike
+    retrain = {"lr": 2e-3, "warmup_steps": 10, "eval_every": 50, **train}
     return RunConfig(
         name="smoke",
         stages=ALL_STAGES,
@@ -42,29 +45,12 @@ def smoke() -> RunConfig:
             max_position_embeddings=256,
         ),
         pretrain=PretrainConfig(
-            steps=200,
-            micro_batch_size=8,
-            lr=3e-3,
-            warmup_steps=20,
-            eval_every=50,
-            checkpoint_every=50,
-            zero_stage=2,
+            steps=200, lr=3e-3, warmup_steps=20, eval_every=50, checkpoint_every=50, **train
         ),
         prune=PruneConfig(hidden_size=48, intermediate_size=128, calibration_samples=32),
-        distill=DistillConfig(
-            steps=100, micro_batch_size=8, lr=2e-3, warmup_steps=10, eval_every=50, zero_stage=2
-        ),
-        sparsify=SparsifyConfig(
-            steps=40,
-            micro_batch_size=8,
-            lr=1e-3,
-            warmup_steps=5,
-            calibration_samples=32,
-            zero_stage=2,
-        ),
-        control=ControlConfig(
-            micro_batch_size=8, lr=2e-3, warmup_steps=10, eval_every=50, zero_stage=2
-        ),
+        distill=DistillConfig(steps=100, **retrain),
+        sparsify=SparsifyConfig(steps=40, lr=1e-3, warmup_steps=5, calibration_samples=32, **train),
+        control=ControlConfig(**retrain),
     )
 
 
@@ -77,7 +63,14 @@ def default() -> RunConfig:
     three stages used, the fair baseline for the compressed model.
     """
     # Micro-batches of 8: with 2 processes the global batch is 16 sequences (4,096 tokens).
-    train: dict[str, Any] = {"micro_batch_size": 8, "eval_batch_size": 16, "log_every": 5}
+    train: dict[str, Any] = {
+        "micro_batch_size": 8,
+        "eval_batch_size": 16,
+        "log_every": 5,
+        "zero_stage": 2,
+    }
+    # `distill` and `control` (its dense baseline, trained on for as many tokens) train alike
+    retrain = {"lr": 2e-3, "warmup_steps": 10, "eval_every": 30, "checkpoint_every": 30, **train}
     return RunConfig(
         name="default",
         stages=ALL_STAGES,
@@ -98,19 +91,10 @@ def default() -> RunConfig:
             warmup_steps=25,
             eval_every=90,
             checkpoint_every=45,
-            zero_stage=2,
             **train,
         ),
         prune=PruneConfig(hidden_size=192, intermediate_size=512, calibration_samples=64),
-        distill=DistillConfig(
-            steps=DEFAULT_STEPS["distill"],
-            lr=2e-3,
-            warmup_steps=10,
-            eval_every=30,
-            checkpoint_every=30,
-            zero_stage=2,
-            **train,
-        ),
+        distill=DistillConfig(steps=DEFAULT_STEPS["distill"], **retrain),
         sparsify=SparsifyConfig(
             steps=DEFAULT_STEPS["sparsify"],
             lr=5e-4,
@@ -118,12 +102,9 @@ def default() -> RunConfig:
             eval_every=30,
             checkpoint_every=15,
             calibration_samples=64,
-            zero_stage=2,
             **train,
         ),
-        control=ControlConfig(
-            lr=2e-3, warmup_steps=10, eval_every=30, checkpoint_every=30, zero_stage=2, **train
-        ),
+        control=ControlConfig(**retrain),
     )
 
 
