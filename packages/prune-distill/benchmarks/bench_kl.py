@@ -1,23 +1,30 @@
 #!/usr/bin/env python
-"""Peak memory and time of the forward-KL loss, forward + backward, per implementation.
+"""Peak memory and time of the distillation losses, forward + backward, per implementation.
 
 Commands (from the repository root):
-    # CPU (what RESULTS.md reports): 2048 tokens x 32000 vocab, fp32 then bf16
+    # CPU (what RESULTS.md reports): 2048 tokens x 32000 vocab, fp32 then bf16, forward KL
     python packages/prune-distill/benchmarks/bench_kl.py --dtype float32 bfloat16
+    # CPU, reverse KL and JSD (beta 0.5)
+    python packages/prune-distill/benchmarks/bench_kl.py --loss reverse_kl jsd --chunks 1024
     # GPU (pending: no GPU was lent when this was written)
     python packages/prune-distill/benchmarks/bench_kl.py --device cuda --tokens 8192 \
-        --vocab 128256 --dtype bfloat16 --chunks 1024 4096
+        --vocab 128256 --dtype bfloat16 --chunks 1024 4096 --loss forward_kl reverse_kl jsd
 
-Implementations, all on the same student (requires grad) and teacher logits (tokens, vocab):
+Losses (``--loss``, each with its own ``plain`` anchor): ``forward_kl``, ``reverse_kl`` and ``jsd``
+(with ``--beta``), through `prune_distill.divergence`. Implementations, all on the same student
+(requires grad) and teacher logits (tokens, vocab):
 
-* ``plain``: `forward_kl(chunk_size=None)`, plain autograd (the reference, and the anchor);
-* ``chunked``: `forward_kl(backend="torch", chunk_size=c)` for each ``--chunks`` value;
-* ``triton``: `forward_kl(backend="triton")`, the fused kernel (CUDA only here: on CPU it needs
-  the Triton interpreter, which is a correctness tool, not a benchmark);
-* ``liger_kldiv`` / ``liger_jsd``: Liger-Kernel's ``LigerKLDIVLoss(log_target=True)`` and
-  ``LigerJSD(beta=0)`` (forward KL) if ``liger_kernel`` is importable (CUDA only). Both take
-  log-probabilities, so the log-softmax of both inputs (fp32, autograd for the student) is part of
-  that measurement, as it would be in a training step.
+* ``plain``: ``chunk_size=None``, plain autograd (the reference, and the anchor);
+* ``chunked``: ``backend="torch", chunk_size=c`` for each ``--chunks`` value;
+* ``triton``: ``backend="triton"``, the fused kernel (CUDA only here: on CPU it needs the Triton
+  interpreter, which is a correctness tool, not a benchmark);
+* ``liger_kldiv`` / ``liger_jsd``: Liger-Kernel's ``LigerKLDIVLoss(log_target=True)`` (forward KL
+  only: its backward gives no gradient to the target, which the reverse KL would need) and
+  ``LigerJSD(beta)`` with ``beta`` = 0 (forward KL), 1 (reverse KL) or ``--beta`` (JSD; Liger's
+  convention is ours: ``beta`` weights the teacher), if ``liger_kernel`` is importable (CUDA only;
+  otherwise the row says "not installed"). Both take log-probabilities, so the log-softmax of
+  both inputs (fp32, autograd for the student) is part of that measurement, as it would be in a
+  training step.
 
 Every configuration runs in a fresh subprocess (no allocator or high-water-mark carry-over):
 inputs are built, one warm-up step runs, the timed steps run, then the peak is measured over each
@@ -38,9 +45,10 @@ separately):
 Time: median of ``--repeats`` steps after the warm-up (CUDA: synchronised). Ratios are to
 ``plain`` measured in the same run. On an A100 or H100 the ``triton`` row also gets the time the
 fused kernel's traffic implies at the datasheet HBM bandwidth (A100 SXM 2.0 TB/s, H100 SXM
-3.35 TB/s): it reads both logit rows twice (the statistics sweep, then the gradient sweep) and
-writes the gradient once, ``tokens · vocab · (2·(s + t) + s)`` bytes for element sizes s, t; the
-exps (4 per element) are far below the SFU rate, so the kernel is memory bound. The measured step
+3.35 TB/s): the KL kernels read both logit rows twice (the statistics sweep, then the gradient
+sweep) and write the gradient once, ``tokens · vocab · (2·(s + t) + s)`` bytes for element sizes
+s, t; the JSD kernel reads them three times (``3·(s + t) + s``); the exps (4 to 8 per element) are
+far below the SFU rate, so the kernels are memory bound. The measured step
 also contains what runs around the kernel (the loss reduction, autograd's handling of the
 precomputed gradient), so measured / predicted > 1 is expected. Loss values are printed so every
 row can be checked to compute the same number. All rows use no padding mask (every token counts)
@@ -69,6 +77,8 @@ class Case:
     """One configuration to measure (runs in its own process)."""
 
     impl: str
+    loss: str
+    beta: float
     chunk_size: int | None
     dtype: str
     tokens: int
@@ -96,17 +106,16 @@ def _step_fn(case: Case, s: Any, t: Any) -> Any:
     """A closure computing the loss for `case` (the caller runs backward)."""
     import torch.nn.functional as F
 
-    from prune_distill import forward_kl
+    from prune_distill import divergence
 
     temp = case.temperature
+    kw = {"loss": case.loss, "beta": case.beta, "temperature": temp}
     if case.impl == "plain":
-        return lambda: forward_kl(s, t, temperature=temp, chunk_size=None, backend="torch")
+        return lambda: divergence(s, t, **kw, chunk_size=None, backend="torch")
     if case.impl == "chunked":
-        return lambda: forward_kl(
-            s, t, temperature=temp, chunk_size=case.chunk_size, backend="torch"
-        )
+        return lambda: divergence(s, t, **kw, chunk_size=case.chunk_size, backend="torch")
     if case.impl == "triton":
-        return lambda: forward_kl(s, t, temperature=temp, backend="triton")
+        return lambda: divergence(s, t, **kw, backend="triton")
     if case.impl in ("liger_kldiv", "liger_jsd"):
         if case.impl == "liger_kldiv":
             from liger_kernel.transformers import LigerKLDIVLoss
@@ -115,7 +124,9 @@ def _step_fn(case: Case, s: Any, t: Any) -> Any:
         else:
             from liger_kernel.transformers import LigerJSD
 
-            loss_fn = LigerJSD(beta=0.0)  # beta = 0: KL(teacher || student) in recent Liger
+            # Liger: beta = 0 is KL(teacher || student), 1 is KL(student || teacher)
+            beta = {"forward_kl": 0.0, "reverse_kl": 1.0}.get(case.loss, case.beta)
+            loss_fn = LigerJSD(beta=beta)
 
         def liger() -> Any:
             logp_s = F.log_softmax(s.float() / temp, dim=-1)
@@ -215,13 +226,20 @@ def _environment(device: str) -> dict[str, str]:
 
 
 def _cases(args: argparse.Namespace, device: str) -> list[Case]:
-    impls: list[tuple[str, int | None]] = [("plain", None)]
-    impls += [("chunked", c) for c in args.chunks]
-    if device == "cuda":
-        impls += [("triton", None), ("liger_kldiv", None), ("liger_jsd", None)]
+    def impls(loss: str) -> list[tuple[str, int | None]]:
+        out: list[tuple[str, int | None]] = [("plain", None)]
+        out += [("chunked", c) for c in args.chunks]
+        if device == "cuda":
+            out += [("triton", None), ("liger_jsd", None)]
+            if loss == "forward_kl":
+                out.append(("liger_kldiv", None))
+        return out
+
     return [
         Case(
             impl=impl,
+            loss=loss,
+            beta=args.beta,
             chunk_size=chunk,
             dtype=dtype,
             tokens=args.tokens,
@@ -231,8 +249,9 @@ def _cases(args: argparse.Namespace, device: str) -> list[Case]:
             repeats=args.repeats,
             threads=args.threads if device == "cpu" else None,
         )
+        for loss in args.loss
         for dtype in args.dtype
-        for impl, chunk in impls
+        for impl, chunk in impls(loss)
     ]
 
 
@@ -245,20 +264,22 @@ def predicted_ms(case: Case, device_name: str) -> float | None:
     if case.impl != "triton" or bw is None:
         return None
     elt = 4 if case.dtype == "float32" else 2
-    return 1e3 * case.tokens * case.vocab * 5 * elt / bw
+    reads = 3 if case.loss == "jsd" else 2  # sweeps over both logit rows, then one write
+    return 1e3 * case.tokens * case.vocab * (2 * reads + 1) * elt / bw
 
 
 def _table(results: list[Result], device_name: str = "") -> str:
     rows = [
-        "| impl | chunk | dtype | peak extra (MiB) | spread | x plain | of which grad (MiB) "
-        "| median ms | x plain | loss | predicted kernel ms | measured / predicted |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| loss | impl | chunk | dtype | peak extra (MiB) | spread | x plain | of which grad (MiB) "
+        "| median ms | x plain | loss value | predicted kernel ms | measured / predicted |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    anchors = {r.case.dtype: r for r in results if r.case.impl == "plain"}
+    anchors = {(r.case.loss, r.case.dtype): r for r in results if r.case.impl == "plain"}
     for r in results:
-        c, a = r.case, anchors.get(r.case.dtype)
+        c, a = r.case, anchors.get((r.case.loss, r.case.dtype))
+        name = f"jsd (beta {c.beta:g})" if c.loss == "jsd" else c.loss
         if r.peak_extra_mib is None or r.median_ms is None:
-            rows.append(f"| {c.impl} | | {c.dtype} | {r.note} | | | | | | | | |")
+            rows.append(f"| {name} | {c.impl} | | {c.dtype} | {r.note} | | | | | | | | |")
             continue
         mem_ratio = time_ratio = ""
         if a is not None and a.peak_extra_mib and a.median_ms:
@@ -267,7 +288,7 @@ def _table(results: list[Result], device_name: str = "") -> str:
         pred = predicted_ms(c, device_name)
         roof = "- | -" if pred is None else f"{pred:.2f} | {r.median_ms / pred:.2f}"
         rows.append(
-            f"| {c.impl} | {c.chunk_size or ''} | {c.dtype} | {r.peak_extra_mib:.0f} | "
+            f"| {name} | {c.impl} | {c.chunk_size or ''} | {c.dtype} | {r.peak_extra_mib:.0f} | "
             f"{r.peak_spread_mib or 0:.0f} | "
             f"{mem_ratio} | {r.grad_mib:.0f} | {r.median_ms:.0f} | {time_ratio} | "
             f"{r.loss:.6f} | {roof} |"
@@ -283,6 +304,10 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--chunks", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument(
+        "--loss", nargs="+", default=["forward_kl"], choices=["forward_kl", "reverse_kl", "jsd"]
+    )
+    parser.add_argument("--beta", type=float, default=0.5, help="JSD's teacher weight")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--threads",
@@ -317,7 +342,7 @@ def main() -> None:
         results.append(_spawn(case))
         r = results[-1]
         print(
-            f"  {case.impl:<12} chunk={case.chunk_size} {case.dtype:<9} "
+            f"  {case.loss:<10} {case.impl:<12} chunk={case.chunk_size} {case.dtype:<9} "
             f"peak+={r.peak_extra_mib} MiB median={r.median_ms} ms loss={r.loss} {r.note}",
             flush=True,
         )

@@ -1,10 +1,12 @@
 """Stage `distill`: train the previous stage's (pruned) model to match a teacher's logits.
 
-The loss is `(1 - w) * KL(teacher || student) at temperature T (x T^2) + w * next-token CE`,
-with the KL from `prune_distill.forward_kl` (chunked fp32, optionally on the teacher's top-k
-logits), plus `hidden_loss_weight` times prune-distill's `HiddenStateLoss` between matched layer
-outputs when that weight is > 0. With `teacher_correction_steps` > 0 a copy of the teacher is
-first fine-tuned on the distillation batches (`prune_distill.correct_teacher`). The training
+The loss is `(1 - w) * D(teacher, student) at temperature T (x T^2) + w * next-token CE`, with
+the divergence `D` chosen by `loss` (forward KL(teacher || student) by default, reverse KL or the
+generalized JSD with `beta`) from `prune_distill.divergence` (chunked fp32 on CPU, the fused
+Triton kernels on CUDA; optionally on the teacher's top-k logits), plus `hidden_loss_weight`
+times prune-distill's `HiddenStateLoss` between matched layer outputs when that weight is > 0.
+With `teacher_correction_steps` > 0 a copy of the teacher is first fine-tuned on the
+distillation batches (`prune_distill.correct_teacher`). The training
 loop, schedule, checkpoints and evaluation are `leanlm.trainer`'s; the loss function, the
 student wrapped with its hidden-state loss and the teacher correction are in
 `leanlm.distill_train` (imported when the stage runs: loading a config does not load torch).
@@ -45,8 +47,19 @@ class DistillConfig(TrainConfig):
     files without the teacher in memory. Disk: `steps` x sequences per step x `seq_len` x
     (8 k + 8) bytes (fp32 values, int32 indices, int64 token ids), logged. Not with
     `hidden_loss_weight` or `teacher_correction_steps` (they need the teacher model)."""
+    loss: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+    """The distillation divergence between the teacher's and the student's next-token
+    distributions (prune-distill's `divergence`): `forward_kl` KL(teacher || student)
+    (Minitron's), `reverse_kl` KL(student || teacher) (mode seeking, MiniLLM) or `jsd`, the
+    generalized Jensen-Shannon divergence with mixture weight `beta`. `reverse_kl` (and `jsd`
+    with `beta` = 1) needs the teacher's full distribution, so it is refused with `top_k` > 0
+    (online or cached); `jsd` with `beta` < 1 stays finite on the renormalised top-k teacher."""
+    beta: float = 0.5
+    """`jsd`'s teacher weight in the mixture `m = beta * teacher + (1 - beta) * student`, in
+    [0, 1]: 0 is the forward KL, 1 the reverse KL, 0.5 the symmetric JSD (TRL's and
+    Liger-Kernel's convention). Read by `loss = "jsd"` only; checked to be in [0, 1] always."""
     temperature: float = 1.0
-    """Softmax temperature of the KL (the loss is scaled by T^2)."""
+    """Softmax temperature of the divergence (the loss is scaled by T^2)."""
     lm_loss_weight: float = 0.0
     """Weight of the next-token cross-entropy in the loss (the KL gets 1 - this)."""
     top_k: int = 0
@@ -95,12 +108,15 @@ class DistillConfig(TrainConfig):
             lm_loss_weight=self.lm_loss_weight,
             top_k=self.top_k or None,
             hidden_loss_weight=self.hidden_loss_weight,
+            loss=self.loss,
+            beta=self.beta,
         )
 
 
 def loss_label(cfg: DistillConfig) -> str:
     """What the stage's training loss is (the report's axis label for its curve)."""
-    parts = [f"KL to teacher (T={cfg.temperature:g})"]
+    what = {"forward_kl": "KL", "reverse_kl": "reverse KL", "jsd": f"JSD (beta={cfg.beta:g})"}
+    parts = [f"{what[cfg.loss]} to teacher (T={cfg.temperature:g})"]
     if cfg.lm_loss_weight:
         parts = [f"{1 - cfg.lm_loss_weight:g} x {parts[0]}", f"{cfg.lm_loss_weight:g} x CE"]
     if cfg.hidden_loss_weight:

@@ -1,9 +1,9 @@
 """The training pieces of stage `distill` (`leanlm.distill`), imported when the stage runs.
 
-`distillation_loss` is the loss function the trainer calls (KL to the teacher's logits, mixed
-with CE, plus the hidden-state loss); `StudentWithHiddenLoss` trains the student together with
-the hidden-state loss's projection; `corrected_teacher` is Minitron's teacher correction on the
-stage's data.
+`distillation_loss` is the loss function the trainer calls (the configured divergence to the
+teacher's logits, mixed with CE, plus the hidden-state loss); `StudentWithHiddenLoss` trains the
+student together with the hidden-state loss's projection; `corrected_teacher` is Minitron's
+teacher correction on the stage's data.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from leanlm.optim import decay_param_groups, optimizer_over
 from leanlm.stages import StageContext
-from prune_distill import HiddenStateLoss, correct_teacher, forward_kl
+from prune_distill import HiddenStateLoss, correct_teacher, divergence
 
 if TYPE_CHECKING:
     from leanlm.distill import DistillConfig
@@ -62,7 +62,7 @@ def save_student(
 
 
 def distillation_loss(teacher: torch.nn.Module, cfg: DistillConfig) -> LossFn:
-    """The loss function `train` calls: KL to `teacher`'s logits, mixed with CE.
+    """The loss function `train` calls: `cfg.loss` to `teacher`'s logits, mixed with CE.
 
     With `hidden_loss_weight` > 0 it adds the hidden-state loss, and `train` must be given a
     `StudentWithHiddenLoss`.
@@ -90,11 +90,20 @@ def distillation_loss(teacher: torch.nn.Module, cfg: DistillConfig) -> LossFn:
 
 
 def cached_distillation_loss(cache: CachedTeacher, cfg: DistillConfig) -> LossFn:
-    """`distillation_loss` with the teacher's top-k logits read from `cache` (no teacher)."""
+    """`distillation_loss` with the teacher's top-k logits read from `cache` (no teacher).
+
+    A cache of the whole vocabulary (`top_k` = 0) is scattered back to dense logits for the
+    reverse KL and the JSD, which are then exactly the online losses (and may run the fused
+    kernel); the forward KL reads the top-k pair as before.
+    """
 
     def loss_fn(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         logits = model(input_ids=input_ids).logits
-        return _kl_and_ce(logits, cache.lookup(input_ids), input_ids, cfg)
+        values, indices = cache.lookup(input_ids)
+        soft: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = (values, indices)
+        if cfg.loss != "forward_kl" and values.shape[-1] == logits.shape[-1]:
+            soft = values.new_empty(logits.shape).scatter_(-1, indices, values)
+        return _kl_and_ce(logits, soft, input_ids, cfg)
 
     return loss_fn
 
@@ -105,9 +114,9 @@ def _kl_and_ce(
     input_ids: torch.Tensor,
     cfg: DistillConfig,
 ) -> torch.Tensor:
-    """The KL to the teacher (dense or top-k logits) mixed with next-token CE."""
+    """The divergence to the teacher (dense or top-k logits) mixed with next-token CE."""
     opts = cfg.options
-    loss = forward_kl(logits, soft, temperature=opts.temperature)
+    loss = divergence(logits, soft, loss=opts.loss, beta=opts.beta, temperature=opts.temperature)
     if opts.lm_loss_weight:
         ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten())
         loss = opts.kl_weight * loss + opts.lm_loss_weight * ce

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from prune_distill.config import DistillConfig, PruneTarget
     from prune_distill.depth import BlockSearch, contiguous_block_search
     from prune_distill.distill import DistillResult, correct_teacher, distill, evaluate_kl
+    from prune_distill.divergences import divergence, jsd, reverse_kl
     from prune_distill.hidden import HiddenStateLoss, even_layer_map, pruned_layer_map
     from prune_distill.importance import ImportanceScores, collect_importance
     from prune_distill.losses import forward_kl
@@ -47,6 +48,7 @@ _MODULES = {
     "config": ("DistillConfig", "PruneTarget"),
     "depth": ("BlockSearch", "contiguous_block_search"),
     "distill": ("DistillResult", "correct_teacher", "distill", "evaluate_kl"),
+    "divergences": ("divergence", "jsd", "reverse_kl"),
     "hidden": ("HiddenStateLoss", "even_layer_map", "pruned_layer_map"),
     "importance": ("ImportanceScores", "collect_importance"),
     "losses": ("forward_kl",),
@@ -71,11 +73,14 @@ __all__ = [
     "contiguous_block_search",
     "correct_teacher",
     "distill",
+    "divergence",
     "evaluate_kl",
     "even_layer_map",
     "forward_kl",
+    "jsd",
     "prune",
     "pruned_layer_map",
+    "reverse_kl",
     "search",
     "validation_loss",
 ]

@@ -59,6 +59,20 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    @triton.jit
+    def online_lse(m, d, x):  # type: ignore[no-untyped-def]
+        """One block `x` (padding lanes ``-inf``) of an online log-sum-exp: max `m`, Σexp `d`.
+
+        Milakov & Gimelshein's update of the running max `m` and ``d = Σ exp(x - m)``. Returns
+        ``(new max, new Σexp, rescale factor exp(m - new max), exp(x - new max))``; the caller
+        rescales its own running sums by the factor. Every block holds >= 1 valid lane, so the
+        new max is finite and the first factor is ``exp(-inf) = 0``.
+        """
+        new_m = tl.maximum(m, tl.max(x, axis=0))
+        alpha = tl.exp(m - new_m)
+        e = tl.exp(x - new_m)
+        return new_m, d * alpha + tl.sum(e, axis=0), alpha, e
+
     @triton.jit  # type: ignore[untyped-decorator]
     def _forward_kl_kernel(  # type: ignore[no-untyped-def]
         s_ptr,
@@ -91,17 +105,10 @@ if HAS_TRITON:
             b = tl.load(t_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
             a_x = tl.where(valid, a, float("-inf"))
             b_x = tl.where(valid, b, float("-inf"))
-            # every block holds >= 1 valid lane, so the new maxima are finite and the first
-            # rescale factor is exp(-inf) = 0
-            new_m_s = tl.maximum(m_s, tl.max(a_x, axis=0))
-            d_s = d_s * tl.exp(m_s - new_m_s) + tl.sum(tl.exp(a_x - new_m_s), axis=0)
-            m_s = new_m_s
-            new_m_t = tl.maximum(m_t, tl.max(b_x, axis=0))
-            alpha = tl.exp(m_t - new_m_t)
-            e_t = tl.exp(b_x - new_m_t)  # 0 on padding lanes, where b - a = 0 - 0 as well
-            d_t = d_t * alpha + tl.sum(e_t, axis=0)
+            m_s, d_s, _, _ = online_lse(m_s, d_s, a_x)
+            # e_t is 0 on padding lanes, where b - a = 0 - 0 as well
+            m_t, d_t, alpha, e_t = online_lse(m_t, d_t, b_x)
             acc = acc * alpha + tl.sum(e_t * (b - a), axis=0)
-            m_t = new_m_t
         lse_s = m_s + tl.log(d_s)
         lse_t = m_t + tl.log(d_t)
         w = tl.load(w_ptr + row).to(tl.float32)
@@ -171,24 +178,10 @@ if HAS_TRITON:
         return launches
 
 
-def fused_kl(
-    student: Tensor, teacher: Tensor, weights: Tensor, temperature: float, *, need_grad: bool
-) -> tuple[Tensor, Tensor | None]:
-    """Per-row weighted forward KL (N,) fp32 and, if `need_grad`, its gradient w.r.t. `student`.
+def check_inputs(student: Tensor, teacher: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """Validate a fused loss's inputs; `(student, teacher)` with unit stride along V.
 
-    Args:
-        student: (N, V) fp32/bf16/fp16 student logits, unit stride along V (rows may be strided).
-        teacher: (N, V) teacher logits of any of those dtypes, on the same device.
-        weights: (N,) row weights (fp32); the loss is ``Σ_n out[n]``.
-        temperature: T > 0.
-        need_grad: also write ``w_n·T·(softmax(s_n/T) - softmax(t_n/T))`` in `student`'s dtype.
-
-    Returns:
-        ``(loss_rows, grad)`` with ``loss_rows[n] = T²·w_n·KL_n`` and grad None unless asked.
-
-    Raises:
-        ValueError: for shapes, devices or strides the kernel cannot take, or no Triton backend.
-        TypeError: for a dtype other than fp32/bf16/fp16.
+    Shared by the launchers here and in `_divergence_kernels`; raises as `fused_kl` documents.
     """
     if not available(student.device):
         raise ValueError(
@@ -213,6 +206,29 @@ def fused_kl(
     # unit stride along the vocabulary; a copy only for an exotic layout
     s = student if student.stride(-1) == 1 else student.contiguous()
     t = teacher if teacher.stride(-1) == 1 else teacher.contiguous()
+    return s, t
+
+
+def fused_kl(
+    student: Tensor, teacher: Tensor, weights: Tensor, temperature: float, *, need_grad: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Per-row weighted forward KL (N,) fp32 and, if `need_grad`, its gradient w.r.t. `student`.
+
+    Args:
+        student: (N, V) fp32/bf16/fp16 student logits, unit stride along V (rows may be strided).
+        teacher: (N, V) teacher logits of any of those dtypes, on the same device.
+        weights: (N,) row weights (fp32); the loss is ``Σ_n out[n]``.
+        temperature: T > 0.
+        need_grad: also write ``w_n·T·(softmax(s_n/T) - softmax(t_n/T))`` in `student`'s dtype.
+
+    Returns:
+        ``(loss_rows, grad)`` with ``loss_rows[n] = T²·w_n·KL_n`` and grad None unless asked.
+
+    Raises:
+        ValueError: for shapes, devices or strides the kernel cannot take, or no Triton backend.
+        TypeError: for a dtype other than fp32/bf16/fp16.
+    """
+    s, t = check_inputs(student, teacher, weights)
     n, v = s.shape
     loss = torch.zeros(n, dtype=torch.float32, device=s.device)
     grad = torch.empty((n, v), dtype=s.dtype, device=s.device) if need_grad else None

@@ -32,6 +32,33 @@ HiddenLossType = Literal["cosine", "mse"]
 Backend = Literal["auto", "torch", "triton"]
 """Which implementation `forward_kl` runs; see `prune_distill.losses`."""
 
+LossName = Literal["forward_kl", "reverse_kl", "jsd"]
+"""The logit distillation loss; see `prune_distill.divergences`."""
+LOSSES: tuple[LossName, ...] = ("forward_kl", "reverse_kl", "jsd")
+
+
+def check_loss(loss: str, beta: float, *, top_k: bool) -> None:
+    """Raise a ValueError naming `loss` / `beta` when they are unknown or out of range.
+
+    With `top_k` (a teacher cut to its top-k logits) the loss must be finite on a teacher that
+    has no mass outside those k tokens: forward KL and JSD with ``beta < 1`` are; reverse KL
+    (and JSD at ``beta = 1``, which is reverse KL) is not, and is refused.
+    """
+    if loss not in LOSSES:
+        raise ValueError(f"`loss` ({loss!r}) must be one of {', '.join(map(repr, LOSSES))}")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
+        raise ValueError(
+            f"`beta` ({beta!r}) must be a number in [0, 1] (the teacher's weight in JSD's "
+            "mixture: 0 = forward KL, 1 = reverse KL)"
+        )
+    if top_k and (loss == "reverse_kl" or (loss == "jsd" and beta == 1.0)):
+        what = "`loss` ('reverse_kl')" if loss == "reverse_kl" else "`loss` ('jsd') at `beta` 1"
+        raise ValueError(
+            f"{what} needs the teacher's full distribution: KL(student || teacher) is infinite "
+            "wherever the student has mass outside the teacher's top-k; use the dense teacher "
+            "(no top-k), or 'forward_kl' / 'jsd' with `beta` < 1"
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class DistillConfig:
@@ -40,7 +67,7 @@ class DistillConfig:
     temperature: float = 1.0
     """Softmax temperature T of the KL term (the loss is scaled by T^2). Minitron: 1."""
     kl_weight: float = 1.0
-    """Weight of the forward KL(teacher || student) term."""
+    """Weight of the logit loss (`loss`; by default forward KL(teacher || student))."""
     lm_loss_weight: float = 0.0
     """Weight of the student's next-token cross-entropy (Minitron: 0, KL only)."""
     top_k: int | None = None
@@ -48,8 +75,16 @@ class DistillConfig:
     Minitron saw quality losses for k <= 100."""
     chunk_size: int | None = 1024
     """Token rows per chunk of the memory-lean KL; None uses plain autograd."""
+    loss: LossName = "forward_kl"
+    """The logit loss (`prune_distill.divergence`): "forward_kl" KL(teacher || student)
+    (Minitron's), "reverse_kl" KL(student || teacher) (not with `top_k` or cached top-k logits)
+    or "jsd", the generalized Jensen-Shannon divergence with mixture weight `beta`."""
+    beta: float = 0.5
+    """JSD's teacher weight in the mixture ``m = beta * teacher + (1 - beta) * student``, in
+    [0, 1]; 0 is forward KL, 1 reverse KL (TRL's and Liger-Kernel's convention). Only "jsd"
+    reads it."""
     kl_backend: Backend = "auto"
-    """`forward_kl` backend: "auto" (fused Triton kernel for CUDA logits and a dense teacher,
+    """Loss backend: "auto" (fused Triton kernel for CUDA logits and a dense teacher,
     else chunked PyTorch), "torch" or "triton"."""
     lr: float = 1e-4
     """Learning rate of the default AdamW."""
@@ -113,6 +148,7 @@ class DistillConfig:
                 )
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"`top_k` ({self.top_k}) must be >= 1 or None")
+        check_loss(self.loss, self.beta, top_k=self.top_k is not None)
         if self.grad_accumulation_steps < 1:
             raise ValueError(
                 f"`grad_accumulation_steps` ({self.grad_accumulation_steps}) must be >= 1"

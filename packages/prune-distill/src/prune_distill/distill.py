@@ -22,6 +22,7 @@ from torch import nn
 from prune_distill.arch import model_device
 from prune_distill.cache import TOPK_INDICES, TOPK_VALUES
 from prune_distill.config import DistillConfig
+from prune_distill.divergences import divergence
 from prune_distill.hidden import HiddenStateLoss
 from prune_distill.importance import lm_targets, model_inputs
 from prune_distill.losses import TopK, forward_kl
@@ -37,7 +38,8 @@ class DistillResult:
     losses: list[float] = field(default_factory=list)
     """Total loss (weighted KL + weighted CE), mean over the step's micro-batches."""
     kl: list[float] = field(default_factory=list)
-    """KL term (unweighted), mean over the step's micro-batches."""
+    """Logit-loss term (`DistillConfig.loss`, by default the forward KL; unweighted), mean over
+    the step's micro-batches."""
     lm_loss: list[float] = field(default_factory=list)
     """Student cross-entropy (unweighted; computed only when `lm_loss_weight` > 0, else NaN)."""
     hidden_loss: list[float] = field(default_factory=list)
@@ -194,9 +196,11 @@ def distill(
             logits = out.logits
             loss, kl = torch.zeros((), device=device), nan
             if target is not None:  # None only for plain LM training (`correct_teacher`)
-                kl = forward_kl(
+                kl = divergence(
                     logits,
                     target,
+                    loss=cfg.loss,
+                    beta=cfg.beta,
                     mask=mask,
                     temperature=cfg.temperature,
                     chunk_size=cfg.chunk_size,

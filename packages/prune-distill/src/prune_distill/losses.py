@@ -84,7 +84,7 @@ class _ChunkedKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
-        return _consume_grad(ctx, grad_out), None, None, None, None
+        return consume_grad(ctx, grad_out), None, None, None, None
 
 
 class _FusedKL(torch.autograd.Function):
@@ -106,10 +106,10 @@ class _FusedKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
-        return _consume_grad(ctx, grad_out), None, None, None
+        return consume_grad(ctx, grad_out), None, None, None
 
 
-def _consume_grad(ctx: Any, grad_out: torch.Tensor) -> torch.Tensor | None:
+def consume_grad(ctx: Any, grad_out: torch.Tensor) -> torch.Tensor | None:
     """The gradient saved by forward, scaled by `grad_out` in place (no second (N, V) buffer).
 
     Kept as a plain attribute, not `save_for_backward`, because it is modified in place and handed
@@ -126,6 +126,24 @@ def _consume_grad(ctx: Any, grad_out: torch.Tensor) -> torch.Tensor | None:
         return None
     ctx.grad = None
     return grad.mul_(grad_out.to(grad.dtype))
+
+
+def resolve_path(
+    backend: str, teacher: torch.Tensor | TopK, device: torch.device, chunk_size: int | None
+) -> str:
+    """`"plain"` (autograd reference), `"torch"` (chunked) or `"triton"`, with the checks."""
+    chosen = _resolve_backend(backend, teacher, device)
+    if chunk_size is None:
+        if backend == "triton":
+            raise ValueError(
+                "`chunk_size` None selects the plain autograd reference, which conflicts with "
+                "`backend` 'triton': pass an int chunk size (ignored by the kernel) or "
+                "backend='torch'"
+            )
+        return "plain"
+    if chunk_size < 1:
+        raise ValueError(f"`chunk_size` ({chunk_size}) must be >= 1 or None")
+    return chosen
 
 
 def _resolve_backend(backend: str, teacher: torch.Tensor | TopK, device: torch.device) -> str:
@@ -151,6 +169,41 @@ def _resolve_backend(backend: str, teacher: torch.Tensor | TopK, device: torch.d
             f"{'installed' if _kl_kernels.HAS_TRITON else 'not installed'}"
         )
     return backend
+
+
+def flatten_inputs(
+    student_logits: torch.Tensor, teacher: torch.Tensor | TopK, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | TopK, torch.Tensor]:
+    """Token rows: student (N, V), teacher (N, V) or top-k (N, k) pair, row weights (N,).
+
+    The weights are ``mask / number of valid tokens`` (``1 / N`` without a mask). Raises a
+    ValueError naming the mismatch for a teacher of another vocabulary or shape.
+    """
+    vocab = student_logits.shape[-1]
+    s = student_logits.reshape(-1, vocab)
+    if isinstance(teacher, tuple):
+        values, indices = teacher
+        k = values.shape[-1]
+        t: torch.Tensor | TopK = (values.reshape(-1, k), indices.reshape(-1, k).long())
+        lead = values.shape[:-1]
+    else:
+        if teacher.shape[-1] != vocab:
+            raise ValueError(
+                f"teacher vocab ({teacher.shape[-1]}) != student vocab ({vocab}): distillation "
+                "needs the same tokenizer and vocabulary size"
+            )
+        t = teacher.reshape(-1, vocab)
+        lead = teacher.shape[:-1]
+    if lead != student_logits.shape[:-1]:
+        raise ValueError(
+            f"teacher shape {tuple(lead)} != student shape {tuple(student_logits.shape[:-1])}"
+        )
+    if mask is None:
+        weights = torch.full((s.shape[0],), 1.0 / max(s.shape[0], 1), device=s.device)
+    else:
+        m = mask.reshape(-1).float()
+        weights = m / m.sum().clamp_min(1.0)
+    return s, t, weights
 
 
 def forward_kl(
@@ -182,43 +235,12 @@ def forward_kl(
     """
     if temperature <= 0:
         raise ValueError(f"`temperature` ({temperature}) must be > 0")
-    vocab = student_logits.shape[-1]
-    s = student_logits.reshape(-1, vocab)
-    if isinstance(teacher, tuple):
-        values, indices = teacher
-        k = values.shape[-1]
-        t: torch.Tensor | TopK = (values.reshape(-1, k), indices.reshape(-1, k).long())
-        lead = values.shape[:-1]
-    else:
-        if teacher.shape[-1] != vocab:
-            raise ValueError(
-                f"teacher vocab ({teacher.shape[-1]}) != student vocab ({vocab}): distillation "
-                "needs the same tokenizer and vocabulary size"
-            )
-        t = teacher.reshape(-1, vocab)
-        lead = teacher.shape[:-1]
-    if lead != student_logits.shape[:-1]:
-        raise ValueError(
-            f"teacher shape {tuple(lead)} != student shape {tuple(student_logits.shape[:-1])}"
-        )
-    if mask is None:
-        weights = torch.full((s.shape[0],), 1.0 / max(s.shape[0], 1), device=s.device)
-    else:
-        m = mask.reshape(-1).float()
-        weights = m / m.sum().clamp_min(1.0)
-    chosen = _resolve_backend(backend, t, s.device)
-    if chunk_size is None:
-        if backend == "triton":
-            raise ValueError(
-                "`chunk_size` None selects the plain autograd reference, which conflicts with "
-                "`backend` 'triton': pass an int chunk size (ignored by the kernel) or "
-                "backend='torch'"
-            )
+    s, t, weights = flatten_inputs(student_logits, teacher, mask)
+    chosen = resolve_path(backend, t, s.device, chunk_size)
+    if chosen == "plain":
         logp_s = F.log_softmax(s.float() / temperature, dim=-1)
         logp_t, idx = _target_logprobs(t, slice(None), temperature)
         return (_kl_rows(logp_s, logp_t, idx) * weights).sum() * temperature**2
-    if chunk_size < 1:
-        raise ValueError(f"`chunk_size` ({chunk_size}) must be >= 1 or None")
     if chosen == "triton":
         assert isinstance(t, torch.Tensor)
         out = _FusedKL.apply(s, t, weights, temperature)  # type: ignore[no-untyped-call]

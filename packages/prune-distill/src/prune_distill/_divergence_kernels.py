@@ -1,0 +1,324 @@
+# Triton convention: upper-case constexpr kernel arguments, many positional kernel arguments.
+# ruff: noqa: N803, PLR0917
+"""Fused reverse-KL and generalized-JSD kernels: loss and student-logit gradient, no (N, V) temps.
+
+Same design as the forward-KL kernel in `_kl_kernels` (one program per token row, the vocabulary
+streamed in ``BLOCK_V`` chunks, online log-sum-exp, fp32 math right after the loads). For row
+``n`` with student logits ``s_n``, teacher logits ``t_n``, temperature ``T`` and row weight ``w_n``,
+``a = s_n / T``, ``b = t_n / T``, student ``q = softmax(a)``, teacher ``p = softmax(b)``:
+
+Reverse KL (student -> teacher, mode seeking; Gu et al., MiniLLM, arXiv 2306.08543)::
+
+    RKL_n = Σ_v q_v (log q_v - log p_v) = Σ_v q_v (a_v - b_v) - lse(a) + lse(b)
+    loss_n = T² · w_n · RKL_n
+    grad_n = w_n · T · q ⊙ (log q - log p - RKL_n)
+
+Sweep 1 keeps online (max, Σexp) for ``a`` and ``b`` and ``Σ exp(a - m_a)(a - b)`` rescaled with
+``a``'s running max (the forward kernel with the roles swapped); sweep 2 writes the gradient.
+
+Generalized JSD (Agarwal et al., GKD, arXiv 2306.13649; the convention of TRL's
+``generalized_jsd_loss`` and Liger-Kernel's ``LigerJSD``), with the mixture ``m = β p + (1-β) q``
+(``β`` weights the *teacher*)::
+
+    JSD_β,n = β KL(p || m) + (1 - β) KL(q || m)
+    loss_n  = T² · w_n · JSD_β,n
+    grad_n  = w_n · T · (1 - β) · q ⊙ (log q - log m - KL(q || m))
+
+(∂JSD/∂q_v = (1-β) log(q_v / m_v): the ``p/m`` and ``q/m`` terms cancel because ``β p + (1-β) q
+= m``; the softmax Jacobian then subtracts the ``q``-weighted mean.) ``log m`` needs both final
+normalisers, so JSD takes three sweeps: (1) online log-sum-exp of ``a`` and ``b``; (2) both KL
+terms, with ``log m = logaddexp(log β + log p, log(1-β) + log q)``; (3) the gradient. The kernel
+takes ``0 < β < 1``; the endpoints are the forward/reverse KL (the mixture formula itself would
+give 0 there), as TRL and Liger define them, and `prune_distill.divergences` dispatches them.
+
+Numerics: every sum is fp32, per block in vocabulary order, then across blocks; exponents are of
+``x - running max <= 0`` or of log-probabilities, so ±1e4 logits cannot overflow. Padding lanes
+of the last block read ``-inf`` for the max/Σexp terms and have probability 0 (and finite log
+terms) elsewhere, so they add exactly nothing. The JSD terms are sums of ``p (log p - log m)``
+over log-probabilities, without the ``lse(a) - lse(b)`` cancellation of the KL forms.
+
+`fused_divergence_reference` is the PyTorch statement of the same contract (the tests'
+reference); the CPU path is the chunked PyTorch loss in `prune_distill.divergences`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from prune_distill._kl_kernels import DTYPES, HAS_TRITON, block_and_warps, check_inputs
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from prune_distill._kl_kernels import online_lse
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _reverse_kl_kernel(  # type: ignore[no-untyped-def]
+        s_ptr,
+        t_ptr,
+        w_ptr,
+        grad_ptr,
+        loss_ptr,
+        n_cols,
+        stride_s,
+        stride_t,
+        stride_g,
+        inv_temp,
+        temp,
+        HAS_GRAD: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        """Row ``pid``: ``loss = T²·w·KL(q || p)``, ``grad = w·T·q·(log q - log p - KL)``."""
+        row = tl.program_id(0).to(tl.int64)
+        s_row = s_ptr + row * stride_s
+        t_row = t_ptr + row * stride_t
+        m_s = float("-inf")  # running max of a = s/T
+        d_s = 0.0  # Σ exp(a - m_s)
+        m_t = float("-inf")  # running max of b = t/T
+        d_t = 0.0  # Σ exp(b - m_t)
+        acc = 0.0  # Σ exp(a - m_s) · (a - b)
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            valid = cols < n_cols
+            a = tl.load(s_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+            b = tl.load(t_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+            a_x = tl.where(valid, a, float("-inf"))
+            b_x = tl.where(valid, b, float("-inf"))
+            # e_s is 0 on padding lanes, where a - b = 0 - 0 as well
+            m_s, d_s, alpha, e_s = online_lse(m_s, d_s, a_x)
+            acc = acc * alpha + tl.sum(e_s * (a - b), axis=0)
+            m_t, d_t, _, _ = online_lse(m_t, d_t, b_x)
+        lse_s = m_s + tl.log(d_s)
+        lse_t = m_t + tl.log(d_t)
+        w = tl.load(w_ptr + row).to(tl.float32)
+        kl = acc / d_s - lse_s + lse_t
+        tl.store(loss_ptr + row, kl * w * temp * temp)
+        if HAS_GRAD:
+            g_row = grad_ptr + row * stride_g
+            scale = w * temp
+            for start in range(0, n_cols, BLOCK_V):
+                cols = start + tl.arange(0, BLOCK_V)
+                valid = cols < n_cols
+                a = tl.load(s_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+                b = tl.load(t_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+                log_q = a - lse_s
+                g = tl.exp(log_q) * (log_q - (b - lse_t) - kl) * scale
+                tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=valid)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _jsd_kernel(  # type: ignore[no-untyped-def]
+        s_ptr,
+        t_ptr,
+        w_ptr,
+        grad_ptr,
+        loss_ptr,
+        n_cols,
+        stride_s,
+        stride_t,
+        stride_g,
+        inv_temp,
+        temp,
+        beta,
+        log_beta,
+        log_1m_beta,
+        HAS_GRAD: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        """Row ``pid``: ``loss = T²·w·(β KL(p||m) + (1-β) KL(q||m))`` and its student gradient."""
+        row = tl.program_id(0).to(tl.int64)
+        s_row = s_ptr + row * stride_s
+        t_row = t_ptr + row * stride_t
+        m_s = float("-inf")
+        d_s = 0.0
+        m_t = float("-inf")
+        d_t = 0.0
+        for start in range(0, n_cols, BLOCK_V):  # sweep 1: both log-sum-exps
+            cols = start + tl.arange(0, BLOCK_V)
+            valid = cols < n_cols
+            a = tl.load(s_row + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
+            b = tl.load(t_row + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
+            m_s, d_s, _, _ = online_lse(m_s, d_s, a)
+            m_t, d_t, _, _ = online_lse(m_t, d_t, b)
+        lse_s = m_s + tl.log(d_s)
+        lse_t = m_t + tl.log(d_t)
+        kl_pm = 0.0  # Σ p (log p - log m)
+        kl_qm = 0.0  # Σ q (log q - log m)
+        for start in range(0, n_cols, BLOCK_V):  # sweep 2: both KL terms to the mixture
+            cols = start + tl.arange(0, BLOCK_V)
+            valid = cols < n_cols
+            # padding lanes: finite log-probs (logits 0) but probability 0, so they add 0
+            log_q = tl.load(s_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp - lse_s
+            log_p = tl.load(t_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp - lse_t
+            x = log_p + log_beta
+            y = log_q + log_1m_beta
+            hi = tl.maximum(x, y)
+            log_m = hi + tl.log(tl.exp(x - hi) + tl.exp(y - hi))
+            p = tl.where(valid, tl.exp(log_p), 0.0)
+            q = tl.where(valid, tl.exp(log_q), 0.0)
+            kl_pm += tl.sum(p * (log_p - log_m), axis=0)
+            kl_qm += tl.sum(q * (log_q - log_m), axis=0)
+        w = tl.load(w_ptr + row).to(tl.float32)
+        tl.store(loss_ptr + row, (beta * kl_pm + (1.0 - beta) * kl_qm) * w * temp * temp)
+        if HAS_GRAD:  # sweep 3
+            g_row = grad_ptr + row * stride_g
+            scale = w * temp * (1.0 - beta)
+            for start in range(0, n_cols, BLOCK_V):
+                cols = start + tl.arange(0, BLOCK_V)
+                valid = cols < n_cols
+                a = tl.load(s_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+                b = tl.load(t_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+                log_q = a - lse_s
+                x = b - lse_t + log_beta
+                y = log_q + log_1m_beta
+                hi = tl.maximum(x, y)
+                log_m = hi + tl.log(tl.exp(x - hi) + tl.exp(y - hi))
+                g = tl.exp(log_q) * (log_q - log_m - kl_qm) * scale
+                tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=valid)
+
+
+KINDS = ("reverse_kl", "jsd")
+"""The divergences this module's kernels compute."""
+
+
+# ---------------------------------------------------------------------------------- reference
+def divergence_rows(
+    kind: str, log_q: Tensor, log_p: Tensor, beta: float, *, need_grad: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """Per-row divergence (N,) and its gradient w.r.t. the student's scaled logits ``a`` (N, V).
+
+    `log_q` / `log_p` are fp32 student / teacher log-probabilities (``log_p`` may hold ``-inf``
+    where the teacher has no mass, e.g. outside a top-k; JSD only). The math of the kernels, in
+    PyTorch; the chunked path and `fused_divergence_reference` both use it, and the plain
+    autograd reference uses its loss with ``need_grad=False`` (the gradient is then None).
+    """
+    q = log_q.exp()
+    if kind == "reverse_kl":
+        r = q * (log_q - log_p)
+        rows = r.sum(-1)
+        return rows, r - q * rows[:, None] if need_grad else None
+    assert kind == "jsd", kind
+    assert 0.0 < beta < 1.0, beta
+    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+    p = log_p.exp()
+    # p log(p / m) is 0 where p is 0 (log p = -inf would give 0 * -inf = nan)
+    kl_pm = torch.where(p > 0, p * (log_p - log_m), 0.0).sum(-1)
+    t_qm = q * (log_q - log_m)
+    kl_qm = t_qm.sum(-1)
+    rows = beta * kl_pm + (1.0 - beta) * kl_qm
+    return rows, (1.0 - beta) * (t_qm - q * kl_qm[:, None]) if need_grad else None
+
+
+def fused_divergence_reference(
+    kind: str,
+    student: Tensor,
+    teacher: Tensor,
+    weights: Tensor,
+    temperature: float,
+    *,
+    beta: float = 0.5,
+    need_grad: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """PyTorch statement of `fused_divergence`'s contract (fp32 (N, V) temporaries: tests only)."""
+    log_q = F.log_softmax(student.float() / temperature, dim=-1)
+    log_p = F.log_softmax(teacher.float() / temperature, dim=-1)
+    rows, grad_a = divergence_rows(kind, log_q, log_p, beta, need_grad=need_grad)
+    w = weights.float()
+    loss = rows * w * temperature * temperature
+    if grad_a is None:
+        return loss, None
+    return loss, (grad_a * (w * temperature)[:, None]).to(student.dtype)
+
+
+# ---------------------------------------------------------------------------------- launcher
+if HAS_TRITON:
+
+    def gpu_launch_configs() -> list[dict[str, Any]]:
+        """Every launch `fused_divergence` makes on a GPU (for tools/gpu_compile.py).
+
+        Both kernels, with and without the gradient, at a 1000-word vocabulary (one 1024-wide
+        block, 4 warps; unaligned) and at Llama-3's 128256 (4096-wide blocks, 8 warps), for
+        student / teacher logits of one dtype (fp32, bf16, fp16) and the fp32 / bf16 mixes. The
+        other mixes (with fp16) compile the same code with another load type; they are left out
+        to keep CI's compile job short (the forward-KL kernel lists all nine pairs).
+        """
+        pairs = [(d, d) for d in DTYPES] + [
+            (torch.float32, torch.bfloat16),
+            (torch.bfloat16, torch.float32),
+        ]
+        launches: list[dict[str, Any]] = []
+        extra = {"beta": 0.5, "log_beta": -0.69, "log_1m_beta": -0.69}
+        for kernel, (s_dtype, t_dtype), vocab, grad in itertools.product(
+            (_reverse_kl_kernel, _jsd_kernel), pairs, (1000, 128256), (False, True)
+        ):
+            block, warps = block_and_warps(vocab)
+            args = {"s_ptr": s_dtype, "t_ptr": t_dtype, "w_ptr": torch.float32,
+                    "grad_ptr": s_dtype if grad else torch.float32, "loss_ptr": torch.float32,
+                    "n_cols": vocab, "stride_s": vocab, "stride_t": vocab, "stride_g": vocab,
+                    "inv_temp": 0.5, "temp": 2.0, **(extra if kernel is _jsd_kernel else {}),
+                    "HAS_GRAD": grad, "BLOCK_V": block}  # fmt: skip
+            launches.append({"kernel": kernel, "args": args, "options": {"num_warps": warps}})
+        return launches
+
+
+def fused_divergence(
+    kind: str,
+    student: Tensor,
+    teacher: Tensor,
+    weights: Tensor,
+    temperature: float,
+    *,
+    beta: float = 0.5,
+    need_grad: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Per-row weighted reverse KL or JSD (N,) fp32 and, if asked, the `student` gradient.
+
+    Args:
+        kind: ``"reverse_kl"`` or ``"jsd"``.
+        student: (N, V) fp32/bf16/fp16 student logits, unit stride along V (rows may be strided).
+        teacher: (N, V) teacher logits of any of those dtypes, on the same device.
+        weights: (N,) row weights (fp32); the loss is ``Σ_n out[n]``.
+        temperature: T > 0.
+        beta: JSD's teacher weight in the mixture, strictly between 0 and 1 (ignored otherwise).
+        need_grad: also write the gradient (module docstring) in `student`'s dtype.
+
+    Returns:
+        ``(loss_rows, grad)`` with ``loss_rows[n] = T²·w_n·D_n`` and grad None unless asked.
+
+    Raises:
+        ValueError: an unknown `kind`, `beta` outside (0, 1) for JSD, or inputs the kernel cannot
+            take (as `_kl_kernels.fused_kl`).
+        TypeError: for a dtype other than fp32/bf16/fp16.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"`kind` ({kind!r}) must be one of {KINDS}")
+    if kind == "jsd" and not 0.0 < beta < 1.0:
+        raise ValueError(
+            f"`beta` ({beta}) must be strictly between 0 and 1 for the JSD kernel (0 and 1 are "
+            "the forward and reverse KL: use those kernels)"
+        )
+    s, t = check_inputs(student, teacher, weights)
+    n, v = s.shape
+    loss = torch.zeros(n, dtype=torch.float32, device=s.device)
+    grad = torch.empty((n, v), dtype=s.dtype, device=s.device) if need_grad else None
+    if n == 0 or v == 0:
+        return loss, None if grad is None else grad.zero_()
+    block, warps = block_and_warps(v)
+    common = (
+        s, t, weights.float().contiguous(), grad if grad is not None else loss, loss,
+        v, s.stride(0), t.stride(0), v, 1.0 / temperature, float(temperature),
+    )  # fmt: skip
+    if kind == "reverse_kl":
+        _reverse_kl_kernel[(n,)](*common, HAS_GRAD=need_grad, BLOCK_V=block, num_warps=warps)
+    else:
+        _jsd_kernel[(n,)](
+            *common, float(beta), math.log(beta), math.log1p(-beta),
+            HAS_GRAD=need_grad, BLOCK_V=block, num_warps=warps,
+        )  # fmt: skip
+    return loss, grad

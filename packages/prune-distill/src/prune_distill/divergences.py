@@ -1,0 +1,217 @@
+"""Reverse KL and generalized JSD between teacher and student logits; `divergence` picks a loss.
+
+With student ``q = softmax(s / T)`` and teacher ``p = softmax(t / T)`` per token row, weights ``w``
+(``1 / number of valid tokens`` by default) and the loss scaled by ``T²`` as `forward_kl`:
+
+* ``reverse_kl``: ``T² Σ_n w_n KL(q_n || p_n)`` (mode seeking; MiniLLM, arXiv 2306.08543).
+* ``jsd``: ``T² Σ_n w_n [β KL(p_n || m_n) + (1-β) KL(q_n || m_n)]`` with ``m = β p + (1-β) q``,
+  the generalized JSD of GKD (arXiv 2306.13649) in TRL's and Liger-Kernel's convention: ``β`` is
+  the *teacher's* weight, ``β = 0`` is the forward KL(p || q) and ``β = 1`` the reverse KL(q || p)
+  (at those endpoints the mixture formula would be 0; like TRL and Liger, they are defined as the
+  two KLs and dispatched to them). ``β = 0.5`` is the symmetric JSD, bounded by ``log 2``.
+
+Paths, as `forward_kl`'s (`prune_distill.losses`): ``chunk_size=None`` is plain autograd (the
+reference); ``backend="torch"`` the chunked path, which computes the loss and its analytic
+student gradient one chunk of rows at a time in fp32; ``backend="triton"`` the fused kernels of
+`_divergence_kernels` (dense teacher; CUDA, or CPU under ``TRITON_INTERPRET=1``); ``"auto"`` the
+kernel for a dense teacher on CUDA, else chunked.
+
+Top-k teachers (`TopK`, as cached by `cache_teacher_topk`): the teacher is renormalised over its
+k tokens and has no mass elsewhere. The JSD (``β < 1``) stays finite there (``m >= (1-β) q``) and
+is computed on the chunked path with that teacher; the reverse KL is infinite wherever the student
+has mass outside the k tokens, so `reverse_kl` (and `jsd` at ``β = 1``) refuses a top-k teacher.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from prune_distill._divergence_kernels import divergence_rows
+from prune_distill.config import Backend, LossName, check_loss
+from prune_distill.losses import (
+    TopK,
+    _target_logprobs,
+    consume_grad,
+    flatten_inputs,
+    forward_kl,
+    resolve_path,
+)
+
+
+def _teacher_logp(
+    teacher: torch.Tensor | TopK, rows: slice, temperature: float, vocab: int
+) -> torch.Tensor:
+    """Dense fp32 teacher log-probabilities for `rows`; ``-inf`` outside a top-k teacher's k."""
+    logp, indices = _target_logprobs(teacher, rows, temperature)
+    if indices is None:
+        return logp
+    dense = logp.new_full((logp.shape[0], vocab), float("-inf"))
+    return dense.scatter_(-1, indices, logp)
+
+
+class _ChunkedDivergence(torch.autograd.Function):
+    @staticmethod
+    def forward(  # noqa: PLR0917 (autograd passes inputs positionally)
+        ctx: Any,
+        student: torch.Tensor,
+        teacher: Any,
+        weights: torch.Tensor,
+        temperature: float,
+        chunk_size: int,
+        kind: str,
+        beta: float,
+    ) -> torch.Tensor:
+        n, vocab = student.shape
+        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        grad = torch.empty_like(student) if ctx.needs_input_grad[0] else None
+        for start in range(0, n, chunk_size):
+            rows = slice(start, min(start + chunk_size, n))
+            w = weights[rows].float()
+            log_q = F.log_softmax(student[rows].float() / temperature, dim=-1)
+            log_p = _teacher_logp(teacher, rows, temperature, vocab)
+            div, grad_a = divergence_rows(kind, log_q, log_p, beta, need_grad=grad is not None)
+            total += (div * w).sum()
+            if grad is not None and grad_a is not None:  # d/ds = (1/T) d/da, times T²
+                grad[rows] = (grad_a * (w * temperature)[:, None]).to(grad.dtype)
+        ctx.grad = grad
+        return total * temperature * temperature
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
+        return consume_grad(ctx, grad_out), None, None, None, None, None, None
+
+
+class _FusedDivergence(torch.autograd.Function):
+    @staticmethod
+    def forward(  # noqa: PLR0917
+        ctx: Any,
+        student: torch.Tensor,
+        teacher: torch.Tensor,
+        weights: torch.Tensor,
+        temperature: float,
+        kind: str,
+        beta: float,
+    ) -> torch.Tensor:
+        from prune_distill import _divergence_kernels
+
+        rows, grad = _divergence_kernels.fused_divergence(
+            kind, student, teacher, weights, temperature, beta=beta,
+            need_grad=ctx.needs_input_grad[0],
+        )  # fmt: skip
+        ctx.grad = grad
+        return rows.sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
+        return consume_grad(ctx, grad_out), None, None, None, None, None
+
+
+def _divergence(
+    kind: str,
+    student_logits: torch.Tensor,
+    teacher: torch.Tensor | TopK,
+    *,
+    beta: float,
+    mask: torch.Tensor | None,
+    temperature: float,
+    chunk_size: int | None,
+    backend: Backend,
+) -> torch.Tensor:
+    if temperature <= 0:
+        raise ValueError(f"`temperature` ({temperature}) must be > 0")
+    check_loss(kind, beta, top_k=isinstance(teacher, tuple))
+    s, t, weights = flatten_inputs(student_logits, teacher, mask)
+    path = resolve_path(backend, t, s.device, chunk_size)
+    if path == "plain":  # the reference: the same math, gradient by autograd
+        log_q = F.log_softmax(s.float() / temperature, dim=-1)
+        log_p = _teacher_logp(t, slice(None), temperature, s.shape[-1])
+        div, _ = divergence_rows(kind, log_q, log_p, beta, need_grad=False)
+        return (div * weights).sum() * temperature**2
+    if path == "triton":
+        assert isinstance(t, torch.Tensor)
+        out = _FusedDivergence.apply(s, t, weights, temperature, kind, beta)  # type: ignore[no-untyped-call]
+    else:
+        out = _ChunkedDivergence.apply(s, t, weights, temperature, chunk_size, kind, beta)  # type: ignore[no-untyped-call]
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def reverse_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = 1024,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Temperature-scaled reverse KL(student || teacher), mean over valid tokens.
+
+    The arguments are `forward_kl`'s (`mask`, `temperature` with the T² scale, `chunk_size`,
+    `backend`), except that `teacher_logits` must be dense (..., V) logits: a top-k teacher is
+    refused (see the module docstring). Returns a scalar fp32 loss.
+    """
+    return _divergence(
+        "reverse_kl", student_logits, teacher_logits, beta=1.0, mask=mask,
+        temperature=temperature, chunk_size=chunk_size, backend=backend,
+    )  # fmt: skip
+
+
+def jsd(
+    student_logits: torch.Tensor,
+    teacher: torch.Tensor | TopK,
+    *,
+    beta: float = 0.5,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = 1024,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Temperature-scaled generalized JSD between teacher and student, mean over valid tokens.
+
+    `beta` is the teacher's weight in the mixture, in [0, 1]: 0 is `forward_kl`, 1 `reverse_kl`
+    (then a `TopK` teacher is refused). The other arguments are `forward_kl`'s. Returns a scalar
+    fp32 loss.
+    """
+    check_loss("jsd", beta, top_k=isinstance(teacher, tuple))
+    kw: dict[str, Any] = {
+        "mask": mask, "temperature": temperature, "chunk_size": chunk_size, "backend": backend,
+    }  # fmt: skip
+    if beta == 0.0:
+        return forward_kl(student_logits, teacher, **kw)
+    if beta == 1.0:
+        assert isinstance(teacher, torch.Tensor)  # check_loss refused a top-k teacher
+        return reverse_kl(student_logits, teacher, **kw)
+    return _divergence("jsd", student_logits, teacher, beta=beta, **kw)
+
+
+def divergence(
+    student_logits: torch.Tensor,
+    teacher: torch.Tensor | TopK,
+    *,
+    loss: LossName = "forward_kl",
+    beta: float = 0.5,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = 1024,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """The distillation loss named `loss`: `forward_kl`, `reverse_kl` or `jsd` (with `beta`).
+
+    The other arguments are those functions' (`beta` is read by ``"jsd"`` only, but checked to be
+    in [0, 1] always). Raises ValueError naming `loss` or `beta` for an unknown name or a value
+    out of range, and for a reverse KL against a top-k teacher.
+    """
+    check_loss(loss, beta, top_k=isinstance(teacher, tuple))
+    kw: dict[str, Any] = {
+        "mask": mask, "temperature": temperature, "chunk_size": chunk_size, "backend": backend,
+    }  # fmt: skip
+    if loss == "forward_kl":
+        return forward_kl(student_logits, teacher, **kw)
+    if loss == "reverse_kl":
+        assert isinstance(teacher, torch.Tensor)
+        return reverse_kl(student_logits, teacher, **kw)
+    return jsd(student_logits, teacher, beta=beta, **kw)
