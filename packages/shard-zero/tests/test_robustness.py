@@ -24,7 +24,7 @@ from leanlm_testing import spawn
 from leanlm_testing.distributed import CPU_AND_CUDA, single_process_group
 from shard_zero import ZeroConfig, full_state_dict, load_checkpoint, prepare, save_checkpoint
 from shard_zero._api import engine_of
-from shard_zero._engine import model_device
+from shard_zero._shards import model_device
 
 TIMEOUT = 3.0  # seconds: long enough for a loaded 2-core machine, short enough for a test
 WIDTH = 24

@@ -9,7 +9,7 @@ fewer rows, or none) and odd column counts, plus a vector and a 3-D parameter; s
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any, ClassVar
@@ -24,38 +24,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from leanlm_testing.distributed import spawn
-
-MakeOptimizer = Callable[[Iterable[Tensor]], torch.optim.Optimizer]
-
-BATCH = 4  # examples per rank and step
-
-
-class Net(nn.Module):
-    """Linear(9→13) → tanh → Linear(13→7) → tanh → Linear(7→3, no bias), and a (5, 3, 4) tensor.
-
-    Rows 13, 7, 3 and 5 are not multiples of 2 or 4 (3 rows on 4 ranks leave one rank empty);
-    columns 9, 13 and 7 are odd.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin1 = nn.Linear(9, 13)
-        self.lin2 = nn.Linear(13, 7)
-        self.lin3 = nn.Linear(7, 3, bias=False)
-        self.extra = nn.Parameter(torch.randn(5, 3, 4) * 0.5)
-
-    def forward(self, x: Tensor, y: Tensor) -> Tensor:
-        """Mean squared error plus a term that gives `extra` element-wise varied gradients."""
-        out = self.lin3(torch.tanh(self.lin2(torch.tanh(self.lin1(x)))))
-        extra = (torch.sin(self.extra) * x.mean()).square().sum()
-        loss: Tensor = (out - y).square().mean() + extra
-        return loss
-
-
-def _batch(step: int, rank: int) -> tuple[Tensor, Tensor]:
-    gen = torch.Generator().manual_seed(7919 * step + rank)
-    x = torch.randn(BATCH, 9, generator=gen) * torch.rand(9, generator=gen).add_(0.2)
-    return x, torch.randn(BATCH, 3, generator=gen)
+from leanlm_testing.fsdp_dcp import HSDP_PHASES, check_bf16_resume_bit_exact, check_dcp_chain
+from leanlm_testing.fsdp_net import MakeOptimizer, Net, batch, full_value
 
 
 def fsdp_update_errors(
@@ -86,6 +56,9 @@ def fsdp_update_errors(
     fully_shard(net, mesh=mesh)
     ref_opt = make_optimizer(ref.parameters())
     opt = make_optimizer(net.parameters())
+    params = dict(net.named_parameters())
+    for name, p in params.items():
+        assert isinstance(p, DTensor), f"{name} is not a DTensor: FSDP2 did not shard it"
     shard_ranks = shape[-1]
     data_rank = mesh.get_local_rank(len(shape) - 1)  # replicas of a shard see the same data
     errors = dict.fromkeys((n for n, _ in ref.named_parameters()), 0.0)
@@ -94,32 +67,38 @@ def fsdp_update_errors(
             saved = copy.deepcopy(opt.state_dict())
             opt = make_optimizer(net.parameters())
             opt.load_state_dict(saved)
-        net(*_batch(step, data_rank)).backward()
-        ref_loss = sum(ref(*_batch(step, r)) for r in range(shard_ranks))
+        net(*batch(step, data_rank)).backward()
+        ref_loss = sum(ref(*batch(step, r)) for r in range(shard_ranks))
         (ref_loss / shard_ranks).backward()
-        before = {n: p.detach().clone() for n, p in ref.named_parameters()}
-        ref_opt.step()
-        with torch.no_grad():
-            gathered = {n: _full(p) for n, p in net.named_parameters()}
-        opt.step()
-        for name, p in net.named_parameters():
-            assert isinstance(p, DTensor), f"{name} is not a DTensor: FSDP2 did not shard it"
-            ref_update = ref.get_parameter(name).detach() - before[name]
-            update = _full(p) - gathered[name]
-            err = float((update - ref_update).norm() / ref_update.norm().clamp(min=1e-30))
-            errors[name] = max(errors[name], err)
+        _step_both(ref, ref_opt, params, opt, errors)
         ref_opt.zero_grad()
         opt.zero_grad()
     dist.barrier()
     return errors
 
 
-def _full(p: Tensor) -> Tensor:
-    """The full value of a (DTensor) parameter, gathered."""
-    full = p.detach()
-    if isinstance(full, DTensor):
-        full = full.full_tensor()
-    return full.clone()  # full_tensor() of a Replicate DTensor is its local tensor
+def _step_both(
+    ref: nn.Module,
+    ref_opt: torch.optim.Optimizer,
+    params: Mapping[str, Tensor],
+    opt: torch.optim.Optimizer,
+    errors: dict[str, float],
+) -> None:
+    """Step both optimizers; raise `errors[name]` to the step's norm-relative update error.
+
+    `params` are the distributed parameters by `ref`'s names; their update is compared, gathered,
+    with that of `ref`'s parameter of the same name.
+    """
+    before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    with torch.no_grad():
+        gathered = {n: full_value(p) for n, p in params.items()}
+    ref_opt.step()
+    opt.step()
+    for n, p in params.items():
+        ref_update = ref.get_parameter(n).detach() - before[n]
+        update = full_value(p) - gathered[n]
+        err = float((update - ref_update).norm() / ref_update.norm().clamp(min=1e-30))
+        errors[n] = max(errors[n], err)
 
 
 def dtensor_update_errors(
@@ -146,20 +125,11 @@ def dtensor_update_errors(
     opt = make_optimizer(params.values())
     errors = dict.fromkeys(params, 0.0)
     for step in range(steps):
-        ref(*_batch(step, 0)).backward()
-        before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+        ref(*batch(step, 0)).backward()
         for n, p in ref.named_parameters():
             assert p.grad is not None
             params[n].grad = distribute_tensor(p.grad.clone(), mesh, placements[n])
-        with torch.no_grad():
-            gathered = {n: _full(p) for n, p in params.items()}
-        ref_opt.step()
-        opt.step()
-        for n, p in params.items():
-            ref_update = ref.get_parameter(n).detach() - before[n]
-            update = _full(p) - gathered[n]
-            err = float((update - ref_update).norm() / ref_update.norm().clamp(min=1e-30))
-            errors[n] = max(errors[n], err)
+        _step_both(ref, ref_opt, params, opt, errors)
         ref_opt.zero_grad()
     dist.barrier()
     return errors
@@ -289,16 +259,12 @@ class FsdpParityTests:
     @pytest.mark.distributed
     def test_dcp_checkpoint_reshards_2_to_3_to_1(self, tmp_path: Any) -> None:
         """Every config: DCP checkpoints across 2 -> 3 -> 1 ranks equal one process."""
-        from leanlm_testing.fsdp_dcp import check_dcp_chain
-
         for name, kw in self.configs.items():
             check_dcp_chain(partial(self.optimizer, **kw), self.dcp, tmp_path / name, tol=TOL)
 
     @pytest.mark.distributed
     def test_dcp_bf16_resume_continues_the_rounding_noise(self, tmp_path: Any) -> None:
         """bf16 + stochastic rounding: a DCP resume at world 2 is bit-exact."""
-        from leanlm_testing.fsdp_dcp import check_bf16_resume_bit_exact
-
         kw = self.configs[next(iter(self.configs))]
         check_bf16_resume_bit_exact(self.optimizer, kw, self.dcp, tmp_path)
 
@@ -306,7 +272,5 @@ class FsdpParityTests:
     @pytest.mark.slow  # 4 processes
     def test_dcp_checkpoint_reshards_through_hsdp(self, tmp_path: Any) -> None:
         """The first config: DCP checkpoints across (2,) -> HSDP (2, 2) -> (1,) meshes."""
-        from leanlm_testing.fsdp_dcp import HSDP_PHASES, check_dcp_chain
-
         make = partial(self.optimizer, **self.configs[next(iter(self.configs))])
         check_dcp_chain(make, self.dcp, tmp_path, tol=TOL, phases=HSDP_PHASES)

@@ -1,6 +1,6 @@
 """FSDP2 optimizer checkpoints through DCP at changing world sizes (`fsdp.FsdpParityTests`).
 
-A chain of phases trains `fsdp.Net` under `fully_shard` with a factored optimizer: 2 steps at
+A chain of phases trains `fsdp_net.Net` under `fully_shard` with a factored optimizer: 2 steps at
 world 2, save with `torch.distributed.checkpoint`, load at world 3 (other row splits: 13 rows
 are 7 + 6 at world 2 and 5 + 5 + 3 at world 3), 2 steps, save, load at world 1, 2 steps. Every
 rank computes the loss of the same global batch, so every phase's averaged gradient is the
@@ -15,7 +15,7 @@ rank; a checkpoint that lost the optimizer state is far off (checked on the refe
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -26,9 +26,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from leanlm_testing.distributed import spawn
-from leanlm_testing.fsdp import Net, _batch, _full
+from leanlm_testing.fsdp_net import MakeOptimizer, Net, batch, full_value
 
-MakeOptimizer = Callable[[Iterable[Tensor]], torch.optim.Optimizer]
 #: `(distributed_state_dict, load_distributed_state_dict)` of the optimizer package.
 StateFns = tuple[Callable[..., dict[str, Any]], Callable[..., None]]
 Phases = tuple[tuple[tuple[int, ...], int], ...]
@@ -41,7 +40,7 @@ HSDP_PHASES: Phases = (((2,), 2), ((2, 2), 2), ((1,), 2))
 def _global_loss(net: nn.Module, step: int) -> Any:
     """The mean loss of data ranks 0 and 1's batches: the same global batch on every rank."""
     dtype = next(net.parameters()).dtype
-    losses = [net(*(t.to(dtype) for t in _batch(step, rank))) for rank in (0, 1)]
+    losses = [net(*(t.to(dtype) for t in batch(step, rank))) for rank in (0, 1)]
     return (losses[0] + losses[1]) / 2
 
 
@@ -94,7 +93,7 @@ def dcp_phase(
         opt.zero_grad()
     state = {"model": get_model_state_dict(net), "optim": distributed_state_dict(opt, net)}
     save(state, checkpoint_id=f"{folder}/phase-{phase}")
-    full = {n: _full(p) for n, p in net.named_parameters()}
+    full = {n: full_value(p) for n, p in net.named_parameters()}
     if rank == 0:
         torch.save(full, f"{folder}/final.pt")
     dist.barrier()

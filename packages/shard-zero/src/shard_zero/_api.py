@@ -12,8 +12,9 @@ from torch.optim import Optimizer
 
 from shard_zero._config import ZeroConfig
 from shard_zero._deferred import fill, is_deferred, make_placeholders
-from shard_zero._engine import ZeroEngine, check_group, model_device
+from shard_zero._engine import ZeroEngine, check_group
 from shard_zero._optimizer import ZeroOptimizer
+from shard_zero._shards import model_device
 
 ENGINE_ATTR = "_shard_zero_engine"
 M = TypeVar("M", bound=nn.Module)

@@ -12,24 +12,12 @@ A directory is written under `<path>.tmp` and renamed into place by rank 0 once 
 written, so a crash never leaves a half checkpoint at `path`.
 
 Loading reads every rank file's header (shapes and row ranges, no tensor data) and rank 0's
-`meta.pt`, then reads, with safetensors slices (`safe_open(...).get_slice(key)[a:b]`), only the
-rows of each tensor that overlap this rank's rows: a rank never materialises another rank's
-shard. Each optimizer state tensor of a parameter is classified from the saved shapes alone
-(identically on every rank, so ranks never disagree):
-
-* shaped like the saved shard (elementwise state: AdamW's moments, SGD's momentum): row-sharded;
-* 0-dim: whole (one copy, e.g. a tensor step);
-* dim 0 equal to each saved rank's row count, and not the same shape on every saved rank:
-  row-sharded (Adafactor/CAME row statistics with uneven shards);
-* the same shape on every saved rank and dim 0 not the row count: whole (column statistics);
-* both possible (e.g. saved at world 1, or a column count equal to the rows per rank): the
-  parameter has >= 3 dims -> row-sharded (factored statistics of a stack of matrices keep the
-  leading dim); else the state key decides: containing `row` -> row-sharded, `col` -> whole
-  (the names Adafactor, CAME, torch and Hugging Face use); otherwise `ValueError`.
-
-Whole tensors are read from one saved rank (`rank % saved_world`), row-sharded ones are sliced.
-A parameter saved replicated (below `min_shard_numel`) and loaded sharded, or the reverse, is
-resliced the same way.
+`meta.pt`, then reads (`safe_open(...).get_slice(key)[a:b]`) only the rows of each tensor that
+overlap this rank's rows: a rank never materialises another rank's shard. Whether an optimizer
+state tensor is split by rows is decided from the saved shapes alone (`_row_sharded`), so ranks
+never disagree: row-sharded ones are sliced, whole ones read from one saved rank (`rank %
+saved_world`). A parameter saved replicated (below `min_shard_numel`) and loaded sharded, or the
+reverse, is resliced the same way.
 """
 
 from __future__ import annotations
@@ -298,7 +286,18 @@ def _read(
 
 
 def _row_sharded(e: Entry, shapes: list[tuple[int, ...]], rows: list[int], key: str) -> bool:
-    """Whether a saved tensor is split by rows like the parameter (see the module docstring)."""
+    """Whether a saved tensor is split by rows like the parameter, from the saved shapes alone.
+
+    * shaped like the saved shard (elementwise state: AdamW's moments, SGD's momentum): by rows;
+    * 0-dim: whole (one copy, e.g. a tensor step);
+    * dim 0 equal to each saved rank's row count, and not the same shape on every saved rank:
+      row-sharded (Adafactor/CAME row statistics with uneven shards);
+    * the same shape on every saved rank and dim 0 not the row count: whole (column statistics);
+    * both possible (e.g. saved at world 1, or a column count equal to the rows per rank): the
+      parameter has >= 3 dims -> row-sharded (factored statistics of a stack of matrices keep the
+      leading dim); else the state key decides: containing `row` -> row-sharded, `col` -> whole
+      (the names Adafactor, CAME, torch and Hugging Face use); otherwise `ValueError`.
+    """
     rest = e.shape[1:]
     if not e.shape:
         return False

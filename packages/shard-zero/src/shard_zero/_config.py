@@ -16,88 +16,51 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 @dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
-    """How `prepare` shards a model and its optimizer.
+    """How `prepare` shards a model and its optimizer (the README's "How it works" has the detail).
 
     Attributes:
         stage: 1 shards optimizer state (and fp32 master weights); 2 also shards gradients
             (reduce-scattered during backward); 3 also shards parameters at rest (gathered per
             wrapping unit in forward and backward, freed after use).
-        param_dtype: dtype of the compute parameters the model runs with (e.g. `torch.bfloat16`
-            for mixed precision), applied to every floating-point parameter, frozen ones
-            included (buffers keep theirs). None keeps the model's dtype. Master weights,
-            gradient accumulation and optimizer inputs are always fp32. `torch.float16` raises
-            `ValueError`: fp16 gradients need a loss scaler, which shard-zero does not have.
-        reduce_dtype: dtype gradients are communicated in: `torch.float32` (None, the default:
-            4 bytes per element of every reduce-scatter and all-reduce) or `torch.bfloat16`
-            (2 bytes: half the gradient traffic; the fp32 accumulators are rounded to bf16
-            before the sum, and the sum over ranks is done in bf16). `torch.float16` raises
-            `ValueError` (overflow above 65504 and underflow without a loss scaler).
-        accum_dtype: stages 2-3: dtype of the sharded gradient accumulator that holds the
-            reduced gradients between backwards (`no_sync()` micro-batches). `torch.float32`
-            (None, the default: 4 bytes per local element) or `torch.bfloat16` (2 bytes: half
-            the accumulator, as DeepSpeed's `grad_accum_dtype`; each backward's reduced
-            gradient is rounded to bf16 when it is added, so even one micro-batch's gradient
-            carries bf16 rounding). The accumulator is cast to the fp32 master gradients at the
-            end of the first backward outside `no_sync()` (or by `step()` /
-            `clip_grad_norm_()`), when activations are gone; the optimizer always reads fp32.
-            Stage 1 accumulates in `param.grad` (the compute dtype, as DDP) and rejects it.
-        offload_accum: stages 2-3: keep the sharded gradient accumulator in host memory
-            (pinned when the model is on CUDA) between backwards run under `no_sync()`, so
-            that accumulating micro-batches costs no accelerator memory. Each such backward's
-            reduced gradient rows are copied to the host as their reduce-scatter completes
-            (the first micro-batch) or read back, added on the device and copied back (later
-            ones), and read once more at the boundary: k - 1 buffer sizes each way for k
-            micro-batches (4 bytes per local element, 2 with `accum_dtype=torch.bfloat16`),
-            asynchronous copies on the current stream, without a host sync. The
-            backward outside `no_sync()` accumulates on the device as without offload, and
-            the host part is added into the fp32 master gradients at its end (or by `step()`
-            / `clip_grad_norm_()`). One host buffer per sharded parameter (this rank's rows,
-            `accum_dtype`) is allocated at the first backward under `no_sync()` and kept.
-            Stage 1 rejects it (it accumulates full gradients in `param.grad`).
-        offload_optimizer: ZeRO-Offload (stages 1-3): keep the fp32 master shards, their
-            gradients and the optimizer's state in host memory (pinned when the model is on
-            CUDA; on a CPU model, separate CPU tensors) and step the wrapped optimizer there, on
-            the CPU. `make_optimizer` gets the host masters, so any optimizer that runs on CPU
-            tensors works (torch's AdamW, optim-came / optim-adafactor's PyTorch paths).
-            Reduction is unchanged on the device; in the backward outside `no_sync()` each
-            parameter's reduced gradient rows are copied to the host as soon as its last
-            bucket's reduce-scatter completes (asynchronous copies on the current stream on
-            CUDA), and `step()` waits for them, steps on the host, then copies the updated
-            rows to the device in the compute dtype (cast on the host) for the parameter
-            all-gathers. The device keeps only the compute parameters and the gradient
-            accumulator until the boundary backward: no fp32 masters, no optimizer state.
-            On a model on CUDA with a non-gloo group, row-sharded optimizers (Adafactor, CAME)
-            all-reduce their host statistics over a gloo group over the same ranks that
-            `prepare` creates (a collective; a `group` smaller than the world raises
-            `ValueError`).
+        param_dtype: dtype the model computes in (e.g. `torch.bfloat16`), applied to every
+            floating-point parameter, frozen ones included (buffers keep theirs); None keeps the
+            model's. Masters, gradient accumulation and optimizer inputs stay fp32. fp16 raises
+            `ValueError`: its gradients need a loss scaler, which shard-zero does not have.
+        reduce_dtype: dtype gradients travel and are summed over ranks in: fp32 (None) or
+            `torch.bfloat16` (half the gradient traffic, rounded before the sum). fp16 raises.
+        accum_dtype: stages 2-3: dtype of the sharded gradient accumulator kept between
+            backwards: fp32 (None) or `torch.bfloat16` (half its bytes, as DeepSpeed's
+            `grad_accum_dtype`; every reduced gradient is rounded when added). It is added into
+            the fp32 master gradients at the accumulation boundary, so the optimizer reads fp32.
+            Stage 1 (which accumulates in `param.grad`, as DDP) raises `ValueError` for bf16.
+        offload_accum: stages 2-3: keep that accumulator in host memory between backwards run
+            under `no_sync()`, so accumulating micro-batches costs no accelerator memory
+            (asynchronous copies, k - 1 buffer sizes each way for k micro-batches). Stage 1
+            raises `ValueError` for it.
+        offload_optimizer: ZeRO-Offload (stages 1-3): the fp32 masters, their gradients and the
+            optimizer state live in host memory and the wrapped optimizer steps there, so the
+            device holds no masters and no state. `make_optimizer` gets the host masters: any
+            optimizer that runs on CPU tensors works. See the README's "ZeRO-Offload".
         min_shard_numel: parameters with fewer elements than this (and 0-dim ones) are not
             sharded: every rank keeps and steps a full replica, with gradients all-reduced.
-        bucket_numel: most elements of one flat gradient or parameter communication buffer,
-            over all ranks (the reduce-scatter input / all-gather output of stages 1-2; at
-            stage 3 each unit's gradients are reduced in buckets of this size, in backward
-            order, while its parameters are gathered in one buffer). A parameter larger than
-            that travels in pieces of whole rows. The default (2**24: 64 MiB of fp32
-            gradients) keeps each call large enough for NCCL's bandwidth while bounding the
-            reduce-scatter inputs in flight; Llama-3-70B on 64 ranks then takes 4286
-            reduce-scatters per step (simulated; FSDP2 81), and 2**28 takes 328 for a 1.041x
-            higher stage-3 peak (benchmarks/RESULTS.md, run 4).
+        bucket_numel: most elements of one flat gradient or parameter communication buffer over
+            all ranks (stage 3: of each unit's gradient buckets); a larger parameter travels in
+            pieces of whole rows. The default, 2**24 (64 MiB of fp32 gradients), keeps each call
+            large for NCCL's bandwidth while bounding the reduce-scatter inputs in flight
+            (simulated call counts: `benchmarks/RESULTS.md`).
         wrap_policy: stage 3 only: `policy(name, module) -> bool` marks the modules whose
             parameters are gathered and freed together. None wraps every child of every
             `nn.ModuleList` (the decoder layers of a Hugging Face model). Parameters outside
             every unit belong to the root unit, gathered once per step.
         prefetch: stage 3 only: start gathering the next unit (forward) / previous unit
             (backward) while the current one computes.
-        timeout: how long a shard-zero collective may wait for the other ranks before it fails
-            (a `datetime.timedelta`, or seconds as a number). None uses the process group's own
-            timeout (torch's defaults: 30 min for gloo, 10 min for NCCL). When set, `prepare`
-            creates a process group over the same ranks and backend with this timeout (a
-            collective: every rank of the default group must call `prepare` with the same
-            config) and runs every shard-zero collective on it.
-        check_consistency: detect ranks that diverge (a rank that skips a wrapped unit or runs
-            a different number of forward/backward passes) and raise a `RuntimeError` naming the
-            likely cause instead of exchanging mismatched data. Each all-gather carries a 16-byte
-            tag per rank, and `step()` adds one 16-byte broadcast (on GPU it also reads the tags
-            back to the host once per step).
+        timeout: how long a shard-zero collective may wait for the other ranks (a
+            `datetime.timedelta`, or seconds). None keeps the process group's own timeout. When
+            set, `prepare` creates a process group over the same ranks with it (a collective).
+        check_consistency: detect ranks that diverge (a skipped unit, an extra forward or
+            backward) and raise a `RuntimeError` naming the likely cause instead of exchanging
+            mismatched data: a 16-byte tag per rank on each all-gather and one 16-byte broadcast
+            per `step()`.
     """
 
     stage: Literal[1, 2, 3] = 2

@@ -1,16 +1,14 @@
-"""The sharding engine: builds the shards and keeps the model's parameters in sync with them.
+"""The sharding engine: keeps the model's parameters in sync with its shards (`_shards.Shards`).
 
-Per step (Ψ = trainable elements, W = world size): backward moves gradients into the fp32 master
-shards' `.grad` (`_reduce.Reducer`: stages 2-3 reduce-scatter each bucket while backward runs,
-stage 1 at the accumulation boundary); `step()` steps the wrapped optimizer on the shards, then
-stages 1-2 all-gather the updated shards into the full model parameters (at most
-`GATHERS_IN_FLIGHT` buckets at a time) and stage 3 lets the next forward gather them
-(`_units.Units`: per wrapping unit, freed right after use).
+Per step: backward moves gradients into the fp32 master shards' `.grad` (`_reduce.Reducer`:
+stages 2-3 reduce-scatter each bucket while backward runs, stage 1 at the accumulation boundary);
+`step()` steps the wrapped optimizer on the shards, then stages 1-2 all-gather the updated shards
+into the full model parameters (at most `GATHERS_IN_FLIGHT` buckets at a time) and stage 3 lets
+the next forward gather them (`_units.Units`: per wrapping unit, freed right after use).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,68 +17,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shard_zero._comm import Comm, Gather, host_group, host_readable
+from shard_zero._comm import Gather
 from shard_zero._config import ZeroConfig
-from shard_zero._layout import (
-    Bucket,
-    Entry,
-    RowShardInfo,
-    local_rows,
-    make_buckets,
-    row_split,
-    unpack_full,
-)
+from shard_zero._layout import Bucket, local_rows, make_buckets, unpack_full
 from shard_zero._reduce import Reducer
+from shard_zero._shards import Shards
 from shard_zero._units import Unit, Units
 
-ROW_SHARD_ATTR = "leanlm_row_shard"
 # collective idents (what a collective carries, for the divergence checks and error messages);
-# stage-3 units use theirs (`_units`), the replicated all-reduce 500_000 (`_reduce`)
+# stage-3 units use theirs (`_units`), the replicated all-reduce 500_000 (`_reduce`), the model
+# fingerprint 500_001 (`_shards`)
 _PARAMS_OF_BUCKET = 200_000  # + bucket index
 _GRADS_OF_BUCKET = 300_000
-_FINGERPRINT, CLIP_IDENT = 500_001, 500_002
+CLIP_IDENT = 500_002
 GATHERS_IN_FLIGHT = 2  # stages 1-2 parameter all-gathers outstanding at once after `step()`
 
 
-class ZeroEngine:
+class ZeroEngine(Shards):
     """Owns the shards of one model and moves gradients and parameters between ranks."""
 
     def __init__(self, model: nn.Module, config: ZeroConfig, group: Any) -> None:
-        self.model = model
-        self.config = config
-        self.device = model_device(model)
-        self.comm = Comm(
-            group,
-            device=self.device,
-            timeout=config.timeout_delta,
-            check=config.check_consistency,
-        )
-        # every collective (also the row-shard declaration's and the checkpoints' barriers) runs
-        # on `comm.group`: the caller's group, or a copy of it with `config.timeout`
-        self.group = self.comm.group
-        self.world = self.comm.world_size
-        self.rank = self.comm.rank
-        self.stage = config.stage
-        self.reduce_dtype = config.reduce_dtype or torch.float32
-        self.accum_dtype = config.accum_dtype or torch.float32
-        self.offload_accum = config.offload_accum
-        # ZeRO-Offload: masters, their gradients and the optimizer state in host memory
-        self.offload = config.offload_optimizer
-        self.pinned = self.device.type == "cuda"  # host buffers: pinned for async copies
-        self.host_group = (
-            host_group(self.group, self.device, config.timeout_delta) if self.offload else None
-        )
-        self.sync = True
+        super().__init__(model, config, group)
         self._released: dict[int, int] = {}  # entry -> bytes of a compute copy freed for step
-        self._check_same_model(model)
-
-        self.entries: list[Entry] = []
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                self.entries.append(self._make_entry(name, p))
-        self.by_param: dict[torch.Tensor, Entry] = {e.param: e for e in self.entries}
-        self.sharded = [e for e in self.entries if e.sharded]
-        self.replicated = [e for e in self.entries if not e.sharded]
         # stages 1-2: backward produces gradients roughly in reverse registration order
         self.buckets = make_buckets(self.sharded[::-1], config.bucket_numel, self.world)
         for i, bucket in enumerate(self.buckets):
@@ -94,79 +52,12 @@ class ZeroEngine:
             self.stage3 = Units(self)
             self.units = self.stage3.units
             grad_buckets = [b for u in self.units for b in u.grad_buckets]
+            self.reducer = Reducer(self, grad_buckets, self.stage3)
+            self.stage3.before_backward = self.reducer.queue_callback
         else:
-            grad_buckets = self.buckets
-        self.reducer = Reducer(self, grad_buckets)
+            self.reducer = Reducer(self, self.buckets, None)
         for e in self.entries:
             e.param.register_post_accumulate_grad_hook(self.reducer.on_grad)  # type: ignore[no-untyped-call]
-
-    # ------------------------------------------------------------------ construction
-    def _check_same_model(self, model: nn.Module) -> None:
-        """Raise (instead of hanging later) if ranks hold different trainable parameter sets."""
-        desc = "|".join(
-            f"{n}:{tuple(p.shape)}:{p.requires_grad}" for n, p in model.named_parameters()
-        )
-        digest = int.from_bytes(hashlib.sha256(desc.encode()).digest()[:7], "little")
-        mine = torch.tensor([digest], dtype=torch.int64, device=self.device)
-        if not host_readable(mine):
-            return  # fake tensors (the scale simulator): no values to compare
-        every = torch.empty(self.world, dtype=torch.int64, device=self.device)
-        self.comm.names[_FINGERPRINT] = "the model fingerprint check in `prepare`"
-        self.comm.wait(self.comm.all_gather(every, mine, ident=_FINGERPRINT), _FINGERPRINT)
-        if bool((every != mine).any()):
-            raise ValueError(
-                "ranks disagree on the model's parameters (names, shapes or requires_grad): "
-                f"fingerprints per rank {every.tolist()}; build the same model on every rank "
-                "before `prepare`"
-            )
-
-    def _make_entry(self, name: str, p: nn.Parameter) -> Entry:
-        shape = tuple(p.shape)
-        sharded = p.dim() >= 1 and p.numel() > 0 and p.numel() >= self.config.min_shard_numel
-        compute = self.config.param_dtype or p.dtype
-        aliased = (
-            self.stage < 3
-            and p.dtype == torch.float32
-            and compute == torch.float32
-            and not self.offload
-        )
-        if sharded:
-            chunk, start, end = row_split(shape[0], self.world, self.rank)
-            rows = p.data[start:end]
-            master = nn.Parameter(rows if aliased else self._master_copy(rows))
-            group = self.host_group if self.offload else self.group
-            info = RowShardInfo(global_shape=shape, row_offset=start, group=group)
-            setattr(master, ROW_SHARD_ATTR, info)
-        else:
-            chunk, start, end = 1, 0, shape[0] if shape else 1
-            master = nn.Parameter(p.data if aliased else self._master_copy(p.data))
-        row_numel = p[0].numel() if p.dim() >= 1 and shape[0] > 0 else 1
-        if p.dtype != compute:
-            p.data = p.data.to(compute)
-        return Entry(name, p, master, sharded, shape, start, end, chunk, row_numel)
-
-    def _master_copy(self, data: torch.Tensor) -> torch.Tensor:
-        """An fp32 copy of `data`: on the device, or in host memory with `offload_optimizer`."""
-        if not self.offload:
-            return data.to(torch.float32, copy=True)
-        return self.host_empty(data.shape, torch.float32).copy_(data)
-
-    def host_empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised host tensor (pinned when the model is on CUDA)."""
-        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pinned)
-
-    def compute_rows(self, e: Entry) -> torch.Tensor:
-        """This rank's rows of `e` as the parameter all-gathers read them.
-
-        The fp32 master (cast while packed), or with `offload_optimizer` and a compute dtype
-        other than fp32 its host copy in that dtype (`host_rows`, refreshed by `push_params`).
-        """
-        return e.host_rows if e.host_rows is not None else e.master.detach()
-
-    def wait_for_host(self) -> None:
-        """`offload_optimizer` on CUDA: wait until the gradients copied to the host arrived."""
-        if self.offload and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
 
     # ------------------------------------------------------------------ gradients
     def reduce_leftover(self) -> None:
@@ -265,17 +156,6 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `a` and `b` view the same storage at the same offset (no `data_ptr`: fake-safe)."""
     sa, sb = a.untyped_storage(), b.untyped_storage()
     return bool(sa._cdata == sb._cdata and a.storage_offset() == b.storage_offset())
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """The device of `model`'s parameters (CPU for a model without parameters)."""
-    devices = {p.device for p in model.parameters()}
-    if len(devices) > 1:
-        raise ValueError(
-            f"all parameters of `model` must be on one device, got {sorted(map(str, devices))}; "
-            "move the model with `model.to(device)` before `prepare`"
-        )
-    return next(iter(devices)) if devices else torch.device("cpu")
 
 
 def check_group(group: Any) -> None:

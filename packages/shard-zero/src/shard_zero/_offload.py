@@ -11,20 +11,16 @@ on the device, in the same order as without offload.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from shard_zero._layout import Entry
-
-if TYPE_CHECKING:
-    from shard_zero._engine import ZeroEngine
+from shard_zero._shards import Shards
 
 
 class OffloadGrads:
     """The `Reducer`'s gradient stores (a mixin: it sets `engine`, `_fresh` and `_host_new`)."""
 
-    engine: ZeroEngine
+    engine: Shards
     _fresh: set[int]  # entries whose device accumulator this reduction created
     _host_new: set[int]  # offload: host gradients made of this reduction only
 

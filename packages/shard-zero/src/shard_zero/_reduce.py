@@ -1,49 +1,26 @@
 """Gradient reduction: from the model's parameters to the fp32 master shards' `.grad`.
 
-* Stages 2-3, every backward (`no_sync()` included): a post-accumulate-grad hook copies each
-  gradient into its bucket's reduce-scatter input (`Bucket.buf`, `reduce_dtype`, allocated at
-  the bucket's first gradient) and releases `param.grad` at once. A bucket whose gradients have
-  all arrived starts its async reduce-scatter as soon as every bucket before it in the
-  rank-invariant launch order has started (stage 3: the LM head, the units in reverse forward
-  order, the embeddings; stage 2: reverse registration order), so communication overlaps the
-  rest of backward, and a stage-3 unit is freed as soon as its last gradient arrives. After a
-  launch at most `MAX_IN_FLIGHT` earlier reduce-scatters stay outstanding: the oldest is waited
-  for and its output added into the master gradients (the sharded fp32 accumulator), which
-  releases its input. Memory therefore does not grow with the number of micro-batches. The
-  accumulator can be bf16 (`accum_dtype`, `low_acc`) and, under `no_sync()`, live in host
-  memory (`offload_accum`, `host_acc`); both are added into the fp32 master gradients at the
-  accumulation boundary (`materialize`).
-* `offload_optimizer`: the device accumulator is `Entry.dev_grad` instead of `master.grad`
-  (a host tensor); in the backward outside `no_sync()` each parameter's complete gradient
-  (with its bf16 and host accumulators added exactly as `materialize` adds them) is copied into
-  its host `master.grad` as soon as its last bucket is retired (`_offload.py`), and the device
-  accumulator is dropped. A later backward that adds to a host gradient (no `zero_grad()` in
-  between) first copies it back to the device, so every sum runs on the device in the same
-  order as without offload.
-* Stage 1 (as DDP): gradients stay in `param.grad` in the compute dtype, accumulated by autograd
-  over the micro-batches run under `no_sync()`; the first backward outside `no_sync()` (or
-  `step()`) reduce-scatters them bucket by bucket at its end, releasing each full gradient as
-  soon as it is packed.
-* End of backward (an autograd callback): every bucket not launched yet is launched, in the same
-  order on every rank (a parameter without a gradient here counts as zeros), the replicated
-  parameters' gradients are all-reduced together with one flag per parameter (which ranks had
-  a gradient), and everything is waited for. A parameter no rank had a gradient for is left
-  without one, as in one process.
+Stages 2-3 reduce-scatter each gradient bucket while backward still runs (a post-accumulate-grad
+hook packs the gradient and frees `param.grad`), so communication overlaps compute and memory does
+not grow with the number of micro-batches; stage 1 (as DDP) reduces `param.grad` at the
+accumulation boundary. Buckets launch in one rank-invariant order, and the end of backward
+launches every bucket left, with or without a gradient on this rank, so ranks always issue the
+same collectives. `accum_dtype`, `offload_accum` and `offload_optimizer` only change where, and
+in which dtype, the reduced rows accumulate (`materialize`, `_add_on_host`, `_offload`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from shard_zero._comm import host_readable
 from shard_zero._layout import Bucket, Entry, local_piece, local_rows, pack_full
 from shard_zero._offload import OffloadGrads
-
-if TYPE_CHECKING:
-    from shard_zero._engine import ZeroEngine
+from shard_zero._shards import Shards
+from shard_zero._units import Units
 
 MAX_IN_FLIGHT = 1  # reduce-scatters left outstanding after a launch (plus the one being packed)
 REPLICATED_IDENT = 500_000
@@ -52,9 +29,10 @@ REPLICATED_IDENT = 500_000
 class Reducer(OffloadGrads):
     """Owns the gradient buckets of one engine and reduces them into the master gradients."""
 
-    def __init__(self, engine: ZeroEngine, buckets: list[Bucket]) -> None:
+    def __init__(self, engine: Shards, buckets: list[Bucket], units: Units | None) -> None:
         self.engine = engine
         self.buckets = buckets  # every gradient bucket (stage 3: of every unit)
+        self.units = units  # stage 3
         self._bucket_of = {id(e): b for b in buckets if b.rows is None for e in b.entries}
         self._pieces_of: dict[int, list[Bucket]] = {}  # entries that travel in pieces
         for b in buckets:
@@ -68,7 +46,7 @@ class Reducer(OffloadGrads):
         self._offset_of = {
             id(e): o for b in buckets for e, o in zip(b.entries, b.offsets, strict=True)
         }
-        self._unit_of = {id(e): u for u in engine.units for e in u.entries}  # stage 3
+        self._unit_of = {id(e): u for u in (units.units if units else []) for e in u.entries}
         self._pending: deque[tuple[Any, torch.Tensor, torch.Tensor, Bucket]] = deque()
         self._order: list[Bucket] = []
         self._cursor = 0
@@ -89,11 +67,10 @@ class Reducer(OffloadGrads):
         if self._callback_queued:
             return
         self._callback_queued = True
-        engine = self.engine
-        if engine.stage == 3:
-            self._order = engine.stage3.launch_order()
+        if self.units is not None:
+            self._order = self.units.launch_order()
         else:
-            self._order = list(self.buckets if engine.stage == 2 else self._boundary_order)
+            self._order = list(self.buckets if self.engine.stage == 2 else self._boundary_order)
         self._cursor = 0
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -142,8 +119,8 @@ class Reducer(OffloadGrads):
     def _end_backward(self) -> None:
         self._callback_queued = False
         engine = self.engine
-        if engine.stage == 3:
-            engine.stage3.free_all()  # also units some of whose parameters got no gradient
+        if self.units is not None:
+            self.units.free_all()  # also units some of whose parameters got no gradient
         if engine.stage >= 2 or engine.sync:
             # every bucket, in the same order on every rank, whether or not its parameters got
             # gradients here: ranks whose gradients differ still issue the same collectives
@@ -358,7 +335,7 @@ def _full_grad(e: Entry) -> torch.Tensor | None:
 
 
 def _all_full(
-    engine: ZeroEngine, rep: list[Entry], full: list[torch.Tensor | None]
+    engine: Shards, rep: list[Entry], full: list[torch.Tensor | None]
 ) -> list[torch.Tensor | None]:
     """`full` for the replicated entries, None for the sharded ones, in `engine.entries` order."""
     by_id = {id(e): g for e, g in zip(rep, full, strict=True)}

@@ -15,16 +15,15 @@ Activation checkpointing recomputes a unit's forward inside backward: the hooks 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from shard_zero._comm import Gather
 from shard_zero._layout import Bucket, Entry, make_buckets, unpack_full
-
-if TYPE_CHECKING:
-    from shard_zero._engine import ZeroEngine
+from shard_zero._shards import Shards
 
 _FREE, _GATHERING, _READY = 0, 1, 2
 _GRADS_OF_UNIT = 1_000_000  # + 10_000 * unit index + bucket index; a unit's gather: its index
@@ -84,8 +83,10 @@ class Unit:
 class Units:
     """The stage-3 units of one engine: construction, gathering hooks and freeing."""
 
-    def __init__(self, engine: ZeroEngine) -> None:
+    def __init__(self, engine: Shards) -> None:
         self.engine = engine
+        # called when a unit's backward begins (the engine sets the reducer's `queue_callback`)
+        self.before_backward: Callable[[], None] = _nothing
         self.units: list[Unit] = []
         self.fwd_order: list[Unit] = []  # the units in the order the last forward ran them
         self._of_module: dict[int, Unit] = {}
@@ -242,10 +243,14 @@ class Units:
                 )
 
     def _pre_backward(self, unit: Unit, position: int) -> None:
-        self.engine.reducer.queue_callback()
+        self.before_backward()
         self.gather_wait(unit)
         if self.engine.config.prefetch and 0 < position <= len(self.fwd_order):
             self.gather_start(self.fwd_order[position - 1])
+
+
+def _nothing() -> None:
+    pass
 
 
 def _default_wrap_policy(model: nn.Module) -> Any:
