@@ -8,7 +8,8 @@ For each targeted `nn.Linear` with inputs X (tokens x in_features, all batches s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +36,53 @@ class InputStats:
         return self.xtx * (2.0 / self.tokens)
 
 
-def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+def to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """`batch` with its tensors moved to `device`."""
     return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+
+
+@contextmanager
+def record_input_stats(
+    modules: Mapping[str, nn.Module], *, hessian: bool
+) -> Iterator[dict[str, InputStats]]:
+    """Accumulate the input statistics of `modules` while the block runs (forward pre-hooks).
+
+    Args:
+        modules: qualified name -> Linear whose inputs are recorded.
+        hessian: also accumulate XᵀX (in_features² fp32 per module).
+
+    Yields:
+        Qualified name -> statistics, filled by every forward call inside the block.
+    """
+    stats = {name: InputStats() for name in modules}
+
+    def make_hook(name: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            st = stats[name]
+            st.tokens += x.shape[0]
+            sq = x.square().sum(0)
+            st.sumsq = sq if st.sumsq is None else st.sumsq + sq
+            if hessian:  # in place after the first batch: no second in² temporary
+                st.xtx = x.T @ x if st.xtx is None else st.xtx.addmm_(x.T, x)
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(make_hook(n)) for n, m in modules.items()]
+    try:
+        yield stats
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def check_batch(batch: object) -> Mapping[str, Any]:
+    """`batch` itself, or a ValueError when it is not a dict of model kwargs."""
+    if not isinstance(batch, Mapping):
+        raise ValueError(
+            f"`calibration` must yield dicts of model kwargs, got {type(batch).__name__}"
+        )
+    return batch
 
 
 @torch.no_grad()
@@ -48,6 +94,8 @@ def collect_input_stats(
     hessian: bool,
 ) -> dict[str, InputStats]:
     """Run `model(**batch)` over `calibration` and accumulate input statistics of `modules`.
+
+    Every module's statistics are held at once (see `sequential.py` for one layer at a time).
 
     Args:
         model: the model, called with each batch dict as keyword arguments.
@@ -61,39 +109,16 @@ def collect_input_stats(
     Raises:
         ValueError: if `calibration` yields no batch or a batch is not a mapping.
     """
-    stats = {name: InputStats() for name in modules}
-    handles = []
-
-    def make_hook(name: str) -> Any:
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            st = stats[name]
-            st.tokens += x.shape[0]
-            sq = x.square().sum(0)
-            st.sumsq = sq if st.sumsq is None else st.sumsq + sq
-            if hessian:
-                xtx = x.T @ x
-                st.xtx = xtx if st.xtx is None else st.xtx + xtx
-
-        return hook
-
-    for name, module in modules.items():
-        handles.append(module.register_forward_pre_hook(make_hook(name)))
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     seen = 0
     try:
-        for batch in calibration:
-            if not isinstance(batch, Mapping):
-                raise ValueError(
-                    f"`calibration` must yield dicts of model kwargs, got {type(batch).__name__}"
-                )
-            model(**_to_device(batch, device))
-            seen += 1
+        with record_input_stats(modules, hessian=hessian) as stats:
+            for batch in calibration:
+                model(**to_device(check_batch(batch), device))
+                seen += 1
     finally:
-        for handle in handles:
-            handle.remove()
         model.train(was_training)
     if seen == 0:
         raise ValueError("`calibration` yielded no batch")

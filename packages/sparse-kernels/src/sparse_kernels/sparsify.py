@@ -24,9 +24,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from sparse_kernels.calibration import collect_input_stats
+from sparse_kernels.calibration import InputStats, collect_input_stats
 from sparse_kernels.config import SparsityConfig
 from sparse_kernels.masks import mask_for_config
+from sparse_kernels.sequential import prune_sequential_
 from sparse_kernels.sparsegpt import sparsegpt_prune
 
 
@@ -151,12 +152,41 @@ def sparsity_report(model: nn.Module) -> dict[str, float]:
     return out
 
 
+def _prune_with_stats(
+    name: str, linear: nn.Linear, config: SparsityConfig, stats: InputStats | None
+) -> Tensor:
+    """Prune one Linear by `config.method` and attach its mask; return the mask."""
+    weight = linear.weight.detach()
+    if config.method == "magnitude":
+        mask = mask_for_config(weight.abs(), config)
+    elif config.method == "wanda":
+        assert stats is not None, name
+        assert stats.sumsq is not None, name
+        norms = stats.sumsq.to(weight.device).sqrt()
+        mask = mask_for_config(weight.abs().float() * norms[None, :], config)
+    else:
+        assert stats is not None, name
+        new_weight, mask = sparsegpt_prune(
+            weight,
+            stats.hessian().to(weight.device),
+            config.parsed,
+            sparsity=config.sparsity,
+            block_size=config.block_size,
+            blocksize=config.sparsegpt_block,
+            dampening=config.dampening,
+        )
+        stored_weight(linear).copy_(new_weight)
+    apply_mask_(linear, mask)
+    return mask
+
+
 @torch.no_grad()
 def sparsify_(
     model: nn.Module,
     config: SparsityConfig,
     *,
     calibration: Iterable[Mapping[str, Any]] | None = None,
+    sequential: bool = False,
 ) -> dict[str, Tensor]:
     """Prune the targeted Linear layers of `model` in place and keep them pruned.
 
@@ -164,50 +194,40 @@ def sparsify_(
         model: e.g. a Hugging Face causal LM.
         config: pattern, sparsity, method, targets.
         calibration: iterable of dicts of model kwargs (`input_ids`, optional
-            `attention_mask`); required by `wanda` and `sparsegpt`. All batches are run
-            through the dense model once (one-shot, not layer-sequential).
+            `attention_mask`); required by `wanda` and `sparsegpt`.
+        sequential: wanda / sparsegpt only. False: run all batches through the dense model
+            once and hold every target's statistics at once (a SparseGPT Hessian is
+            in_features² fp32 per Linear). True: walk the decoder layers in order, scoring each
+            layer on the outputs of the already-pruned layers before it, with one layer's
+            statistics in memory at a time (`sequential.py`; Llama-style layouts only, every
+            target inside a decoder layer). `calibration` is iterated once either way.
 
     Returns:
         Qualified name -> boolean mask (True = kept) of every pruned Linear.
 
     Raises:
-        ValueError: if no module is targeted, or calibration is missing for wanda/sparsegpt.
+        ValueError: if no module is targeted, calibration is missing for wanda/sparsegpt, or
+            (sequential) the model layout is unsupported or a target is outside the layers.
     """
     modules = select_targets(model, config.targets)
     if not modules:
         raise ValueError(
             f"no nn.Linear matched `targets` ({config.targets!r}); pass regexes on module names"
         )
-    stats = None
-    if config.method in ("wanda", "sparsegpt"):
-        if calibration is None:
-            raise ValueError(f"method {config.method!r} needs `calibration` batches")
-        stats = collect_input_stats(
-            model, modules, calibration, hessian=config.method == "sparsegpt"
-        )
-    out = {}
+    if config.method == "magnitude":
+        return {name: _prune_with_stats(name, lin, config, None) for name, lin in modules.items()}
+    if calibration is None:
+        raise ValueError(f"method {config.method!r} needs `calibration` batches")
+    hessian = config.method == "sparsegpt"
+    out: dict[str, Tensor] = {}
+    if sequential:
+
+        def prune(name: str, linear: nn.Linear, stats: InputStats) -> None:
+            out[name] = _prune_with_stats(name, linear, config, stats)
+
+        prune_sequential_(model, modules, calibration, prune, hessian=hessian)
+        return {name: out[name] for name in modules}
+    all_stats = collect_input_stats(model, modules, calibration, hessian=hessian)
     for name, linear in modules.items():
-        weight = linear.weight.detach()
-        if config.method == "magnitude":
-            mask = mask_for_config(weight.abs(), config)
-        elif config.method == "wanda":
-            assert stats is not None
-            sumsq = stats[name].sumsq
-            assert sumsq is not None
-            norms = sumsq.to(weight.device).sqrt()
-            mask = mask_for_config(weight.abs().float() * norms[None, :], config)
-        else:
-            assert stats is not None
-            new_weight, mask = sparsegpt_prune(
-                weight,
-                stats[name].hessian().to(weight.device),
-                config.parsed,
-                sparsity=config.sparsity,
-                block_size=config.block_size,
-                blocksize=config.sparsegpt_block,
-                dampening=config.dampening,
-            )
-            stored_weight(linear).copy_(new_weight)
-        apply_mask_(linear, mask)
-        out[name] = mask
+        out[name] = _prune_with_stats(name, linear, config, all_stats.pop(name))
     return out

@@ -1,0 +1,193 @@
+"""Layer-by-layer calibration: one decoder layer's statistics in memory at a time.
+
+The sequential pass of SparseGPT (Frantar & Alistarh, arXiv 2301.00774, §3 and the reference
+`llama.py`) and Wanda (Sun et al., arXiv 2306.11695, `prune_wanda`):
+
+1. run the model on every calibration batch until decoder layer 0 is called, and keep that call's
+   hidden states and keyword arguments (attention mask, position ids, the rotary
+   `position_embeddings` the model computes once and hands to every layer); the rest of the
+   forward is skipped;
+2. for each layer in order: hook its targeted Linears, run the layer on every batch's hidden
+   states to accumulate their input statistics (Hessian XᵀX for SparseGPT, ‖X_j‖² for Wanda),
+   prune its Linears one by one (SparseGPT also updates the kept weights) and free each one's
+   statistics as soon as it is pruned;
+3. run the layer again, now pruned, on the same hidden states: its outputs replace them as the
+   next layer's inputs (recomputed after pruning, as both references do), so every layer is
+   scored on the inputs the already-pruned layers before it produce.
+
+All Linears of one layer are scored from one pass of that layer on its (upstream-pruned) inputs:
+`o_proj` and `down_proj` see the outputs of the dense `q/k/v` and `gate/up` of the same layer,
+as in the SparseGPT and Wanda references (GPTQ's `--true-sequential` would re-run the layer
+between sub-blocks; it is not implemented).
+
+Memory beyond the model: the hidden states of all calibration batches (samples x seq x hidden in
+the model's dtype), one batch's layer output and layer-0 keyword arguments, and the statistics of
+one layer's Linears (Σ in² fp32 for SparseGPT), never all layers'. Everything stays on the
+model's device (no CPU offload of layers).
+
+Supported layouts: decoder layers at `model.model.layers` (Hugging Face Llama-style causal LMs:
+Llama, Mistral, Qwen2, Gemma, Phi-3, ...) or `model.layers` (their base models), called as
+`layer(hidden_states, **kwargs)` and returning the hidden states (or a tuple that starts with
+them, as transformers 4.x layers do).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from sparse_kernels.calibration import InputStats, check_batch, record_input_stats, to_device
+
+LAYER_PATHS = ("model.layers", "layers")
+"""Where `decoder_layers` looks for the `nn.ModuleList` of decoder layers, in order."""
+
+PruneFn = Callable[[str, nn.Linear, InputStats], None]
+
+
+class _ReachedLayerError(Exception):
+    """Raised by the layer-0 pre-hook to stop the forward once its inputs are captured."""
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The qualified name and `nn.ModuleList` of `model`'s decoder layers.
+
+    Raises:
+        ValueError: if none of `LAYER_PATHS` is a non-empty `nn.ModuleList`; the message names
+            the model class and `config.model_type`.
+    """
+    for path in LAYER_PATHS:
+        obj: Any = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, nn.ModuleList) and len(obj) > 0:
+            return path, obj
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    raise ValueError(
+        f"sequential pruning needs the decoder layers as an nn.ModuleList at "
+        f"{' or '.join(f'`model.{p}`' for p in LAYER_PATHS)} (Hugging Face Llama-style causal "
+        f"LMs such as Llama, Mistral, Qwen2); {type(model).__name__} "
+        f"(model_type={model_type!r}) has neither: prune it with `sequential=False`"
+    )
+
+
+def _layer_of(names: Iterable[str], prefix: str, count: int) -> dict[int, list[str]]:
+    """Layer index -> qualified names under `prefix.<index>.`; error for names outside."""
+    by_layer: dict[int, list[str]] = {}
+    outside = []
+    for name in names:
+        head, _, _rest = name.removeprefix(prefix + ".").partition(".")
+        if not name.startswith(prefix + ".") or not head.isdigit() or int(head) >= count:
+            outside.append(name)
+            continue
+        by_layer.setdefault(int(head), []).append(name)
+    if outside:
+        raise ValueError(
+            f"sequential pruning prunes Linears inside the decoder layers (`{prefix}.N.`) only; "
+            f"`targets` also selects {sorted(outside)}: drop them from `targets` or use "
+            f"`sequential=False`"
+        )
+    return by_layer
+
+
+def _call(
+    layer: nn.Module, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Tensor:
+    out = layer(hidden, *args, **kwargs)
+    if isinstance(out, tuple):
+        out = out[0]
+    assert isinstance(out, Tensor), f"decoder layer returned {type(out).__name__}"
+    return out
+
+
+def capture_layer_inputs(
+    model: nn.Module, layer: nn.Module, calibration: Iterable[Mapping[str, Any]]
+) -> list[tuple[Tensor, tuple[Any, ...], dict[str, Any]]]:
+    """`(hidden_states, other positional args, kwargs)` of `layer`'s call, one per batch.
+
+    The model's forward stops at `layer` (the layers after it never run). A KV cache passed to
+    the layer is dropped (`past_key_values=None`, `use_cache=False`): the layer is re-run on the
+    same inputs and must not append to it.
+
+    Raises:
+        ValueError: if `calibration` yields no batch or a non-mapping, or the forward of a batch
+            never calls `layer`.
+    """
+    device = next(model.parameters()).device
+    captured: list[tuple[Tensor, tuple[Any, ...], dict[str, Any]]] = []
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        kw = dict(kwargs)
+        hidden = args[0] if args else kw.pop("hidden_states")
+        for key in ("past_key_values", "past_key_value"):
+            if key in kw:
+                kw[key] = None
+        if "use_cache" in kw:
+            kw["use_cache"] = False
+        captured.append((hidden.detach(), tuple(args[1:]), kw))
+        raise _ReachedLayerError
+
+    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for i, batch in enumerate(calibration):
+            with contextlib.suppress(_ReachedLayerError):
+                model(**to_device(check_batch(batch), device))
+            if len(captured) != i + 1:
+                raise ValueError(
+                    f"calibration batch {i}: the forward of {type(model).__name__} never called "
+                    f"its first decoder layer; check the batch keys ({sorted(batch)})"
+                )
+    finally:
+        handle.remove()
+    if not captured:
+        raise ValueError("`calibration` yielded no batch")
+    return captured
+
+
+@torch.no_grad()
+def prune_sequential_(
+    model: nn.Module,
+    modules: Mapping[str, nn.Linear],
+    calibration: Iterable[Mapping[str, Any]],
+    prune: PruneFn,
+    *,
+    hessian: bool,
+) -> None:
+    """Walk the decoder layers in order and call `prune(name, linear, stats)` for each target.
+
+    Args:
+        model: a Llama-style Hugging Face causal LM (see `decoder_layers`).
+        modules: qualified name -> Linear to prune; all inside the decoder layers.
+        calibration: iterable of dicts of model kwargs (`input_ids`, `attention_mask`, ...).
+        prune: called once per Linear, in layer order, with the statistics of its inputs given
+            the already-pruned layers before it; it prunes the Linear in place.
+        hessian: also accumulate XᵀX (SparseGPT); otherwise only ‖X_j‖² (Wanda).
+
+    Raises:
+        ValueError: for an unsupported model layout, targets outside the decoder layers, or bad
+            calibration batches.
+    """
+    prefix, layers = decoder_layers(model)
+    by_layer = _layer_of(modules, prefix, len(layers))
+    was_training = model.training
+    model.eval()
+    try:
+        inputs = capture_layer_inputs(model, layers[0], calibration)
+        last = max(by_layer, default=-1)
+        for index in range(last + 1):
+            layer = layers[index]
+            names = by_layer.get(index, [])
+            if names:
+                with record_input_stats({n: modules[n] for n in names}, hessian=hessian) as st:
+                    for hidden, args, kwargs in inputs:
+                        _call(layer, hidden, args, kwargs)
+                for name in names:
+                    prune(name, modules[name], st.pop(name))  # freed as soon as it is used
+            if index < last:
+                for i, (hidden, args, kwargs) in enumerate(inputs):
+                    inputs[i] = (_call(layer, hidden, args, kwargs), args, kwargs)
+    finally:
+        model.train(was_training)
