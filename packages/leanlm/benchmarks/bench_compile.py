@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 from transformers import LlamaForCausalLM
 
+from leanlm.config import ModelConfig
 from leanlm.engines import compile_layers
 from leanlm.evaluate import causal_lm_loss
 from leanlm.model import llama_config
 from leanlm.presets import PRESETS
-from leanlm.sections import ModelConfig
 from leanlm_testing import bench
 
 

@@ -65,8 +65,8 @@ from leanlm.data import (
     spread_windows,
     tokenize_corpus,
 )
+from leanlm.data.tokenizer import load_or_train_tokenizer
 from leanlm.evaluate import evaluate_perplexity
-from leanlm.tokenizer import load_or_train_tokenizer
 from leanlm_testing import bench
 from prune_distill import PruneTarget, collect_importance, forward_kl, prune
 

@@ -13,12 +13,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from leanlm.config import DataConfig, PruneConfig, TokenizerConfig, dumps_toml, load_toml
-from leanlm.configio import ConfigError, from_dict, with_overrides
+from leanlm.config import (
+    ConfigError,
+    DataConfig,
+    PruneConfig,
+    TokenizerConfig,
+    dumps_toml,
+    from_dict,
+    load_toml,
+    with_overrides,
+)
 from leanlm.data import blocks, load_corpus, tokenize_corpus
-from leanlm.data_stream import StreamBatches, WindowStream
+from leanlm.data.stream import StreamBatches, WindowStream
+from leanlm.data.tokenizer import train_tokenizer
 from leanlm.pipeline import run_pipeline
-from leanlm.tokenizer import train_tokenizer
 
 
 @pytest.fixture(scope="module")

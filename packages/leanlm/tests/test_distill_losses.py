@@ -14,11 +14,10 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from leanlm.config import DistillConfig
-from leanlm.configio import ConfigError
-from leanlm.distill import loss_label
+from leanlm.config import ConfigError, DistillConfig
 from leanlm.distill_train import cached_distillation_loss, distillation_loss
 from leanlm.model import llama_config
+from leanlm.stages.distill import loss_label
 from prune_distill import divergence
 
 VOCAB = 64

@@ -16,8 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from leanlm.config import RunConfig, dumps_toml, from_dict
-from leanlm.configio import ConfigError
+from leanlm.config import ConfigError, RunConfig, dumps_toml, from_dict
 
 
 def _run(args, *, processes, env):

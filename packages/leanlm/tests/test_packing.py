@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
+from leanlm.data.packing import boundary_labels, document_positions, install
 from leanlm.model import llama_config
-from leanlm.packing import boundary_labels, document_positions, install
 
 EOS = 1
 

@@ -11,8 +11,7 @@ import pytest
 import leanlm
 from leanlm import presets
 from leanlm.cli import _parser
-from leanlm.config import STAGE_NAMES, RunConfig, from_dict
-from leanlm.configio import ConfigError, library_errors
+from leanlm.config import STAGE_NAMES, ConfigError, RunConfig, from_dict, library_errors
 from leanlm.stages import STAGES, Stage, register_stage
 
 SRC = Path(leanlm.__file__).parent
@@ -34,7 +33,9 @@ def test_stage_names_presets_and_help_come_from_the_registry():
 def test_stage_modules_do_not_import_each_other():
     for name, stage in STAGES.items():
         module = stage.__module__
-        tree = ast.parse((SRC / f"{module.rsplit('.', 1)[1]}.py").read_text())
+        tree = ast.parse(
+            (SRC / f"{module.removeprefix('leanlm.').replace('.', '/')}.py").read_text()
+        )
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)} | {
             a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names
         }

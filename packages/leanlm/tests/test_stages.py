@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from leanlm.config import ConfigError, ControlConfig, DistillConfig, PruneConfig, SparsifyConfig
 from leanlm.lineage import pruned_layer_map_for
 from leanlm.pipeline import run_pipeline
-from leanlm.sparsify import COMPRESSED_FILE
+from leanlm.stages.sparsify import COMPRESSED_FILE
 from sparse_kernels import load_compressed_
 
 STAGES = ("pretrain", "prune", "distill", "sparsify", "control")

@@ -3,10 +3,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from leanlm import tokenizer as tok_module
 from leanlm.config import DataConfig, TokenizerConfig
 from leanlm.data import load_corpus
-from leanlm.tokenizer import EOS, PAD, load_or_train_tokenizer, tokenizer_key
+from leanlm.data import tokenizer as tok_module
+from leanlm.data.tokenizer import EOS, PAD, load_or_train_tokenizer, tokenizer_key
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from leanlm.model import load_model
-from leanlm.stages import StageContext
+from leanlm.stages.base import StageContext
 
 
 def calibration_batches(

@@ -9,7 +9,7 @@ last before the rename); `latest` verifies them, moves a damaged checkpoint asid
 (`.damaged-step-XXXXXXXX`, named in the log) and falls back to the newest intact one. The batch
 of a step is a pure function of the step (`data.global_batch_indices`),
 so the step number is the whole data position; with `[data] streaming` the trainer state also
-holds the stream's position (`data_stream.BatchSource.state`).
+holds the stream's position (`leanlm.data.stream.BatchSource.state`).
 
 A model sharded by shard-zero or FSDP2 is not known to accelerate: its checkpoint adds the
 engine's own folder (`zero/`: `shard_zero.save_checkpoint`; `fsdp2/`: a

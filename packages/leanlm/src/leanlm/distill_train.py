@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from leanlm.optim import decay_param_groups, optimizer_over
-from leanlm.stages import StageContext
+from leanlm.stages.base import StageContext
+from leanlm.teacher_cache import CachedTeacher, stage_micro_batches
 from prune_distill import HiddenStateLoss, correct_teacher, divergence
 
 if TYPE_CHECKING:
-    from leanlm.distill import DistillConfig
-    from leanlm.teacher_cache import CachedTeacher
+    from leanlm.config import DistillConfig
     from leanlm.trainer import LossFn
 
 
@@ -121,28 +121,6 @@ def _kl_and_ce(
         ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten())
         loss = opts.kl_weight * loss + opts.lm_loss_weight * ce
     return loss
-
-
-def stage_micro_batches(
-    ctx: StageContext, cfg: DistillConfig, *, steps: int
-) -> Iterator[torch.Tensor]:
-    """The first `steps` global batches of the stage, in micro-batches `(B, T)`.
-
-    In the trainer's order (`leanlm.trainer`: process r's micro-batches are the r-th slice).
-    Every process walks the whole global batch, so all of them see the same sequences without
-    communicating.
-    """
-    from leanlm.data import global_batch_indices
-
-    blocks = ctx.resources.train_blocks
-    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * ctx.accelerator.num_processes
-    for step in range(steps):
-        indices = global_batch_indices(
-            step, global_batch=global_batch, num_blocks=blocks.shape[0], seed=ctx.config.seed
-        )
-        chunk = blocks[indices]
-        for start in range(0, global_batch, cfg.micro_batch_size):
-            yield chunk[start : start + cfg.micro_batch_size]
 
 
 def _correction_batches(ctx: StageContext, cfg: DistillConfig) -> Iterator[dict[str, Any]]:

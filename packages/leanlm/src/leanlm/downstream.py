@@ -24,14 +24,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from leanlm.configio import ConfigError
-from leanlm.extra_sections import EvalConfig
+from leanlm.config import ConfigError, EvalConfig
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from leanlm.config import RunConfig
-    from leanlm.stages import StageResult
+    from leanlm.stages.base import StageResult
 
 RESULTS_FILE = "lm_eval.json"
 """lm-eval's results for a stage's model, in the stage's folder."""

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
+from leanlm.config import TrainConfig
 from leanlm.optim import decay_param_groups, optimizer_over
-from leanlm.sections import TrainConfig
-from leanlm.stages import StageContext
+from leanlm.stages.base import StageContext
 
 
 class _ZeroState:

@@ -21,8 +21,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from leanlm.configio import ConfigError
-from leanlm.extra_sections import LoggingConfig
+from leanlm.config import ConfigError, LoggingConfig
 
 WANDB_ID_FILE = "wandb_run_id"
 """In the run folder: the W&B run id, so that `--resume` continues the same W&B run."""

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from leanlm.sections import ModelConfig
+from leanlm.config import ModelConfig
 
 
 def llama_config(

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from leanlm.sections import OptimizerName
+from leanlm.config import OptimizerName
 
 OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
 """The names `OptimizerName` allows, in its order."""

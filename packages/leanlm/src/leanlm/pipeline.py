@@ -13,7 +13,7 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
 from leanlm import interrupt
-from leanlm.config import INIT_STAGE, RunConfig, dumps_toml, to_dict  # registers the stages
+from leanlm.config import INIT_STAGE, RunConfig, dumps_toml, to_dict
 from leanlm.downstream import Downstream
 from leanlm.metrics import WandbRun, peak_memory_mib, require_wandb, reset_peak_memory
 from leanlm.model import weights_stats

@@ -33,8 +33,7 @@ from typing import Any
 
 import torch
 
-from leanlm.config import RunConfig
-from leanlm.sections import TrainConfig
+from leanlm.config import RunConfig, TrainConfig
 
 PARTS = (
     "weights",

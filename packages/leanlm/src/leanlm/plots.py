@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from leanlm.metrics import read_metrics
-from leanlm.stages import StageResult
+from leanlm.stages.base import StageResult
 
 CROSS_ENTROPY = "cross-entropy"
 """The `loss_label` of a stage trained with next-token loss (the default)."""

@@ -19,7 +19,7 @@ import torch
 
 from leanlm import plots
 from leanlm.config import RunConfig, dumps_toml
-from leanlm.stages import StageResult
+from leanlm.stages.base import StageResult
 
 COLUMNS = (
     ("stage", "stage"),

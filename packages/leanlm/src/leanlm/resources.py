@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from accelerate import Accelerator
 
-from leanlm.configio import ConfigError
+from leanlm.config import ConfigError
 from leanlm.data import (
     Corpus,
     TokenStreams,
@@ -20,14 +20,14 @@ from leanlm.data import (
     spread_windows,
     tokenize_corpus,
 )
-from leanlm.data_stream import (
+from leanlm.data.stream import (
     BatchSource,
     BlockBatches,
     StreamBatches,
     WindowStream,
     first_windows,
 )
-from leanlm.tokenizer import load_or_train_tokenizer
+from leanlm.data.tokenizer import load_or_train_tokenizer
 
 if TYPE_CHECKING:
     from leanlm.config import RunConfig

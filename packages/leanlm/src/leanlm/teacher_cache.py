@@ -26,15 +26,36 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from leanlm.checkpoint import save_atomically
-from leanlm.stages import StageContext
+from leanlm.data import global_batch_indices
+from leanlm.stages.base import StageContext
 
 if TYPE_CHECKING:
-    from leanlm.distill import DistillConfig
+    from leanlm.config import DistillConfig
 
 CACHE_DIR = "teacher-cache"
 """The cache's folder in the stage's directory."""
 MANIFEST = "cache.json"
 """What the cache was made for, its files with their sizes, and each file's row keys."""
+
+
+def stage_micro_batches(
+    ctx: StageContext, cfg: DistillConfig, *, steps: int
+) -> Iterator[torch.Tensor]:
+    """The first `steps` global batches of the stage, in micro-batches `(B, T)`.
+
+    In the trainer's order (`leanlm.trainer`: process r's micro-batches are the r-th slice).
+    Every process walks the whole global batch, so all of them see the same sequences without
+    communicating.
+    """
+    blocks = ctx.resources.train_blocks
+    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * ctx.accelerator.num_processes
+    for step in range(steps):
+        indices = global_batch_indices(
+            step, global_batch=global_batch, num_blocks=blocks.shape[0], seed=ctx.config.seed
+        )
+        chunk = blocks[indices]
+        for start in range(0, global_batch, cfg.micro_batch_size):
+            yield chunk[start : start + cfg.micro_batch_size]
 
 
 def row_key(row: torch.Tensor) -> str:
@@ -82,7 +103,6 @@ def ensure_cache(
     The main process writes it (loading the teacher, frozen, in its checkpoint dtype, and
     freeing it afterwards); the others wait for it.
     """
-    from leanlm.distill_train import stage_micro_batches
     from leanlm.model import load_teacher
     from prune_distill import cache_teacher_topk
 

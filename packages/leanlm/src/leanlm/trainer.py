@@ -2,7 +2,7 @@
 
 One optimizer step consumes a global batch of `micro_batch_size x grad_accum_steps x processes`
 sequences chosen by `data.global_batch_indices(step)` (or the next windows of the stream with
-`[data] streaming`, `leanlm.data_stream`); process r takes the r-th contiguous slice.
+`[data] streaming`, `leanlm.data.stream`); process r takes the r-th contiguous slice.
 Every micro-batch has the same number of tokens (fixed-length blocks, no padding), so the mean of
 micro-batch losses, averaged over processes by DDP, is exactly the loss of the global batch: one
 process with `grad_accum_steps = k` and k processes with 1 optimise the same objective.
@@ -28,14 +28,13 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from leanlm import interrupt
 from leanlm.checkpoint import Checkpointer, save_atomically
-from leanlm.configio import ConfigError
+from leanlm.config import ConfigError, TrainConfig
 from leanlm.engines import Parallel
 from leanlm.evaluate import EvalResult, causal_lm_loss, evaluate_perplexity
 from leanlm.metrics import MetricsLog
 from leanlm.model import count_parameters
 from leanlm.progress import Progress
-from leanlm.sections import TrainConfig
-from leanlm.stages import StageContext
+from leanlm.stages.base import StageContext
 
 __all__ = [
     "LossFn",
@@ -109,8 +108,8 @@ class _Loop:
             )
         self.tokens_per_step = self.global_batch * ctx.config.data.seq_len
         self.n_params = count_parameters(model)
-        if ctx.config.data.packing:  # per-document positions and labels (`leanlm.packing`)
-            from leanlm import packing
+        if ctx.config.data.packing:  # per-document positions and labels (`leanlm.data.packing`)
+            from leanlm.data import packing
 
             packing.install(model, ctx.resources.tokenizer.eos_token_id)
         self.par = Parallel(ctx, model, cfg)

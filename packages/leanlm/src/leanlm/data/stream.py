@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from leanlm.data import blocks, global_batch_indices
+from leanlm.data.windows import blocks, global_batch_indices
 
 if TYPE_CHECKING:
     import datasets

@@ -11,70 +11,17 @@ format (`save_compressed`) is written next to it and its size reported.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from leanlm.configio import library_errors, non_negative, positive
-from leanlm.sections import TrainConfig
-from leanlm.stages import Stage, StageContext, StageResult, register_stage
-from sparse_kernels import SparsityConfig  # plain Python: loading a config loads no torch
+from leanlm.config import SparsifyConfig
+from leanlm.stages.base import Stage, StageContext, StageResult
 
 if TYPE_CHECKING:
     import torch
 
 COMPRESSED_FILE = "compressed.safetensors"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SparsifyConfig(TrainConfig):
-    """Stage `sparsify`: one-shot pruning of the decoder Linears, then a sparse fine-tune.
-
-    Pruning is sparse-kernels' `sparsify_` with the `SparsityConfig` of `pattern`, `method`,
-    `sparsity` and `block_size` (`sparsity_config`, which checks them); the fine-tune (next-token
-    loss) keeps the masks fixed; `steps` = 0 skips it.
-
-    The fine-tune may be sharded with ZeRO-1/2/3 or FSDP2 (the masks hold, and the updates equal
-    the replicated run's); when sharded, the output is written from the gathered weights. The
-    output folder holds the dense-format model with zeros baked in (loads with
-    `AutoModelForCausalLM`) plus its masks; `compressed.safetensors` next to it
-    is the compact format (2:4 values + metadata, or bitmask + kept values).
-    """
-
-    pattern: str = "2:4"
-    """`"N:M"` (keep N of every M input weights), `"unstructured"` or `"block"`."""
-    method: Literal["magnitude", "wanda", "sparsegpt"] = "wanda"
-    """How weights are scored: |W|, Wanda |W|·‖X‖, or SparseGPT (OBS with weight updates)."""
-    sparsity: float = 0.5
-    """Fraction of zeros for `unstructured` / `block` (N:M patterns fix it at 1 - N/M)."""
-    block_size: int = 16
-    """Tile edge for `pattern = "block"`."""
-    calibration_samples: int = 64
-    """Training sequences used for Wanda / SparseGPT statistics."""
-    calibration_batch_size: int = 16
-    """Sequences per calibration forward pass."""
-    steps: int = 50
-    lr: float = 1e-3
-    warmup_steps: int = 5
-
-    def __post_init__(self) -> None:
-        non_negative(self, "steps", zero="no fine-tune")
-        if self.steps:  # the training settings matter only when there is a fine-tune
-            super().__post_init__()
-        positive(self, "calibration_samples", "calibration_batch_size")
-        with library_errors(self, keys={"n": "pattern", "m": "pattern"}):
-            self.sparsity_config  # noqa: B018  (sparse-kernels checks the pruning settings)
-
-    @property
-    def sparsity_config(self) -> SparsityConfig:
-        """The `sparse_kernels.SparsityConfig` this section describes."""
-        return SparsityConfig(
-            pattern=self.pattern,
-            method=self.method,
-            sparsity=self.sparsity,
-            block_size=self.block_size,
-        )
 
 
 def _save_sparse(
@@ -121,7 +68,6 @@ def _unsharded_copy(model: torch.nn.Module, state_dict: dict[str, torch.Tensor])
     return plain
 
 
-@register_stage
 class Sparsify(Stage):
     """Prune the previous stage's model one-shot, fine-tune it sparse, save it."""
 

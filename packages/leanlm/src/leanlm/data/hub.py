@@ -2,7 +2,7 @@
 
 With `data_files` the builder named by `hub_name` (`json`, `parquet`, `text`, `csv`) reads local
 files, e.g. `hub_name = "json"` with `data_files = {train = ["a.jsonl"], validation = ["b.jsonl"]}`.
-With `streaming` the splits are `datasets.IterableDataset`s read on demand (`leanlm.data_stream`
+With `streaming` the splits are `datasets.IterableDataset`s read on demand (`leanlm.data.stream`
 tokenizes them on the fly); otherwise they are loaded, cached and tokenized whole.
 """
 
@@ -15,9 +15,8 @@ from typing import Any
 
 import datasets
 
-from leanlm.configio import ConfigError
-from leanlm.data import Corpus, quiet_datasets
-from leanlm.sections import DataConfig
+from leanlm.config import ConfigError, DataConfig
+from leanlm.data.corpus import Corpus, quiet_datasets
 
 
 def check_data_files(data_files: dict[str, tuple[str, ...]]) -> list[Path]:

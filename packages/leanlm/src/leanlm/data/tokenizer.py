@@ -15,8 +15,8 @@ import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from leanlm.data import Corpus
-from leanlm.sections import TokenizerConfig
+from leanlm.config import TokenizerConfig
+from leanlm.data.corpus import Corpus
 
 EOS = "<|endoftext|>"
 """Separates documents; also the BOS token."""

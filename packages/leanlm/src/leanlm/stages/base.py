@@ -1,16 +1,15 @@
 """The stage interface: what every pipeline stage is, receives, returns and writes.
 
-A stage is a `Stage` subclass registered with `@register_stage`. Its `name` is its config
-section in `RunConfig`, its TOML table and its folder in the run directory; its `config` is the
-class of that section (defined in the stage's module); `check_run` holds the rules that involve
-other sections (which stages must come before it, sizes it must not exceed, ...); `run(ctx)`
-does the work. A stage reads the previous stage's Hugging Face model folder (`ctx.input_dir`,
-`None` for the first stage), gets its own section as `ctx.section`, writes its model under
-`ctx.model_dir` (`save_pretrained` + tokenizer) and returns a `StageResult` with everything the
-report shows. Stages never import each other: what one leaves for another (the prune lineage)
-goes through a neutral module (`leanlm.lineage`). The pipeline stores each result with a hash of
-everything the stage depends on, so a finished stage is skipped on `--resume` unless its inputs
-changed. `docs/development.md` walks through adding a stage.
+A stage is a `Stage` subclass listed in `leanlm.stages.STAGES`. Its `name` is its config section in
+`RunConfig`, its TOML table and its folder in the run directory; its `config` is the class of that
+section (in `leanlm.config`, with the rules that involve other sections: which stages must come
+before it, sizes it must not exceed, ...); `run(ctx)` does the work. A stage reads the previous
+stage's Hugging Face model folder (`ctx.input_dir`, `None` for the first stage), gets its own
+section as `ctx.section`, writes its model under `ctx.model_dir` (`save_pretrained` + tokenizer) and
+returns a `StageResult` with everything the report shows. Stages never import each other: what one
+leaves for another (the prune lineage) goes through a neutral module (`leanlm.lineage`). The
+pipeline stores each result with a hash of everything the stage depends on, so a finished stage is
+skipped on `--resume` unless its inputs changed. `docs/development.md` walks through adding a stage.
 """
 
 from __future__ import annotations
@@ -21,6 +20,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from leanlm.config import STAGE_SECTIONS
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -131,21 +132,8 @@ class Stage:
     """The stage's name: its `RunConfig` field, TOML table and run-directory folder."""
     config: ClassVar[type]
     """The class of its config section (a frozen keyword-only dataclass)."""
-    needs_input: ClassVar[bool] = True
-    """Whether it reads a previous stage's model (else it can start a run without `init_model`)."""
     summary: ClassVar[str] = ""
     """A few words for `leanlm --help`."""
-
-    @classmethod
-    def check_run(cls, run: RunConfig) -> None:
-        """Rules between this stage's section and the rest of the run.
-
-        Called by `RunConfig` for every registered stage, listed or not, after each section
-        checked itself.
-
-        Raises:
-            leanlm.configio.ConfigError: naming the dotted key at fault.
-        """
 
     def run(self, ctx: StageContext) -> StageResult:
         """Run the stage and return its result (the pipeline saves it)."""
@@ -153,16 +141,21 @@ class Stage:
 
 
 STAGES: dict[str, type[Stage]] = {}
-"""Registered stages by name, in pipeline order (the order their modules register them)."""
+"""Stages by name, in pipeline order (`leanlm.stages` registers them)."""
 
 S = TypeVar("S", bound=type[Stage])
 
 
 def register_stage(cls: S) -> S:
-    """Class decorator that makes a stage available to `RunConfig.stages`."""
+    """Add a stage to `STAGES`; its name and section must be a `RunConfig` stage field's."""
     if cls.name in STAGES:
         raise ValueError(f"a stage named {cls.name!r} is already registered: {STAGES[cls.name]}")
     if not dataclasses.is_dataclass(getattr(cls, "config", None)):
         raise TypeError(f"stage {cls.name!r} must set `config` to its section's dataclass")
+    if STAGE_SECTIONS.get(cls.name) is not cls.config:
+        raise TypeError(
+            f"stage {cls.name!r} needs `RunConfig.{cls.name}` of its section type "
+            f"{cls.config.__name__}: add both to `leanlm.config.run.STAGE_SECTIONS` and `RunConfig`"
+        )
     STAGES[cls.name] = cls
     return cls

@@ -12,37 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from leanlm.configio import ConfigError
-from leanlm.sections import INIT_STAGE, TrainConfig
-from leanlm.stages import Stage, StageContext, StageResult, register_stage
-
-if TYPE_CHECKING:
-    from leanlm.config import RunConfig
-
-DENSE_STAGE = "pretrain"
-"""The stage whose model the control continues (`init_model` when the run has no pretrain)."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ControlConfig(TrainConfig):
-    """Stage `control`: train the dense pretrained model on, as a fair baseline for compression.
-
-    It continues the `pretrain` stage's model (or `init_model`) with next-token loss for as many
-    tokens as the stages between it and `pretrain` used (their `tokens` plus calibration tokens,
-    read from their results), rounded up to whole optimizer steps, and scores it on the same
-    validation windows. So `steps` is not read: the stage computes it. Everything else (optimizer,
-    learning rate, batch, ...) is as in the other training stages.
-    """
-
-    _steps_given: ClassVar[bool] = False
-
-    steps: int = 1
-    """Not read: the stage trains for the compression stages' tokens (see above)."""
-    warmup_steps: int = 5
-    """Linear warmup steps (at most the computed steps - 1)."""
-    lr: float = 1e-3
+from leanlm.config import DENSE_STAGE, INIT_STAGE, ControlConfig
+from leanlm.stages.base import Stage, StageContext, StageResult
 
 
 def compression_tokens(ctx: StageContext) -> dict[str, int]:
@@ -69,28 +42,12 @@ def control_steps(tokens: int, cfg: ControlConfig, *, processes: int, seq_len: i
     return max(1, math.ceil(tokens / per_step))
 
 
-@register_stage
 class Control(Stage):
     """Train the dense model on for the compression stages' tokens and score it."""
 
     name: ClassVar[str] = "control"
     config: ClassVar[type] = ControlConfig
     summary: ClassVar[str] = "the dense model trained on for the same tokens"
-
-    @classmethod
-    def check_run(cls, run: RunConfig) -> None:
-        """`control` comes last, after a compression stage, with a dense model to continue."""
-        if cls.name not in run.stages:
-            return
-        compared = [s for s in run.stages[:-1] if s != DENSE_STAGE]
-        if run.stages[-1] != cls.name or not compared:
-            raise ConfigError(
-                "stages",
-                "'control' must be the last stage, after the compression stages it is "
-                f"compared with: {list(run.stages)}",
-            )
-        if run.stages[0] != DENSE_STAGE and not run.init_model:
-            raise ConfigError("stages", "'control' needs 'pretrain' first or `init_model`")
 
     def run(self, ctx: StageContext) -> StageResult:
         """Count the compression stages' tokens, train the dense model that long, save it."""

@@ -1,29 +1,25 @@
-"""Corpora: discovery, a fixed train/validation split, loading through `datasets`, token streams.
+"""Corpora: discovery, a fixed train/validation split, loading through `datasets`.
 
 The default corpus needs no network: the source of the running interpreter's standard library
 (found with `sysconfig`) plus `pydoc_data/topics.py`, whose ~0.7 MB of English prose keeps the
 model from seeing only code. Local text files and hub datasets go through the same path: a
 `datasets.DatasetDict` with `train` and `validation` splits and one `text` column (hub datasets
-and local data files: `leanlm.data_hub`; with `[data] streaming` the splits are read and
-tokenized on demand instead: `leanlm.data_stream`).
+and local data files: `leanlm.data.hub`; with `[data] streaming` the splits are read and
+tokenized on demand instead: `leanlm.data.stream`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import sysconfig
-from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+from collections.abc import Collection
 from pathlib import Path
-from typing import Any
 
 import datasets
-import numpy as np
-import torch
 
-from leanlm.configio import ConfigError
-from leanlm.sections import DataConfig
+from leanlm.config import ConfigError, DataConfig
+from leanlm.data.corpus import Corpus, quiet_datasets
+from leanlm.data.hub import load_hub
 
 PROSE_FILE = Path("pydoc_data") / "topics.py"
 """The standard library's largest block of English prose (the `help()` topics)."""
@@ -115,41 +111,12 @@ def split_by_file(
     return [p for p in files if p not in chosen], sorted(val, key=files.index)
 
 
-@dataclass(frozen=True)
-class Corpus:
-    """The text of a run: `dataset` has `train` and `validation` splits with a `text` column.
-
-    With `[data] streaming` the splits are `datasets.IterableDataset`s, read on demand.
-    """
-
-    dataset: datasets.DatasetDict | datasets.IterableDatasetDict
-    fingerprint: str
-    """Identifies the text (content hashes or the `datasets` fingerprints), for caches."""
-    description: str
-    """One line for logs and reports."""
-
-
 def _hash_files(files: list[Path]) -> str:
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode())
         digest.update(hashlib.sha256(path.read_bytes()).digest())
     return digest.hexdigest()[:16]
-
-
-@contextlib.contextmanager
-def quiet_datasets() -> Iterator[None]:
-    """No "Downloading data" / "Generating split" bars: local files are not downloaded."""
-    was_disabled = datasets.utils.are_progress_bars_disabled()
-    verbosity = datasets.utils.logging.get_verbosity()
-    datasets.utils.disable_progress_bars()
-    datasets.utils.logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        datasets.utils.logging.set_verbosity(verbosity)
-        if not was_disabled:
-            datasets.utils.enable_progress_bars()
 
 
 def _load_files(train: list[Path], val: list[Path], cache_dir: Path) -> datasets.DatasetDict:
@@ -168,7 +135,7 @@ def load_corpus(config: DataConfig, *, cache_dir: Path) -> Corpus:
 
     Raises:
         ConfigError: if listed files are missing or the hub dataset lacks a split or column
-            (`leanlm.data_hub.load_hub`).
+            (`leanlm.data.hub.load_hub`).
     """
     if config.source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
@@ -204,123 +171,4 @@ def load_corpus(config: DataConfig, *, cache_dir: Path) -> Corpus:
             fingerprint=_hash_files(train) + _hash_files(val),
             description=f"{len(train)} train / {len(val)} validation local files",
         )
-    from leanlm.data_hub import load_hub  # it imports this module
-
     return load_hub(config, cache_dir)
-
-
-@dataclass(frozen=True)
-class TokenStreams:
-    """Each split tokenized and concatenated (EOS after every row) into one 1-D int64 tensor."""
-
-    train: torch.Tensor
-    validation: torch.Tensor
-
-
-def tokenize_corpus(corpus: Corpus, tokenizer: Any, *, tokenizer_key: str) -> TokenStreams:
-    """Tokenize both splits with `tokenizer` (a fast HF tokenizer), cached by `datasets`.
-
-    The cache entry is named by the corpus and tokenizer fingerprints, so a second run (or a
-    second process, after the first) reads the token ids instead of tokenizing again.
-    """
-    dataset = corpus.dataset
-    assert isinstance(dataset, datasets.DatasetDict), "a stream is tokenized by data_stream"
-    eos = tokenizer.eos_token_id
-
-    def encode(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
-        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-        return {"input_ids": [[*row, eos] for row in ids]}
-
-    streams = {}
-    for split in ("train", "validation"):
-        tokenized = dataset[split].map(
-            encode,
-            batched=True,
-            remove_columns=dataset[split].column_names,
-            new_fingerprint=hashlib.sha256(
-                f"leanlm:{corpus.fingerprint}:{tokenizer_key}:{split}".encode()
-            ).hexdigest()[:32],
-            desc=f"tokenizing {split}",
-        )
-        rows = tokenized.with_format("numpy")["input_ids"]
-        flat = np.concatenate(list(rows)) if len(rows) else np.zeros(0, dtype=np.int64)
-        streams[split] = torch.from_numpy(flat.astype(np.int64))
-    return TokenStreams(train=streams["train"], validation=streams["validation"])
-
-
-def blocks(stream: torch.Tensor, seq_len: int, *, limit: int = 0) -> torch.Tensor:
-    """Cut a token stream into non-overlapping windows `(N, seq_len)`; drops the ragged tail.
-
-    Args:
-        stream: 1-D token ids.
-        seq_len: window length.
-        limit: keep at most this many windows (0 = all).
-
-    Raises:
-        ValueError: if the stream is shorter than one window.
-    """
-    n = stream.numel() // seq_len
-    if n == 0:
-        raise ValueError(
-            f"a token stream of {stream.numel()} tokens is shorter than one window of "
-            f"`data.seq_len` ({seq_len}) tokens; use more data or a shorter seq_len"
-        )
-    if limit:
-        n = min(n, limit)
-    return stream[: n * seq_len].view(n, seq_len)
-
-
-def spread_windows(stream: torch.Tensor, seq_len: int, count: int) -> torch.Tensor:
-    """`count` non-overlapping windows `(count, seq_len)` spread evenly over `stream`.
-
-    Evenly spaced (first and last window included) rather than the first `count`, so a
-    validation set of many files is scored on all of them, not on whichever comes first.
-    `count` = 0 or more windows than the stream holds gives all of them.
-    """
-    every = blocks(stream, seq_len)
-    if not count or count >= every.shape[0]:
-        return every
-    index = torch.linspace(0, every.shape[0] - 1, count).round().long()
-    return every[index]
-
-
-def selection_windows(stream: torch.Tensor, seq_len: int, count: int) -> torch.Tensor:
-    """The `count - 1` windows halfway between consecutive `spread_windows(...)` windows.
-
-    Disjoint from every window `spread_windows(stream, seq_len, count)` returns, so a choice
-    made on them (a learning rate, a candidate shape) is not made on the windows it is
-    reported on.
-
-    Raises:
-        ValueError: if `count` < 2 or `stream` holds fewer than `2 * count` windows.
-    """
-    every = blocks(stream, seq_len)
-    if count < 2 or every.shape[0] < 2 * count:
-        raise ValueError(
-            f"`count` ({count}) must be >= 2 and the stream ({every.shape[0]} windows of "
-            f"{seq_len}) must hold at least 2 x count windows for disjoint selection windows"
-        )
-    test = torch.linspace(0, every.shape[0] - 1, count).round().long()
-    return every[(test[:-1] + test[1:]) // 2]
-
-
-def global_batch_indices(
-    step: int, *, global_batch: int, num_blocks: int, seed: int
-) -> torch.Tensor:
-    """Indices of the training blocks of optimizer step `step` (0-based), shape `(global_batch,)`.
-
-    The order is a fresh permutation of all blocks each epoch, seeded by `(seed, epoch)`, so the
-    batch of any step is a pure function of the step: resuming needs only the step number, and
-    any number of processes sees the same global batch.
-    """
-    start = step * global_batch
-    out = torch.empty(global_batch, dtype=torch.int64)
-    filled = 0
-    while filled < global_batch:
-        epoch, offset = divmod(start + filled, num_blocks)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        perm = torch.randperm(num_blocks, generator=gen)
-        take = min(global_batch - filled, num_blocks - offset)
-        out[filled : filled + take] = perm[offset : offset + take]
-        filled += take
-    return out

@@ -1,13 +1,13 @@
-"""Run configuration: frozen dataclasses, one per section, filled from Python or from TOML.
+"""`RunConfig`: the whole run, its TOML form and the rules between its sections.
 
 A TOML file mirrors the dataclasses: top-level keys of `RunConfig`, one table per section
-(`[data]`, `[tokenizer]`, `[model]`, from `leanlm.sections`; `[eval]` and `[logging]` from
-`leanlm.extra_sections`) and one per stage (`[pretrain]`,
-...; each stage's section is defined in the stage's module and named by its `Stage.config`).
-Unknown keys, wrong types and impossible values raise `ConfigError` (a `ValueError`) naming the
-dotted key, before any work starts. The stages a run can list are the registered ones
-(`leanlm.stages.STAGES`): importing a stage module registers it, and each has a `RunConfig`
-field of its section's type (checked when this module is imported).
+(`[data]`, `[tokenizer]`, `[model]` from `leanlm.config.sections`; `[eval]` and `[logging]` from
+`leanlm.config.extra_sections`) and one per stage (`[pretrain]`, ... from
+`leanlm.config.stage_sections` and `leanlm.config.prune_section`). Unknown keys, wrong types and
+impossible values raise `ConfigError` (a `ValueError`) naming the dotted key, before any work
+starts. The stages a run can list are `STAGE_NAMES`, the stage fields of `RunConfig` in pipeline
+order; `leanlm.stages.STAGES` holds the stage of each name. This package imports no other part
+of leanlm (and no torch).
 """
 
 from __future__ import annotations
@@ -23,39 +23,27 @@ from typing import Literal
 
 import tomli_w
 
-from leanlm.configio import ConfigError, from_dict, to_dict, with_overrides
-from leanlm.control import ControlConfig
-from leanlm.distill import DistillConfig
-from leanlm.extra_sections import EvalConfig, LoggingConfig
-from leanlm.pretrain import PretrainConfig
-from leanlm.prune import PruneConfig
-from leanlm.sections import INIT_STAGE, DataConfig, ModelConfig, TokenizerConfig, TrainConfig
-from leanlm.sparsify import SparsifyConfig
-from leanlm.stages import STAGES
+from leanlm.config.configio import ConfigError, from_dict, to_dict, with_overrides
+from leanlm.config.extra_sections import EvalConfig, LoggingConfig
+from leanlm.config.prune_section import SEARCHED, PruneConfig
+from leanlm.config.sections import INIT_STAGE, DataConfig, ModelConfig, TokenizerConfig
+from leanlm.config.stage_sections import (
+    DENSE_STAGE,
+    ControlConfig,
+    DistillConfig,
+    PretrainConfig,
+    SparsifyConfig,
+)
 from prune_distill.config import PRUNE_SIZES
 
 __all__ = [
-    "INIT_STAGE",
-    "PRUNE_SIZES",
+    "FIRST_STAGES",
     "STAGE_NAMES",
-    "ConfigError",
-    "ControlConfig",
-    "DataConfig",
-    "DistillConfig",
-    "EvalConfig",
-    "LoggingConfig",
-    "ModelConfig",
-    "PretrainConfig",
-    "PruneConfig",
+    "STAGE_SECTIONS",
     "RunConfig",
-    "SparsifyConfig",
-    "TokenizerConfig",
-    "TrainConfig",
     "dumps_toml",
-    "from_dict",
     "load_toml",
     "override",
-    "to_dict",
 ]
 
 
@@ -113,19 +101,18 @@ class RunConfig:
         if not self.stages:
             raise ConfigError("stages", f"must list at least one stage of {list(STAGE_NAMES)}")
         for stage in self.stages:
-            if stage not in STAGES:
+            if stage not in STAGE_SECTIONS:
                 raise ConfigError("stages", f"unknown stage {stage!r}; known: {list(STAGE_NAMES)}")
         if len(set(self.stages)) != len(self.stages):
             raise ConfigError("stages", f"lists a stage twice: {list(self.stages)}")
-        if STAGES[self.stages[0]].needs_input and not self.init_model:
-            first = [name for name, stage in STAGES.items() if not stage.needs_input]
+        if self.stages[0] not in FIRST_STAGES and not self.init_model:
             raise ConfigError(
                 "stages",
                 f"{self.stages[0]!r} needs a previous stage's model; start with "
-                f"{' or '.join(repr(s) for s in first)} or set `init_model`",
+                f"{' or '.join(repr(s) for s in FIRST_STAGES)} or set `init_model`",
             )
-        for name in STAGE_NAMES:  # the rules between sections, each stage's own
-            STAGES[name].check_run(self)
+        for rule in _STAGE_RULES:  # the rules between sections, in pipeline order
+            rule(self)
         if self.model.max_position_embeddings < self.data.seq_len:
             raise ConfigError(
                 "model.max_position_embeddings",
@@ -141,23 +128,116 @@ class RunConfig:
         return hashlib.sha256(payload).hexdigest()[:16]
 
 
-STAGE_NAMES = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name in STAGES)
-"""Stages a run can list (the registered ones), in the order of their `RunConfig` fields: the
-usual pipeline order."""
+STAGE_SECTIONS: dict[str, type] = {
+    "pretrain": PretrainConfig,
+    "prune": PruneConfig,
+    "distill": DistillConfig,
+    "sparsify": SparsifyConfig,
+    "control": ControlConfig,
+}
+"""The stages a run can list, in pipeline order, with their section's class (the type of the
+`RunConfig` field of the same name; `leanlm.stages.STAGES` holds the stage of each)."""
+
+STAGE_NAMES = tuple(STAGE_SECTIONS)
+"""Stages a run can list, in the usual pipeline order."""
+
+FIRST_STAGES = ("pretrain",)
+"""The stages that build their own model, so can start a run without `init_model`."""
 
 
 def _check_stage_fields() -> None:
-    """Every registered stage has a `RunConfig` field of its section's type, and vice versa."""
+    """Every stage section is a `RunConfig` field of its type."""
     hints = typing.get_type_hints(RunConfig)
-    for name, stage in STAGES.items():
-        if hints.get(name) is not stage.config:
-            raise TypeError(
-                f"stage {name!r} is registered but `RunConfig.{name}` is not a field of its "
-                f"section type {stage.config.__name__}"
-            )
+    for name, section in STAGE_SECTIONS.items():
+        if hints.get(name) is not section:
+            raise TypeError(f"`RunConfig.{name}` must be a field of type {section.__name__}")
 
 
 _check_stage_fields()
+
+
+def _pretrain_rules(run: RunConfig) -> None:
+    """`pretrain` can only be the first stage; `[data] streaming` / `packing` feed it alone."""
+    if "pretrain" in run.stages[1:]:
+        raise ConfigError("stages", f"'pretrain' can only come first: {list(run.stages)}")
+    # the other stages read the materialized training blocks (calibration, a teacher's
+    # cache or correction) or train against a teacher that would not see the boundaries
+    others = [s for s in run.stages if s != "pretrain"]
+    for key in ("streaming", "packing"):
+        if getattr(run.data, key) and others:
+            raise ConfigError(
+                f"data.{key}",
+                f"(true) is supported for stage 'pretrain' only, but `stages` also has "
+                f"{others}: run those in a run with {key} = false",
+            )
+
+
+def _prune_rules(run: RunConfig) -> None:
+    """The target sizes do not exceed `[model]`'s and keep whole KV groups.
+
+    Checked before any work whether or not the stage is listed; skipped with `init_model`,
+    whose sizes are known only once it is loaded (`prune_distill.prune` checks them then).
+    """
+    if run.init_model:
+        return
+    target, model = run.prune, run.model
+    kv = target.num_key_value_heads or model.num_key_value_heads
+    heads = target.num_attention_heads or model.num_attention_heads
+    for name in PRUNE_SIZES:
+        value, current = getattr(target, name), getattr(model, name)
+        if value > current:
+            raise ConfigError(
+                f"prune.{name}",
+                f"({value}) must be <= `model.{name}` ({current}): pruning only shrinks",
+            )
+    if heads % kv:
+        raise ConfigError(
+            "prune.num_attention_heads",
+            f"({heads}) must be a multiple of the KV heads kept ({kv})",
+        )
+    for name in SEARCHED:
+        values, current = getattr(target, f"search_{name}"), getattr(model, name)
+        if any(v > current for v in values):
+            raise ConfigError(
+                f"prune.search_{name}",
+                f"({list(values)}) must be <= `model.{name}` ({current}): pruning only shrinks",
+            )
+
+
+def _distill_rules(run: RunConfig) -> None:
+    """The teacher is a stage that runs before `distill` (or `init` with `init_model`)."""
+    if "distill" not in run.stages:
+        return
+    teacher = run.distill.teacher_stage
+    before = list(run.stages[: run.stages.index("distill")])
+    if run.init_model:
+        before.append(INIT_STAGE)
+    if teacher not in before:
+        init = " (or 'init' for `init_model`)" if run.init_model else ""
+        raise ConfigError(
+            "distill.teacher_stage",
+            f"{teacher!r} must be a stage that runs before 'distill'{init}; "
+            f"stages: {list(run.stages)}",
+        )
+
+
+def _control_rules(run: RunConfig) -> None:
+    """`control` comes last, after a compression stage, with a dense model to continue."""
+    if "control" not in run.stages:
+        return
+    compared = [s for s in run.stages[:-1] if s != DENSE_STAGE]
+    if run.stages[-1] != "control" or not compared:
+        raise ConfigError(
+            "stages",
+            "'control' must be the last stage, after the compression stages it is "
+            f"compared with: {list(run.stages)}",
+        )
+    if run.stages[0] != DENSE_STAGE and not run.init_model:
+        raise ConfigError("stages", "'control' needs 'pretrain' first or `init_model`")
+
+
+_STAGE_RULES = (_pretrain_rules, _prune_rules, _distill_rules, _control_rules)
+"""The rules between sections, each stage's own (`sparsify` has none), in pipeline order."""
 
 
 def load_toml(path: str | Path, *, overrides: Sequence[str] = ()) -> RunConfig:

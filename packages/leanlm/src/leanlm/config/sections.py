@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Literal
 
-from leanlm.configio import ConfigError, non_negative, positive
+from leanlm.config.configio import ConfigError, non_negative, positive
 
 OptimizerName = Literal["came", "adamw", "adafactor"]
 """`came`: `optim_came.CAME` (Adam-like quality, factored second moments: about half AdamW's

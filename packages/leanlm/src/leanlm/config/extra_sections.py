@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from leanlm.configio import ConfigError, positive
+from leanlm.config.configio import ConfigError, positive
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

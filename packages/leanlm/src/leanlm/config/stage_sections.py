@@ -1,0 +1,179 @@
+"""The sections of the training stages: `[pretrain]`, `[distill]`, `[sparsify]`, `[control]`.
+
+Each checks its own keys; the rules between sections (which stage comes first, the teacher
+runs before `distill`, ...) are `leanlm.config.run`'s. Plain Python: no torch is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Literal
+
+import prune_distill
+from leanlm.config.configio import ConfigError, library_errors, non_negative, positive
+from leanlm.config.sections import TrainConfig
+from sparse_kernels import SparsityConfig  # plain Python: loading a config loads no torch
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PretrainConfig(TrainConfig):
+    """Stage `pretrain`: train `model` from scratch on the corpus."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillConfig(TrainConfig):
+    """Stage `distill`: train the previous stage's model to match a teacher's logits.
+
+    The loss settings are `prune_distill.DistillConfig`'s (`options`), which checks them; the
+    training settings are the other training stages'.
+    """
+
+    teacher_stage: str = "pretrain"
+    """The earlier stage whose model is the teacher (`"init"`: `RunConfig.init_model`)."""
+    teacher: Literal["online", "cached"] = "online"
+    """`online`: the teacher (frozen, in its checkpoint's dtype) runs beside the student on
+    every micro-batch. `cached`: before training, the main process writes the teacher's
+    top-`top_k` logits (all of them with `top_k` = 0) of every micro-batch of the stage to
+    `distill/teacher-cache` once (`prune_distill.cache_teacher_topk`; atomically, reused by a
+    resume with the same settings), the others wait, and the student then trains from the
+    files without the teacher in memory. Disk: `steps` x sequences per step x `seq_len` x
+    (8 k + 8) bytes (fp32 values, int32 indices, int64 token ids), logged. Not with
+    `hidden_loss_weight` or `teacher_correction_steps` (they need the teacher model)."""
+    loss: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+    """The distillation divergence between the teacher's and the student's next-token
+    distributions (prune-distill's `divergence`): `forward_kl` KL(teacher || student)
+    (Minitron's), `reverse_kl` KL(student || teacher) (mode seeking, MiniLLM) or `jsd`, the
+    generalized Jensen-Shannon divergence with mixture weight `beta`. `reverse_kl` (and `jsd`
+    with `beta` = 1) needs the teacher's full distribution, so it is refused with `top_k` > 0
+    (online or cached); `jsd` with `beta` < 1 stays finite on the renormalised top-k teacher."""
+    beta: float = 0.5
+    """`jsd`'s teacher weight in the mixture `m = beta * teacher + (1 - beta) * student`, in
+    [0, 1]: 0 is the forward KL, 1 the reverse KL, 0.5 the symmetric JSD (TRL's and
+    Liger-Kernel's convention). Read by `loss = "jsd"` only; checked to be in [0, 1] always."""
+    temperature: float = 1.0
+    """Softmax temperature of the divergence (the loss is scaled by T^2)."""
+    lm_loss_weight: float = 0.0
+    """Weight of the next-token cross-entropy in the loss (the KL gets 1 - this)."""
+    top_k: int = 0
+    """Distill on the teacher's top-k logits only (0 = the full vocabulary)."""
+    hidden_loss_weight: float = 0.0
+    """Weight of prune-distill's intermediate hidden-state loss, added to the KL/CE mix (0 = off):
+    1 - cosine between student and teacher layer outputs after each model's final norm. When
+    the `prune` stage made the student from this teacher, each student layer is matched to the
+    layer it was cut from; otherwise the student's layers are spread evenly over the teacher's
+    (last onto last). When the hidden sizes
+    differ, a learned linear map to the teacher's width (initialised from the run's `seed`)
+    trains with the student; it is kept in the training checkpoints but not in the saved model.
+    Minitron found it helps only when depth is cut a lot."""
+    teacher_correction_steps: int = 0
+    """Before distilling, fine-tune a copy of the teacher for this many optimizer steps on the
+    distillation data (Minitron's "teacher correction": next-token loss, the stage's optimizer,
+    batch size and `grad_clip`, constant LR, the same batches as the first distillation steps;
+    every process computes the same corrected teacher). 0 = off."""
+    teacher_correction_lr: float = 0.0
+    """Learning rate of the teacher correction (0 = `lr` / 5, the ratio Minitron's second paper
+    is reported to use for its teacher's fine-tune)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.lm_loss_weight <= 1.0:  # a mix: the KL gets the rest
+            raise ConfigError("lm_loss_weight", f"must be in [0, 1], got {self.lm_loss_weight}")
+        with library_errors(self):
+            self.options  # noqa: B018  (prune-distill checks the loss settings)
+        non_negative(self, "teacher_correction_steps", zero="no correction")
+        non_negative(self, "teacher_correction_lr", zero="`lr` / 5")
+        if self.teacher == "cached":
+            for key in ("hidden_loss_weight", "teacher_correction_steps"):
+                if getattr(self, key):
+                    raise ConfigError(
+                        key,
+                        f"({getattr(self, key)}) needs the teacher model, which `teacher = "
+                        '"cached"` does not load: set it to 0 or use `teacher = "online"`',
+                    )
+
+    @property
+    def options(self) -> prune_distill.DistillConfig:
+        """The loss settings as `prune_distill.DistillConfig` (the KL weighted 1 - CE weight)."""
+        return prune_distill.DistillConfig(
+            temperature=self.temperature,
+            kl_weight=1.0 - self.lm_loss_weight,
+            lm_loss_weight=self.lm_loss_weight,
+            top_k=self.top_k or None,
+            hidden_loss_weight=self.hidden_loss_weight,
+            loss=self.loss,
+            beta=self.beta,
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SparsifyConfig(TrainConfig):
+    """Stage `sparsify`: one-shot pruning of the decoder Linears, then a sparse fine-tune.
+
+    Pruning is sparse-kernels' `sparsify_` with the `SparsityConfig` of `pattern`, `method`,
+    `sparsity` and `block_size` (`sparsity_config`, which checks them); the fine-tune (next-token
+    loss) keeps the masks fixed; `steps` = 0 skips it.
+
+    The fine-tune may be sharded with ZeRO-1/2/3 or FSDP2 (the masks hold, and the updates equal
+    the replicated run's); when sharded, the output is written from the gathered weights. The
+    output folder holds the dense-format model with zeros baked in (loads with
+    `AutoModelForCausalLM`) plus its masks; `compressed.safetensors` next to it
+    is the compact format (2:4 values + metadata, or bitmask + kept values).
+    """
+
+    pattern: str = "2:4"
+    """`"N:M"` (keep N of every M input weights), `"unstructured"` or `"block"`."""
+    method: Literal["magnitude", "wanda", "sparsegpt"] = "wanda"
+    """How weights are scored: |W|, Wanda |W|·‖X‖, or SparseGPT (OBS with weight updates)."""
+    sparsity: float = 0.5
+    """Fraction of zeros for `unstructured` / `block` (N:M patterns fix it at 1 - N/M)."""
+    block_size: int = 16
+    """Tile edge for `pattern = "block"`."""
+    calibration_samples: int = 64
+    """Training sequences used for Wanda / SparseGPT statistics."""
+    calibration_batch_size: int = 16
+    """Sequences per calibration forward pass."""
+    steps: int = 50
+    lr: float = 1e-3
+    warmup_steps: int = 5
+
+    def __post_init__(self) -> None:
+        non_negative(self, "steps", zero="no fine-tune")
+        if self.steps:  # the training settings matter only when there is a fine-tune
+            super().__post_init__()
+        positive(self, "calibration_samples", "calibration_batch_size")
+        with library_errors(self, keys={"n": "pattern", "m": "pattern"}):
+            self.sparsity_config  # noqa: B018  (sparse-kernels checks the pruning settings)
+
+    @property
+    def sparsity_config(self) -> SparsityConfig:
+        """The `sparse_kernels.SparsityConfig` this section describes."""
+        return SparsityConfig(
+            pattern=self.pattern,
+            method=self.method,
+            sparsity=self.sparsity,
+            block_size=self.block_size,
+        )
+
+
+DENSE_STAGE = "pretrain"
+"""The stage whose model the control continues (`init_model` when the run has no pretrain)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ControlConfig(TrainConfig):
+    """Stage `control`: train the dense pretrained model on, as a fair baseline for compression.
+
+    It continues the `pretrain` stage's model (or `init_model`) with next-token loss for as many
+    tokens as the stages between it and `pretrain` used (their `tokens` plus calibration tokens,
+    read from their results), rounded up to whole optimizer steps, and scores it on the same
+    validation windows. So `steps` is not read: the stage computes it. Everything else (optimizer,
+    learning rate, batch, ...) is as in the other training stages.
+    """
+
+    _steps_given: ClassVar[bool] = False
+
+    steps: int = 1
+    """Not read: the stage trains for the compression stages' tokens (see above)."""
+    warmup_steps: int = 5
+    """Linear warmup steps (at most the computed steps - 1)."""
+    lr: float = 1e-3

@@ -1,0 +1,114 @@
+"""Stage `distill`: train the previous stage's (pruned) model to match a teacher's logits.
+
+The loss is `(1 - w) * D(teacher, student) at temperature T (x T^2) + w * next-token CE`, with
+the divergence `D` chosen by `loss` (forward KL(teacher || student) by default, reverse KL or the
+generalized JSD with `beta`) from `prune_distill.divergence` (chunked fp32 on CPU, the fused
+Triton kernels on CUDA; optionally on the teacher's top-k logits), plus `hidden_loss_weight`
+times prune-distill's `HiddenStateLoss` between matched layer outputs when that weight is > 0.
+With `teacher_correction_steps` > 0 a copy of the teacher is first fine-tuned on the
+distillation batches (`prune_distill.correct_teacher`). The training
+loop, schedule, checkpoints and evaluation are `leanlm.trainer`'s; the loss function, the
+student wrapped with its hidden-state loss and the teacher correction are in
+`leanlm.distill_train` (imported when the stage runs: loading a config does not load torch).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from leanlm.config import DistillConfig
+from leanlm.stages.base import Stage, StageContext, StageResult
+
+if TYPE_CHECKING:
+    import torch
+
+
+def loss_label(cfg: DistillConfig) -> str:
+    """What the stage's training loss is (the report's axis label for its curve)."""
+    what = {"forward_kl": "KL", "reverse_kl": "reverse KL", "jsd": f"JSD (beta={cfg.beta:g})"}
+    parts = [f"{what[cfg.loss]} to teacher (T={cfg.temperature:g})"]
+    if cfg.lm_loss_weight:
+        parts = [f"{1 - cfg.lm_loss_weight:g} x {parts[0]}", f"{cfg.lm_loss_weight:g} x CE"]
+    if cfg.hidden_loss_weight:
+        parts.append(f"{cfg.hidden_loss_weight:g} x hidden-state loss")
+    return " + ".join(parts)
+
+
+class Distill(Stage):
+    """Distill `config.distill.teacher_stage`'s model into the previous stage's model."""
+
+    name: ClassVar[str] = "distill"
+    config: ClassVar[type] = DistillConfig
+    summary: ClassVar[str] = "knowledge distillation"
+
+    def run(self, ctx: StageContext) -> StageResult:
+        """Load student and teacher (correct the teacher), train the student, save it."""
+        from leanlm.distill_train import (
+            StudentWithHiddenLoss,
+            corrected_teacher,
+            distillation_loss,
+            save_student,
+        )
+        from leanlm.evaluate import evaluate_perplexity
+        from leanlm.lineage import pruned_layer_map_for
+        from leanlm.model import TRAIN_DTYPE, count_parameters, load_model, load_teacher
+        from leanlm.trainer import train
+        from prune_distill import HiddenStateLoss
+
+        cfg: DistillConfig = ctx.section
+        acc = ctx.accelerator
+        if ctx.input_dir is None or cfg.teacher_stage not in ctx.outputs:
+            raise ValueError(
+                f"the `distill` stage needs a previous stage's model and the teacher stage "
+                f"{cfg.teacher_stage!r} to have run; ran: {list(ctx.outputs)}"
+            )
+        student = load_model(ctx.input_dir, dtype=TRAIN_DTYPE)
+        teacher_dir = ctx.outputs[cfg.teacher_stage]
+        if cfg.teacher == "cached":
+            from leanlm.distill_train import cached_distillation_loss
+            from leanlm.teacher_cache import ensure_cache
+
+            vocab = student.get_output_embeddings().weight.shape[0]
+            cache = ensure_cache(ctx, cfg, teacher_dir, vocab_size=vocab)
+            metrics = train(ctx, student, cfg, cached_distillation_loss(cache, cfg))
+            metrics["teacher_cache_bytes"] = cache.disk_bytes
+            return ctx.result(metrics, loss_label=loss_label(cfg))
+        # the teacher only runs forward passes: frozen, in its checkpoint's dtype (bf16 for a
+        # bf16 checkpoint); a teacher correction trains it, in fp32, then casts it back
+        teacher = load_teacher(teacher_dir).to(acc.device)
+        extra: dict[str, Any] = {}
+        if cfg.teacher_correction_steps:
+            windows = ctx.resources.validation_windows
+
+            def teacher_val_loss(model: torch.nn.Module) -> float:
+                return evaluate_perplexity(
+                    model, windows, batch_size=cfg.eval_batch_size, autocast=acc.autocast
+                ).loss
+
+            extra["teacher_val_loss"] = teacher_val_loss(teacher)
+            stored = teacher.dtype
+            del teacher
+            teacher = load_model(teacher_dir, dtype=TRAIN_DTYPE).to(acc.device)
+            teacher = corrected_teacher(ctx, teacher, cfg).to(stored)
+            extra["corrected_teacher_val_loss"] = teacher_val_loss(teacher)
+            acc.print(
+                f"[distill] teacher correction ({cfg.teacher_correction_steps} steps): "
+                f"validation loss {extra['teacher_val_loss']:.4f} -> "
+                f"{extra['corrected_teacher_val_loss']:.4f}"
+            )
+        teacher = teacher.eval().requires_grad_(False)
+        loss_fn = distillation_loss(teacher, cfg)
+        if cfg.hidden_loss_weight:
+            # a depth-pruned student's layers match the layers they were cut from; else even
+            layer_map = pruned_layer_map_for(ctx.run_dir, ctx.input_dir, teacher_dir)
+            # the projection (width-pruned student) is seeded by the run's seed, so a run does
+            # not depend on what the process ran before (and every process starts the same)
+            hidden = HiddenStateLoss.between(
+                student, teacher, layer_map or None, seed=ctx.config.seed
+            )
+            wrapped = StudentWithHiddenLoss(student, hidden)
+            metrics = train(ctx, wrapped, cfg, loss_fn, save=save_student)
+            metrics["params"] = count_parameters(student)  # the model, not the projection
+        else:
+            metrics = train(ctx, student, cfg, loss_fn)
+        return ctx.result(metrics | extra, loss_label=loss_label(cfg))
