@@ -28,6 +28,24 @@ def _model(seed: int = 0) -> nn.Module:
     return tiny_llama(seed=seed, **SHAPE)
 
 
+def _qwen2_sliding() -> nn.Module:
+    """Qwen2 with layer 0 full attention and layers 1-2 a 4-token sliding window: the model
+    hands the layers two different attention masks."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=256,
+        max_position_embeddings=64,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,
+        **SHAPE,
+    )
+    assert config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    return Qwen2ForCausalLM(config).eval()
+
+
 def _batches() -> list[dict[str, torch.Tensor]]:
     """Two batches; the second is left-padded, so layer 0 receives a real attention mask."""
     batches: list[dict[str, torch.Tensor]] = random_batches(256, batches=2, seq_len=12)
@@ -80,13 +98,18 @@ def _reference_sparsegpt(model: nn.Module, config: SparsityConfig, batches) -> d
     return out
 
 
-@pytest.mark.parametrize("pattern", ["unstructured", "2:4"])
-def test_sequential_sparsegpt_equals_plain_reference(pattern):
+@pytest.mark.parametrize(
+    ("make", "pattern"),
+    [(_model, "unstructured"), (_model, "2:4"), (_qwen2_sliding, "unstructured")],
+    ids=["llama-unstructured", "llama-2:4", "qwen2_sliding-unstructured"],
+)
+def test_sequential_sparsegpt_equals_plain_reference(make, pattern):
     config = SparsityConfig(pattern=pattern, method="sparsegpt", sparsity=0.5, sparsegpt_block=32)
     batches = _batches()
-    ref = _reference_sparsegpt(_model(), config, batches)
-    model = _model()
+    ref = _reference_sparsegpt(make(), config, batches)
+    model = make()
     got = sparsify_(model, config, calibration=batches, sequential=True)
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)  # stubs removed
     assert set(got) == set(ref)
     assert len(got) == 3 * 7
     for name, (mask, weight) in ref.items():
@@ -94,7 +117,7 @@ def test_sequential_sparsegpt_equals_plain_reference(pattern):
         linear = model.get_submodule(name)
         torch.testing.assert_close(linear.weight.detach(), weight, atol=1e-5, rtol=1e-4)
     # The one-shot mode scores every layer on dense inputs: same layer 0, different after it.
-    oneshot = sparsify_(_model(), config, calibration=batches)
+    oneshot = sparsify_(make(), config, calibration=batches)
     layer0 = [n for n in got if n.startswith("model.layers.0.")]
     assert all(torch.equal(got[n], oneshot[n]) for n in layer0)
     assert any(not torch.equal(got[n], oneshot[n]) for n in got if n not in layer0)

@@ -3,10 +3,11 @@
 The sequential pass of SparseGPT (Frantar & Alistarh, arXiv 2301.00774, §3 and the reference
 `llama.py`) and Wanda (Sun et al., arXiv 2306.11695, `prune_wanda`):
 
-1. run the model on every calibration batch until decoder layer 0 is called, and keep that call's
-   hidden states and keyword arguments (attention mask, position ids, the rotary
-   `position_embeddings` the model computes once and hands to every layer); the rest of the
-   forward is skipped;
+1. run the model on every calibration batch with each decoder layer's forward replaced by a
+   stub that records its call: the hidden states layer 0 receives, and every layer's keyword
+   arguments (attention mask, which may differ per layer for sliding-window layers, position
+   ids, the rotary `position_embeddings` the model computes once and hands to every layer);
+   the stubs compute nothing and the forward stops at the last layer that is pruned;
 2. for each layer in order: hook its targeted Linears, run the layer on every batch's hidden
    states to accumulate their input statistics (Hessian XᵀX for SparseGPT, ‖X_j‖² for Wanda),
    prune its Linears one by one (SparseGPT also updates the kept weights) and free each one's
@@ -21,12 +22,14 @@ as in the SparseGPT and Wanda references (GPTQ's `--true-sequential` would re-ru
 between sub-blocks; it is not implemented).
 
 Memory beyond the model: the hidden states of all calibration batches (samples x seq x hidden in
-the model's dtype), one batch's layer output and layer-0 keyword arguments, and the statistics of
-one layer's Linears (Σ in² fp32 for SparseGPT), never all layers'. Everything stays on the
+the model's dtype), one batch's layer output, the layers' keyword arguments (the same objects
+for every layer in most models) and the statistics of one layer's Linears (Σ in² fp32 for
+SparseGPT), never all layers'. Everything stays on the
 model's device (no CPU offload of layers).
 
-Supported layouts: decoder layers at `model.model.layers` (Hugging Face Llama-style causal LMs:
-Llama, Mistral, Qwen2, Gemma, Phi-3, ...) or `model.layers` (their base models), called as
+Supported layouts: decoder layers at `model.model.layers` (Hugging Face Llama-style causal LMs;
+tested with Llama, and Qwen2 with sliding-window layers) or `model.layers` (their base models),
+called as
 `layer(hidden_states, **kwargs)` and returning the hidden states (or a tuple that starts with
 them, as transformers 4.x layers do).
 """
@@ -34,7 +37,7 @@ them, as transformers 4.x layers do).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,10 +49,12 @@ LAYER_PATHS = ("model.layers", "layers")
 """Where `decoder_layers` looks for the `nn.ModuleList` of decoder layers, in order."""
 
 PruneFn = Callable[[str, nn.Linear, InputStats], None]
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+"""A layer call's positional arguments after the hidden states, and its keyword arguments."""
 
 
 class _ReachedLayerError(Exception):
-    """Raised by the layer-0 pre-hook to stop the forward once its inputs are captured."""
+    """Raised by the last layer's stub to stop the model's forward once the calls are recorded."""
 
 
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -93,9 +98,8 @@ def _layer_of(names: Iterable[str], prefix: str, count: int) -> dict[int, list[s
     return by_layer
 
 
-def _call(
-    layer: nn.Module, hidden: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Tensor:
+def _call(layer: nn.Module, hidden: Tensor, call: Call) -> Tensor:
+    args, kwargs = call
     out = layer(hidden, *args, **kwargs)
     if isinstance(out, tuple):
         out = out[0]
@@ -103,48 +107,70 @@ def _call(
     return out
 
 
-def capture_layer_inputs(
-    model: nn.Module, layer: nn.Module, calibration: Iterable[Mapping[str, Any]]
-) -> list[tuple[Tensor, tuple[Any, ...], dict[str, Any]]]:
-    """`(hidden_states, other positional args, kwargs)` of `layer`'s call, one per batch.
+def capture_layer_calls(
+    model: nn.Module, layers: Sequence[nn.Module], calibration: Iterable[Mapping[str, Any]]
+) -> tuple[list[Tensor], list[list[Call]]]:
+    """Per batch: the hidden states `layers[0]` receives, and every layer's other arguments.
 
-    The model's forward stops at `layer` (the layers after it never run). A KV cache passed to
-    the layer is dropped (`past_key_values=None`, `use_cache=False`): the layer is re-run on the
-    same inputs and must not append to it.
+    Each layer's `forward` is replaced, for the duration, by a stub that records its call and
+    returns the hidden states unchanged, and the last one stops the model's forward: no layer
+    computes anything and no logits are made. Layers get their own arguments (models such as
+    Qwen2 or Gemma hand sliding-window layers a different attention mask); most models pass
+    every layer the same objects, so this holds no extra memory. A KV cache is dropped
+    (`past_key_values=None`, `use_cache=False`): layers are re-run and must not append to it.
+
+    Returns:
+        (hidden states per batch, per batch the `(args, kwargs)` of each layer in order).
 
     Raises:
         ValueError: if `calibration` yields no batch or a non-mapping, or the forward of a batch
-            never calls `layer`.
+            does not call each of `layers` once.
     """
     device = next(model.parameters()).device
-    captured: list[tuple[Tensor, tuple[Any, ...], dict[str, Any]]] = []
+    hidden: list[Tensor] = []
+    calls: list[list[Call]] = []
 
-    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        kw = dict(kwargs)
-        hidden = args[0] if args else kw.pop("hidden_states")
-        for key in ("past_key_values", "past_key_value"):
-            if key in kw:
-                kw[key] = None
-        if "use_cache" in kw:
-            kw["use_cache"] = False
-        captured.append((hidden.detach(), tuple(args[1:]), kw))
-        raise _ReachedLayerError
+    def stub(index: int) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            kw = dict(kwargs)
+            h = args[0] if args else kw.pop("hidden_states")
+            for key in ("past_key_values", "past_key_value"):
+                if key in kw:
+                    kw[key] = None
+            if "use_cache" in kw:
+                kw["use_cache"] = False
+            if index == 0:
+                hidden.append(h.detach())
+            calls[-1].append((tuple(args[1:]), kw))
+            if index == len(layers) - 1:
+                raise _ReachedLayerError
+            return h
 
-    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+        return forward
+
+    saved = [layer.__dict__.get("forward") for layer in layers]  # e.g. accelerate's wrapper
+    for index, layer in enumerate(layers):
+        layer.forward = stub(index)
     try:
         for i, batch in enumerate(calibration):
+            calls.append([])
             with contextlib.suppress(_ReachedLayerError):
                 model(**to_device(check_batch(batch), device))
-            if len(captured) != i + 1:
+            if len(hidden) != i + 1 or len(calls[i]) != len(layers):
                 raise ValueError(
-                    f"calibration batch {i}: the forward of {type(model).__name__} never called "
-                    f"its first decoder layer; check the batch keys ({sorted(batch)})"
+                    f"calibration batch {i}: the forward of {type(model).__name__} called "
+                    f"{len(calls[i])} of its first {len(layers)} decoder layers once each; "
+                    f"check the batch keys ({sorted(batch)})"
                 )
     finally:
-        handle.remove()
-    if not captured:
+        for layer, forward in zip(layers, saved, strict=True):
+            if forward is None:
+                del layer.forward
+            else:
+                layer.forward = forward
+    if not hidden:
         raise ValueError("`calibration` yielded no batch")
-    return captured
+    return hidden, calls
 
 
 @torch.no_grad()
@@ -175,19 +201,19 @@ def prune_sequential_(
     was_training = model.training
     model.eval()
     try:
-        inputs = capture_layer_inputs(model, layers[0], calibration)
         last = max(by_layer, default=-1)
+        hidden, calls = capture_layer_calls(model, list(layers)[: last + 1], calibration)
         for index in range(last + 1):
             layer = layers[index]
             names = by_layer.get(index, [])
             if names:
                 with record_input_stats({n: modules[n] for n in names}, hessian=hessian) as st:
-                    for hidden, args, kwargs in inputs:
-                        _call(layer, hidden, args, kwargs)
+                    for h, batch_calls in zip(hidden, calls, strict=True):
+                        _call(layer, h, batch_calls[index])
                 for name in names:
                     prune(name, modules[name], st.pop(name))  # freed as soon as it is used
             if index < last:
-                for i, (hidden, args, kwargs) in enumerate(inputs):
-                    inputs[i] = (_call(layer, hidden, args, kwargs), args, kwargs)
+                for b, batch_calls in enumerate(calls):
+                    hidden[b] = _call(layer, hidden[b], batch_calls[index])
     finally:
         model.train(was_training)
