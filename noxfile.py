@@ -129,6 +129,12 @@ def _pytest_env() -> dict[str, str]:
     return {"TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
+PARALLEL = {"leanlm": ("-n", "2", "--dist", "worksteal")}
+"""Suites split over two pytest-xdist workers (CI has 2 cores): leanlm's tests are mostly
+single-threaded Python and process start-up, so two workers finish them sooner. The package's
+test group must list pytest-xdist."""
+
+
 @nox.session(venv_backend="none", tags=["ci"])
 @nox.parametrize("package", PACKAGES, ids=PACKAGES)
 def tests(session: nox.Session, package: str) -> None:
@@ -143,6 +149,7 @@ def tests(session: nox.Session, package: str) -> None:
         "-m",
         "not gpu and not slow",
         "--durations=15",  # the slowest tests in every CI log: where CI time goes
+        *PARALLEL.get(package, ()),
         *session.posargs,
         env=_pytest_env(),
         success_codes=[0, 5],  # 5: nothing selected
