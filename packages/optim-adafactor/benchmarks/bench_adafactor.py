@@ -39,16 +39,6 @@ class Result:
     anchor: str | None = None
 
 
-def _params(cfg: Config, device: str, dtype: torch.dtype) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    params = []
-    for shape in cfg.shapes():
-        p = (torch.randn(shape, generator=gen) * 0.02).to(device, dtype).requires_grad_()
-        p.grad = torch.randn(shape, generator=gen).mul_(1e-3).to(device, dtype)
-        params.append(p)
-    return params
-
-
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(
         v.numel() * v.element_size()
@@ -145,7 +135,8 @@ def main() -> None:
     )
     all_cases = cases(args.device)
     opts = {
-        name: factory(_params(cfg, args.device, torch.float32)) for name, factory, _ in all_cases
+        name: factory(bench.random_params(cfg.shapes(), args.device, torch.float32))
+        for name, factory, _ in all_cases
     }
     # the cases step in turn within each round, so load on a shared machine hits all alike
     seconds = bench.interleaved_medians(

@@ -3,36 +3,25 @@
 import pytest
 import torch
 
+from leanlm_testing import optim
 from optim_adafactor import Adafactor
 from optim_adafactor._stochastic import copy_stochastic_
-
-TRIALS = 300
 
 
 def _one_step(p0: torch.Tensor, g: torch.Tensor, **kw) -> torch.Tensor:
     p = p0.clone().requires_grad_()
     opt = Adafactor([p], lr=1e-3, relative_step=False, scale_parameter=False, **kw)
-    p.grad = g.to(p.dtype)  # g is bf16-valued, so both dtypes see the same gradient
+    p.grad = g.to(p.dtype)
     opt.step()
     return p.detach()
 
 
 def test_mean_of_rounded_updates_matches_fp32_update() -> None:
-    gen = torch.Generator().manual_seed(0)
-    p0 = (1.0 + torch.rand(32, 48, generator=gen)).bfloat16()  # values in [1, 2): ulp 2^-7
-    g = torch.randn(32, 48, generator=gen).bfloat16().float()
-    exact = _one_step(p0.float(), g)  # the fp32 result the bf16 step should average to
-    assert (exact - p0.float()).abs().max() < 2**-8  # every update is below half an ulp
-    sr = torch.stack([_one_step(p0, g, stochastic_rounding=True).float() for _ in range(TRIALS)])
-    rtn = _one_step(p0, g).float()
-    ulp = 2**-7
-    # each rounding error has |e| <= ulp and variance <= ulp²/4: the mean of TRIALS has
-    # std <= ulp / (2 sqrt(TRIALS)); 6 sigma keeps the 1536-element test from flaking
-    bound = 6 * ulp / (2 * TRIALS**0.5)
-    assert (sr.mean(0) - exact).abs().max() < bound
-    # round-to-nearest loses (almost) every update: biased by the whole update
-    assert (rtn == p0.float()).float().mean() > 0.9
-    assert (rtn - exact).abs().mean() > 3 * (sr.mean(0) - exact).abs().mean()
+    optim.check_sr_keeps_sub_ulp_updates(
+        lambda ps, sr: Adafactor(
+            ps, lr=1e-3, relative_step=False, scale_parameter=False, stochastic_rounding=sr
+        )
+    )
 
 
 def test_stochastic_rounding_only_rounds_to_neighbours() -> None:

@@ -69,16 +69,6 @@ class Case:
         return 3 * g + 3 * m + 2 * p if self.kind == "came" else g + 2 * p + 4 * m
 
 
-def _params(cfg: Config, device: str, dtype: torch.dtype) -> list[torch.Tensor]:
-    gen = torch.Generator(device=device).manual_seed(0)
-    params = []
-    for shape in cfg.shapes():
-        p = (torch.randn(shape, generator=gen, device=device) * 0.02).to(dtype).requires_grad_()
-        p.grad = torch.randn(shape, generator=gen, device=device).mul_(1e-3).to(dtype)
-        params.append(p)
-    return params
-
-
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(
         v.numel() * v.element_size()
@@ -107,7 +97,7 @@ def build_cases(cfg: Config, device: str, dtypes: list[str], *, anchors: bool) -
     def add(  # type: ignore[no-untyped-def]
         name: str, kind: Kind, dtype: torch.dtype, moment: torch.dtype, make, *, anchor=False
     ) -> None:
-        params = _params(cfg, device, dtype)
+        params = bench.random_params(cfg.shapes(), device, dtype)
         cases.append(
             Case(
                 name=name,

@@ -5,11 +5,9 @@ Command (from the repository root; RESULTS.md was made with it):
 
     python packages/optim-came/benchmarks/bench_launches.py
 
-Counts: `leanlm_testing.launches.step_counts` (see there) on Llama-shaped parameter sets, for
-the per-tensor kernels, the multi-tensor step and the PyTorch path; the multi-tensor step's
-launches are those of its launch plan at full size (groups appear beyond 2^24 column
-partials). DRAM bytes per element: computed from the kernels at the full sizes. A100/H100
-times: `leanlm_testing.roofline` predictions (a stated model, not measurements).
+The method is optim-adafactor's `benchmarks/bench_launches.py` (counted launches, the launch
+plan at full size, computed bytes, roofline predictions rather than measured GPU times), applied
+to CAME, whose steps also launch optim-adafactor's statistics and column kernels.
 """
 
 from __future__ import annotations

@@ -57,6 +57,23 @@ class LlamaShapes:
         return [(self.vocab, h), (self.vocab, h), (h,)] + per_layer * self.layers
 
 
+def random_params(
+    shapes: Iterable[tuple[int, ...]], device: str | torch.device, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """Parameters ~ N(0, 0.02²) with fixed gradients ~ N(0, 1e-3²), one per shape, in `dtype`.
+
+    Drawn on the CPU from one generator seeded 0 (the same values on every device), so that
+    every case of an optimizer benchmark steps the same parameters with the same gradients.
+    """
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for shape in shapes:
+        p = (torch.randn(shape, generator=gen) * 0.02).to(device, dtype).requires_grad_()
+        p.grad = torch.randn(shape, generator=gen).mul_(1e-3).to(device, dtype)
+        params.append(p)
+    return params
+
+
 def git_revision(where: str | Path | None = None) -> str:
     """Short commit of the checkout holding `where` (default: the working directory).
 

@@ -225,3 +225,40 @@ def check_tensor_lr_equals_float_lr(
             else:
                 assert ob.state[b][key] == value, key
     return oa
+
+
+def check_sr_keeps_sub_ulp_updates(
+    make: Callable[[list[torch.Tensor], bool], torch.optim.Optimizer],
+    *,
+    trials: int = 300,
+    min_lost: float = 0.9,
+    check_bias: bool = True,
+) -> None:
+    """Stochastic rounding of bf16 parameters keeps updates below half an ulp, in expectation.
+
+    `make(params, stochastic_rounding)` builds the optimizer. One step of a (32, 48) bf16
+    parameter in [1, 2) (ulp 2^-7) whose fp32 updates are all below half an ulp: round to
+    nearest loses at least `min_lost` of them, while the mean of `trials` stochastically rounded
+    steps equals the fp32 step within 6 sigma (each rounding error has variance <= ulp²/4).
+    `check_bias`: also require round to nearest's error to exceed 3x the mean's (for updates
+    large enough that the mean's sampling error is well below them).
+    """
+    gen = torch.Generator().manual_seed(0)
+    p0 = (1.0 + torch.rand(32, 48, generator=gen)).bfloat16()
+    g = torch.randn(32, 48, generator=gen).bfloat16().float()  # the same gradient in both dtypes
+
+    def one_step(start: torch.Tensor, sr: bool) -> torch.Tensor:
+        p = start.clone().requires_grad_()
+        opt = make([p], sr)
+        p.grad = g.to(p.dtype)
+        opt.step()
+        return p.detach().float()
+
+    exact = one_step(p0.float(), False)  # the fp32 result the bf16 steps should average to
+    assert (exact - p0.float()).abs().max() < 2**-8
+    rtn = one_step(p0, False)
+    sr = torch.stack([one_step(p0, True) for _ in range(trials)])
+    assert (sr.mean(0) - exact).abs().max() < 6 * 2**-7 / (2 * trials**0.5)
+    assert (rtn == p0.float()).float().mean() >= min_lost
+    if check_bias:
+        assert (rtn - exact).abs().mean() > 3 * (sr.mean(0) - exact).abs().mean()

@@ -94,6 +94,68 @@ if HAS_TRITON:
         return ((seed_base + 7919 * index) % 2147483647).to(tl.int32)
 
     @triton.jit  # type: ignore[untyped-decorator]
+    def row_tile(n_rows, n_cols, BLOCK_N: tl.constexpr):  # type: ignore[no-untyped-def]
+        """This program's rows of a (batch, n_rows, n_cols) launch on a (batch, row-block) grid.
+
+        Returns `(pid_b, pid_r, rows, row_mask, base)`: the batch and row-block indices, the
+        BLOCK_N row indices, their mask and the offset of the batch's first element (int64).
+        """
+        pid_b = tl.program_id(0)
+        pid_r = tl.program_id(1)
+        rows = pid_r * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < n_rows
+        base = pid_b.to(tl.int64) * n_rows * n_cols
+        return pid_b, pid_r, rows, row_mask, base
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def col_tile(start, rows, row_mask, base, n_cols, BLOCK_M: tl.constexpr):  # type: ignore[no-untyped-def]
+        """The BLOCK_N x BLOCK_M tile of `row_tile`'s rows at column `start`.
+
+        Returns `(cols, col_mask, mask, offs)`: column indices, their mask, the tile's mask and
+        its element offsets (int64).
+        """
+        cols = start + tl.arange(0, BLOCK_M)
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        offs = base + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+        return cols, col_mask, mask, offs
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def span(start, end, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        """`(idx, idx < end)` for `idx = start + arange(BLOCK)`: a masked run of rows or columns."""
+        idx = start + tl.arange(0, BLOCK)
+        return idx, idx < end
+
+    @triton.jit
+    def tile(rows, row_mask, cols, col_mask, m):  # type: ignore[no-untyped-def]
+        """`(mask, offs)` of the rows x cols tile of a row-major matrix with `m` columns (int64)."""
+        mask = row_mask[:, None] & col_mask[None, :]
+        offs = rows[:, None].to(tl.int64) * m + cols[None, :]
+        return mask, offs
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def vector_ema(g_ptr, v_ptr, k, numel, beta2, eps1, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        """Elements `k + arange(BLOCK)` of a vector: `v = β2 v + (1-β2)(g² + ε1)`, stored.
+
+        Returns `(offs, mask, g, v)` with g upcast to fp32 (the unfactored second moment of the
+        multi-tensor vector kernels here and in optim-came).
+        """
+        offs, mask = span(k, numel, BLOCK)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # upcast first
+        v = tl.load(v_ptr + offs, mask=mask, other=1.0)
+        v = beta2 * v + (1.0 - beta2) * (g * g + eps1)
+        tl.store(v_ptr + offs, v, mask=mask)
+        return offs, mask, g, v
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def vector_load(g_ptr, v_ptr, k, numel, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        """Elements `k + arange(BLOCK)` of a vector: `(offs, mask, g, v)`, g upcast to fp32."""
+        offs, mask = span(k, numel, BLOCK)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask, other=1.0)
+        return offs, mask, g, v
+
+    @triton.jit  # type: ignore[untyped-decorator]
     def store_update(  # type: ignore[no-untyped-def]
         p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY: tl.constexpr, SR: tl.constexpr
     ):
@@ -113,6 +175,23 @@ if HAS_TRITON:
         tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit  # type: ignore[untyped-decorator]
+    def momentum_store(  # type: ignore[no-untyped-def]
+        p_ptr, m_ptr, offs, mask, upd, beta1, wd_lr, seed,
+        HAS_M: tl.constexpr, HAS_DECAY: tl.constexpr, SR: tl.constexpr,
+    ):  # fmt: skip
+        """Adafactor's apply tail: the momentum, then `store_update` of the parameter.
+
+        HAS_M: `m = β1 m + upd` (fp32, stored) steps instead of `upd`. Loads m and p here.
+        """
+        if HAS_M:
+            m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+            m = beta1 * m + upd
+            tl.store(m_ptr + offs, m, mask=mask)
+            upd = m
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY, SR)
+
+    @triton.jit  # type: ignore[untyped-decorator]
     def _stats_kernel(  # type: ignore[no-untyped-def]
         g_ptr,
         p_ptr,
@@ -127,19 +206,12 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
     ):
         """Row sums and partial column sums of g², partial Σ p²; fp32 accumulation."""
-        pid_b = tl.program_id(0)
-        pid_r = tl.program_id(1)
-        rows = pid_r * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < n_rows
-        base = pid_b.to(tl.int64) * n_rows * n_cols
+        pid_b, pid_r, rows, row_mask, base = row_tile(n_rows, n_cols, BLOCK_N)
         part = (pid_b * n_row_blocks + pid_r).to(tl.int64)
         acc_row = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc_p = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_M):
-            cols = start + tl.arange(0, BLOCK_M)
-            col_mask = cols < n_cols
-            mask = row_mask[:, None] & col_mask[None, :]
-            offs = base + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+            cols, col_mask, mask, offs = col_tile(start, rows, row_mask, base, n_cols, BLOCK_M)
             g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # upcast first
             g2 = g * g
             acc_row += tl.sum(g2, axis=1)
@@ -164,18 +236,11 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
     ):
         """Partial Σ u² per row block, u = g · rf_i · cf_j (fp32)."""
-        pid_b = tl.program_id(0)
-        pid_r = tl.program_id(1)
-        rows = pid_r * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < n_rows
-        base = pid_b.to(tl.int64) * n_rows * n_cols
+        pid_b, pid_r, rows, row_mask, base = row_tile(n_rows, n_cols, BLOCK_N)
         rf = tl.load(rf_ptr + pid_b.to(tl.int64) * n_rows + rows, mask=row_mask, other=0.0)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_M):
-            cols = start + tl.arange(0, BLOCK_M)
-            col_mask = cols < n_cols
-            mask = row_mask[:, None] & col_mask[None, :]
-            offs = base + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+            cols, col_mask, mask, offs = col_tile(start, rows, row_mask, base, n_cols, BLOCK_M)
             g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             cf = tl.load(cf_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
             u = g * rf[:, None] * cf[None, :]
@@ -209,30 +274,17 @@ if HAS_TRITON:
         truncated to bf16 (unbiased stochastic rounding); the noise comes from
         `tl.randint(seed, element offset)`.
         """
-        pid_b = tl.program_id(0)
-        pid_r = tl.program_id(1)
-        rows = pid_r * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < n_rows
-        base = pid_b.to(tl.int64) * n_rows * n_cols
+        pid_b, _, rows, row_mask, base = row_tile(n_rows, n_cols, BLOCK_N)
         rs = tl.load(rs_ptr + pid_b.to(tl.int64) * n_rows + rows, mask=row_mask, other=0.0)
         wd_lr = 0.0
         if HAS_DECAY:
             wd_lr = tl.load(decay_ptr)
         for start in range(0, n_cols, BLOCK_M):
-            cols = start + tl.arange(0, BLOCK_M)
-            col_mask = cols < n_cols
-            mask = row_mask[:, None] & col_mask[None, :]
-            offs = base + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+            cols, col_mask, mask, offs = col_tile(start, rows, row_mask, base, n_cols, BLOCK_M)
             g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             cf = tl.load(cf_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
             upd = g * rs[:, None] * cf[None, :]
-            if HAS_M:
-                m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-                m = beta1 * m + upd
-                tl.store(m_ptr + offs, m, mask=mask)
-                upd = m
-            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY, SR)
+            momentum_store(p_ptr, m_ptr, offs, mask, upd, beta1, wd_lr, seed, HAS_M, HAS_DECAY, SR)
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch the launchers below make on a GPU (for tools/gpu_compile.py).

@@ -87,7 +87,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor._kernels import store_update
+    from optim_adafactor._kernels import span, store_update, tile
     from optim_adafactor._multi_stats_kernels import (
         _GEO,
         _MOM,
@@ -129,15 +129,12 @@ if HAS_TRITON:
             m_ptr = tl.multiple_of(m_ptr, 16)
         mean_r, scale, wd_lr, seed = apply_scalars(scal, geo, mat, seed_base, HAS_DECAY, SR)
         for s in range(r0, r1, SUB):
-            rows = s + tl.arange(0, SUB)
-            row_mask = rows < r1
+            rows, row_mask = span(s, r1, SUB)
             r = tl.load(row_ptr + rows, mask=row_mask, other=1.0)
             rs = scale / tl.sqrt(r / mean_r)
             for c0 in tl.range(0, m, BLOCK_M, num_stages=STAGES):
-                cols = c0 + tl.arange(0, BLOCK_M)
-                col_mask = cols < m
-                mask = row_mask[:, None] & col_mask[None, :]
-                offs = rows[:, None].to(tl.int64) * m + cols[None, :]
+                cols, col_mask = span(c0, m, BLOCK_M)
+                mask, offs = tile(rows, row_mask, cols, col_mask, m)
                 g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
                 cf = tl.load(cfbuf + cf_off + cols, mask=col_mask, other=0.0)
                 upd = g.to(tl.float32) * rs[:, None] * cf[None, :]

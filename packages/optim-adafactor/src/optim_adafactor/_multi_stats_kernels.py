@@ -30,7 +30,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor._kernels import tensor_seed
+    from optim_adafactor._kernels import span, tensor_seed, tile
 
     # addr columns: parameter, exp_avg (or the parameter), row EMA, column EMA
     _P = tl.constexpr(0)
@@ -70,13 +70,11 @@ if HAS_TRITON:
         acc_r = tl.zeros([SUB], dtype=tl.float32)
         acc_p = tl.zeros([SUB], dtype=tl.float32)
         for s in range(r0, r1, SUB):  # sweep 1: row sums, whole rows (g from DRAM)
-            rows = s + tl.arange(0, SUB)
-            row_mask = rows < r1
+            rows, row_mask = span(s, r1, SUB)
             rsum = tl.zeros([SUB], dtype=tl.float32)
             for c0 in tl.range(0, m, BLOCK_M, num_stages=STAGES):
-                cols = c0 + tl.arange(0, BLOCK_M)
-                mask = row_mask[:, None] & (cols < m)[None, :]
-                offs = rows[:, None].to(tl.int64) * m + cols[None, :]
+                cols, col_mask = span(c0, m, BLOCK_M)
+                mask, offs = tile(rows, row_mask, cols, col_mask, m)
                 g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
                 g = g.to(tl.float32)  # upcast first
                 rsum += tl.sum(g * g, axis=1)
@@ -90,16 +88,13 @@ if HAS_TRITON:
             acc_r += tl.where(row_mask, r_new, 0.0)
         tl.debug_barrier()  # sweep 2 reads r back, maybe from other threads
         for c0 in range(0, m, BLOCK_M):  # sweep 2: column partials, written once per item
-            cols = c0 + tl.arange(0, BLOCK_M)
-            col_mask = cols < m
+            cols, col_mask = span(c0, m, BLOCK_M)
             cpart = tl.zeros([BLOCK_M], dtype=tl.float32)
             wsum = tl.zeros([BLOCK_M], dtype=tl.float32)
             for s in tl.range(r0, r1, SUB, num_stages=STAGES):
-                rows = s + tl.arange(0, SUB)
-                row_mask = rows < r1
+                rows, row_mask = span(s, r1, SUB)
                 inv_r = 1.0 / tl.load(row_ptr + rows, mask=row_mask, other=1.0)
-                mask = row_mask[:, None] & col_mask[None, :]
-                offs = rows[:, None].to(tl.int64) * m + cols[None, :]
+                mask, offs = tile(rows, row_mask, cols, col_mask, m)
                 g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
                 g2 = g.to(tl.float32) * g.to(tl.float32)
                 cpart += tl.sum(g2, axis=0)

@@ -38,7 +38,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor._kernels import store_update, tensor_seed
+    from optim_adafactor._kernels import momentum_store, tensor_seed, vector_ema, vector_load
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _mt_vec_kernel(  # type: ignore[no-untyped-def]
@@ -61,12 +61,7 @@ if HAS_TRITON:
         usq = tl.zeros([BLOCK], dtype=tl.float32)
         psq = tl.zeros([BLOCK], dtype=tl.float32)
         for k in range(0, numel, BLOCK):
-            offs = k + tl.arange(0, BLOCK)
-            mask = offs < numel
-            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # upcast first
-            v = tl.load(v_ptr + offs, mask=mask, other=1.0)
-            v = beta2 * v + (1.0 - beta2) * (g * g + eps1)
-            tl.store(v_ptr + offs, v, mask=mask)
+            offs, mask, g, v = vector_ema(g_ptr, v_ptr, k, numel, beta2, eps1, BLOCK)
             u = g / tl.sqrt(v)
             usq += tl.where(mask, u * u, 0.0)
             if HAS_P:
@@ -87,18 +82,9 @@ if HAS_TRITON:
         if SR:
             seed = tensor_seed(seed_base, tl.load(geo + pid * 2 + 1))
         for k in range(0, numel, BLOCK):
-            offs = k + tl.arange(0, BLOCK)
-            mask = offs < numel
-            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + offs, mask=mask, other=1.0)
+            offs, mask, g, v = vector_load(g_ptr, v_ptr, k, numel, BLOCK)
             upd = g / tl.sqrt(v) * scale
-            if HAS_M:
-                mom = tl.load(m_ptr + offs, mask=mask, other=0.0)
-                mom = beta1 * mom + upd
-                tl.store(m_ptr + offs, mom, mask=mask)
-                upd = mom
-            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY, SR)
+            momentum_store(p_ptr, m_ptr, offs, mask, upd, beta1, wd_lr, seed, HAS_M, HAS_DECAY, SR)
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch `step_vectors` makes on a GPU (for tools/gpu_compile.py)."""

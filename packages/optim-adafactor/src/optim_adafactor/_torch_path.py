@@ -28,7 +28,7 @@ from torch import Tensor
 
 from optim_adafactor.base import StepWork, decay_
 from optim_adafactor.checks import Scalar
-from optim_adafactor.factored import add_scaled_, ema_, factors
+from optim_adafactor.factored import add_scaled_, ema_, factored_sumsq, factors
 
 
 @dataclass(slots=True, kw_only=True)
@@ -122,8 +122,7 @@ def update_sumsq(w: Work, buf: Tensor, *, gsq_in_buf: bool) -> Tensor:
         assert w.cf is not None
         if not gsq_in_buf:
             torch.mul(w.grad, w.grad, out=buf)
-        weighted = torch.matmul(buf, w.cf.square().unsqueeze(-1)).squeeze(-1)
-        return weighted.mul_(w.rf.square()).sum()
+        return factored_sumsq(buf, w.rf, w.cf)
     u = _materialise_update(w, buf)
     return torch.linalg.vector_norm(u).square()  # type: ignore[no-any-return]
 

@@ -117,7 +117,7 @@ class FactoredOptimizer(LosslessState):
         self._parse_group(defaults, first=True)  # fail early, naming the argument
         self.backend: Backend = backend
         self._row_shards: dict[Tensor, RowShard] = {}
-        self._workspaces: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self._workspaces: dict[tuple[torch.device, torch.dtype, int], Tensor] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
         self._multi_cache: dict[tuple[object, ...], Any] = {}  # multi-tensor tables
         #: Number of collectives the last `step()` issued (row-sharded parameters only).
@@ -242,12 +242,19 @@ class FactoredOptimizer(LosslessState):
         """
         return (self._sr_seed + 1_000_003 * w.step + 7919 * w.index) % (2**31 - 1)
 
-    def _workspace(self, like: Tensor) -> Tensor:
-        """A reusable scratch buffer shaped like `like` (grown to the largest parameter)."""
-        key = (like.device, like.dtype)
+    def _workspace(
+        self, like: Tensor, *, dtype: torch.dtype | None = None, slot: int = 0
+    ) -> Tensor:
+        """A reusable scratch buffer shaped like `like` (grown to the largest parameter).
+
+        `dtype`: the buffer's (default: `like`'s); `slot`: which of several buffers of that
+        device and dtype (a step that needs two at once asks for slots 0 and 1).
+        """
+        dtype = like.dtype if dtype is None else dtype
+        key = (like.device, dtype, slot)
         buf = self._workspaces.get(key)
         if buf is None or buf.numel() < like.numel():
-            buf = torch.empty(max(like.numel(), 1), dtype=like.dtype, device=like.device)
+            buf = torch.empty(max(like.numel(), 1), dtype=dtype, device=like.device)
             self._workspaces[key] = buf
         return buf[: like.numel()].view(like.shape)
 

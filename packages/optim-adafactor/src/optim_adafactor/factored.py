@@ -36,6 +36,7 @@ __all__ = [
     "as_3d",
     "copy_stochastic_",
     "ema_",
+    "factored_sumsq",
     "factors",
     "planned",
     "scaled_sumsq",
@@ -57,7 +58,12 @@ if _kernels.HAS_TRITON:
     #: `@triton.jit` helper: `tensor_seed(seed_base, index)`, the rounding seed of a step's
     #: `index`-th tensor (`FactoredOptimizer._kernel_seed`).
     tensor_seed = _kernels.tensor_seed
-    __all__ += ["stochastic_round_bf16", "store_update", "tensor_seed"]
+    #: `@triton.jit` helpers of the per-tensor kernels' (batch, row-block) grid:
+    #: `row_tile(n_rows, n_cols, BLOCK_N)` -> `(pid_b, pid_r, rows, row_mask, base)` and
+    #: `col_tile(start, rows, row_mask, base, n_cols, BLOCK_M)` -> `(cols, col_mask, mask, offs)`.
+    row_tile = _kernels.row_tile
+    col_tile = _kernels.col_tile
+    __all__ += ["col_tile", "row_tile", "stochastic_round_bf16", "store_update", "tensor_seed"]
 
 
 def ema_(avg: Tensor, mean: Tensor, beta: float, eps: float) -> Tensor:
@@ -125,6 +131,15 @@ def sq_stats(x3: Tensor) -> tuple[Tensor, Tensor]:
     """
     rowsum, colpart, _ = _kernels.launch_stats(x3, None)
     return rowsum, colpart.sum(dim=1)
+
+
+def factored_sumsq(gsq: Tensor, rf: Tensor, cf: Tensor) -> Tensor:
+    """`Σ u²` of `u = g · rf ⊗ cf` from `gsq = g²`, as `Σ_i rf_i² Σ_j gsq_ij cf_j²` (PyTorch).
+
+    A mat-vec on `gsq` (..., n, m): `u` is never materialised. `rf` (..., n), `cf` (..., m).
+    """
+    weighted = torch.matmul(gsq, cf.square().unsqueeze(-1)).squeeze(-1)
+    return weighted.mul_(rf.square()).sum()
 
 
 def scaled_sumsq(x3: Tensor, rf: Tensor, cf: Tensor) -> Tensor:

@@ -12,8 +12,10 @@ nothing else of this package's kernels:
 - the launch plan: `plan_launches(make_optimizer, shapes, dtype)` runs a real `step()` on meta
   tensors and returns each launch it would make (`Launch`); a launcher of another package
   reports its own launches through `planned(kernel, work, nbytes)`;
-- with Triton: the `@triton.jit` helpers `store_update`, `tensor_seed` and `apply_scalars`, the
-  statistics kernel (`stats_kernel`, for `gpu_launch_configs`) and `cols_launch_config`.
+- with Triton: the `@triton.jit` helpers `store_update`, `tensor_seed`, `apply_scalars`,
+  `span` and `tile` (a masked run of rows or columns; a tile's mask and offsets), `vector_ema`
+  (the unfactored second moment of a vector's elements) and `vector_load`, the statistics
+  kernel (`stats_kernel`, for `gpu_launch_configs`) and `cols_launch_config`.
 
 A caller's kernels read a matrix's `geo` row (`GEO` int64 fields: rows, columns, column-factor
 offset, its row items, its column items, its partial offset, its index in the step) and its
@@ -85,10 +87,17 @@ __all__ = [
 ]
 
 if HAS_TRITON:
-    from optim_adafactor._kernels import store_update, tensor_seed
+    from optim_adafactor._kernels import (
+        span,
+        store_update,
+        tensor_seed,
+        tile,
+        vector_ema,
+        vector_load,
+    )
     from optim_adafactor._multi_kernels import cols_launch_config
     from optim_adafactor._multi_stats_kernels import _mt_stats_kernel as stats_kernel
     from optim_adafactor._multi_stats_kernels import apply_scalars
 
     __all__ += ["apply_scalars", "cols_launch_config", "stats_kernel", "store_update"]
-    __all__ += ["tensor_seed"]
+    __all__ += ["span", "tensor_seed", "tile", "vector_ema", "vector_load"]

@@ -153,21 +153,16 @@ if HAS_TRITON:
         int8 codes with per-block scales (`_quant`), decoded after the load and re-encoded
         (QSR: stochastically) before the store; BLOCK_M is a multiple of the block.
         """
-        pid_b = tl.program_id(0)
-        pid_r = tl.program_id(1)
-        rows = pid_r * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < n_rows
-        base = pid_b.to(tl.int64) * n_rows * n_cols
+        pid_b, pid_r, rows, row_mask, base = factored.row_tile(n_rows, n_cols, BLOCK_N)
         part = (pid_b * n_row_blocks + pid_r).to(tl.int64)
         # QUANT: each row's first scale (global row · blocks per row); -1 on masked rows
         srow = tl.where(row_mask, (pid_b.to(tl.int64) * n_rows + rows) * tl.cdiv(n_cols, _QB), -1)
         rs = tl.load(rs_ptr + pid_b.to(tl.int64) * n_rows + rows, mask=row_mask, other=0.0)
         acc_row = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_M):
-            cols = start + tl.arange(0, BLOCK_M)
-            col_mask = cols < n_cols
-            mask = row_mask[:, None] & col_mask[None, :]
-            offs = base + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+            cols, col_mask, mask, offs = factored.col_tile(
+                start, rows, row_mask, base, n_cols, BLOCK_M
+            )
             g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # upcast first
             cf = tl.load(cf_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
             if QUANT:
@@ -209,21 +204,16 @@ if HAS_TRITON:
         The decay is came-pytorch's `p.add_(p, alpha=-wd·lr)`, not `p·(1 - wd_lr)`, whose
         fp32 rounding of `1 - wd_lr` biases it by up to 0.3% near wd·lr = 1e-5.
         """
-        pid_b = tl.program_id(0)
-        pid_r = tl.program_id(1)
-        rows = pid_r * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < n_rows
-        base = pid_b.to(tl.int64) * n_rows * n_cols
+        pid_b, _, rows, row_mask, base = factored.row_tile(n_rows, n_cols, BLOCK_N)
         srow = (pid_b.to(tl.int64) * n_rows + rows) * tl.cdiv(n_cols, _QB)  # QUANT: scales
         rrs = tl.load(rrs_ptr + pid_b.to(tl.int64) * n_rows + rows, mask=row_mask, other=0.0)
         wd_lr = 0.0
         if HAS_DECAY:
             wd_lr = tl.load(decay_ptr)
         for start in range(0, n_cols, BLOCK_M):
-            cols = start + tl.arange(0, BLOCK_M)
-            col_mask = cols < n_cols
-            mask = row_mask[:, None] & col_mask[None, :]
-            offs = base + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+            cols, col_mask, mask, offs = factored.col_tile(
+                start, rows, row_mask, base, n_cols, BLOCK_M
+            )
             cr = tl.load(cr_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
             if QUANT:
                 m = _dequant(m_ptr, scale_ptr, offs, mask, srow, cols)

@@ -52,7 +52,13 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor.multi_tensor import apply_scalars, store_update, tensor_seed
+    from optim_adafactor.multi_tensor import (
+        apply_scalars,
+        span,
+        store_update,
+        tensor_seed,
+        tile,
+    )
     from optim_came._kernels import _dequant, _quant_store
 
     _GEO = tl.constexpr(mt.GEO)
@@ -111,16 +117,13 @@ if HAS_TRITON:
         mean_r = tl.load(scal + mat * 4)
         clip = tl.load(scal + mat * 4 + 1)
         for c0 in range(0, m, BLOCK_M):
-            cols = c0 + tl.arange(0, BLOCK_M)
-            col_mask = cols < m
+            cols, col_mask = span(c0, m, BLOCK_M)
             cf = tl.load(cfbuf + cf_off + cols, mask=col_mask, other=0.0)
             cpart = tl.zeros([BLOCK_M], dtype=tl.float32)
             for s in tl.range(r0, r1, SUB, num_stages=STAGES):
-                rows = s + tl.arange(0, SUB)
-                row_mask = rows < r1
+                rows, row_mask = span(s, r1, SUB)
                 rs = clip / tl.sqrt(tl.load(row_ptr + rows, mask=row_mask, other=1.0) / mean_r)
-                mask = row_mask[:, None] & col_mask[None, :]
-                offs = rows[:, None].to(tl.int64) * m + cols[None, :]
+                mask, offs = tile(rows, row_mask, cols, col_mask, m)
                 g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
                 srow = tl.where(row_mask, rows.to(tl.int64) * n_blocks, -1)
                 if QUANT:
@@ -143,8 +146,7 @@ if HAS_TRITON:
         row_coef = beta1 * beta1 / m.to(tl.float32)
         acc_r = tl.zeros([SUB], dtype=tl.float32)
         for s in range(r0, r1, SUB):
-            rows = s + tl.arange(0, SUB)
-            row_mask = rows < r1
+            rows, row_mask = span(s, r1, SUB)
             dacc = tl.zeros([SUB, BLOCK_T], dtype=tl.float32)
             for t0 in range(0, tiles, BLOCK_T):  # tile order: deterministic
                 ts = t0 + tl.arange(0, BLOCK_T)
@@ -188,15 +190,12 @@ if HAS_TRITON:
             m_ptr = tl.multiple_of(m_ptr, 16)
         mean_res, lr, wd_lr, seed = apply_scalars(scal, geo, mat, seed_base, HAS_DECAY, SR)
         for s in range(r0, r1, SUB):
-            rows = s + tl.arange(0, SUB)
-            row_mask = rows < r1
+            rows, row_mask = span(s, r1, SUB)
             res = tl.load(res_ptr + rows, mask=row_mask, other=1.0)
             rrs = lr / tl.sqrt(res / mean_res)
             for c0 in tl.range(0, m, BLOCK_M, num_stages=STAGES):
-                cols = c0 + tl.arange(0, BLOCK_M)
-                col_mask = cols < m
-                mask = row_mask[:, None] & col_mask[None, :]
-                offs = rows[:, None].to(tl.int64) * m + cols[None, :]
+                cols, col_mask = span(c0, m, BLOCK_M)
+                mask, offs = tile(rows, row_mask, cols, col_mask, m)
                 cr = tl.load(cfbuf + cf_off + cols, mask=col_mask, other=0.0)
                 if QUANT:
                     mom = _dequant(m_ptr, q_ptr, offs, mask, rows.to(tl.int64) * n_blocks, cols)

@@ -30,7 +30,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor.multi_tensor import store_update, tensor_seed
+    from optim_adafactor.multi_tensor import store_update, tensor_seed, vector_ema, vector_load
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _mt_came_vec_kernel(  # type: ignore[no-untyped-def]
@@ -52,12 +52,7 @@ if HAS_TRITON:
         v_ptr = tl.load(addr + pid * 3 + 2).to(tl.pointer_type(tl.float32))
         usq = tl.zeros([BLOCK], dtype=tl.float32)
         for k in range(0, numel, BLOCK):
-            offs = k + tl.arange(0, BLOCK)
-            mask = offs < numel
-            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # upcast first
-            v = tl.load(v_ptr + offs, mask=mask, other=1.0)
-            v = beta2 * v + (1.0 - beta2) * (g * g + eps1)
-            tl.store(v_ptr + offs, v, mask=mask)
+            offs, mask, g, v = vector_ema(g_ptr, v_ptr, k, numel, beta2, eps1, BLOCK)
             u = g * corr2 / tl.sqrt(v)
             usq += tl.where(mask, u * u, 0.0)
         rms = tl.sqrt(tl.sum(usq, axis=0) / numel.to(tl.float32))
@@ -67,10 +62,7 @@ if HAS_TRITON:
         if SR:
             seed = tensor_seed(seed_base, tl.load(geo + pid * 2 + 1))
         for k in range(0, numel, BLOCK):
-            offs = k + tl.arange(0, BLOCK)
-            mask = offs < numel
-            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + offs, mask=mask, other=1.0)
+            offs, mask, g, v = vector_load(g_ptr, v_ptr, k, numel, BLOCK)
             u = g * corr2 / tl.sqrt(v)
             mom = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             mom = beta1 * mom + u * (clip * (1.0 - beta1))

@@ -21,8 +21,10 @@ parameters, see `optimizer.py`); an unsharded one just goes on:
 Vectors and scalars keep a full `v = β2 v + (1-β2)(g² + ε1)`, `u = g / √v`, the same clip and
 momentum, and step `p ← p - lr·wd·p - lr·m` (no confidence term, as in came-pytorch).
 
-Every N-sized temporary lives in one reusable fp32 workspace (`buf`), but for the fp32 copy of an
-int8 `exp_avg` (`state_dtype=torch.int8`), dequantized in phases 4 and 6 (`_quant`).
+Every N-sized temporary lives in one reusable fp32 workspace (`buf`). An int8 `exp_avg`
+(`state_dtype=torch.int8`) is dequantized in phases 4 and 6 into a second one (`Work.m_buf`), and
+phase 4 quantizes it back using both as scratch, and a bool one for the signs (`_quant`): the
+step allocates nothing N-sized (stochastic rounding adds fp32 and int32 ones for its noise).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from torch import Tensor
 
 from optim_adafactor.base import StepWork, decay_
-from optim_adafactor.factored import add_scaled_, ema_, factors
+from optim_adafactor.factored import add_scaled_, ema_, factored_sumsq, factors
 from optim_came import _quant
 
 
@@ -48,26 +50,45 @@ class Work(StepWork):
     res_rf: Tensor | None = None
     res_cf: Tensor | None = None
     quant_seed: int | None = None  # seed of the stochastic rounding of int8 `exp_avg` codes
+    m_buf: Tensor | None = None  # workspace of the dequantized int8 `exp_avg` (None: allocate)
+    sign_buf: Tensor | None = None  # bool workspace of the quantizer's signs (None: allocate)
+    noise_buf: Tensor | None = None  # fp32 and int32 workspaces of stochastic rounding's noise
+    hash_buf: Tensor | None = None
 
 
-def load_momentum(w: Work) -> Tensor:
-    """`exp_avg` in fp32: the state itself, or the dequantized int8 codes (`_quant`)."""
+def load_momentum(w: Work, scratch: Tensor | None = None) -> Tensor:
+    """`exp_avg` in fp32: the state itself, or the int8 codes dequantized into `w.m_buf`.
+
+    `scratch`: a workspace shaped like the parameter, free for a temporary.
+    """
     m: Tensor = w.state["exp_avg"]
     if m.dtype != torch.int8:
         return m
-    return _quant.dequantize(m, w.state["exp_avg_scale"])
+    scale = w.state["exp_avg_scale"]
+    if scratch is not None and scratch.dtype != scale.dtype:
+        scratch = None
+    return _quant.dequantize(m, scale, out=w.m_buf, scratch=scratch)
 
 
-def store_momentum(w: Work, m: Tensor) -> None:
-    """Write fp32 `m` back into an int8 `exp_avg` (a no-op when `m` is the state itself)."""
+def store_momentum(w: Work, m: Tensor, scratch: Tensor | None = None) -> None:
+    """Write fp32 `m` back into an int8 `exp_avg` (a no-op when `m` is the state itself).
+
+    `scratch`: a workspace shaped like `m`; when given, `m` is overwritten as well.
+    """
     codes = w.state["exp_avg"]
     if codes.dtype != torch.int8:
         return
     noise = None
     if w.quant_seed is not None:  # noise of the global elements: a row shard draws its own
         offset = w.shard.row_offset * math.prod(m.shape[1:]) if w.shard is not None else 0
-        noise = _quant.hash_uniform(w.quant_seed, offset, m.shape, m.device)
-    _quant.quantize_(m, codes, w.state["exp_avg_scale"], noise=noise)
+        noise = _quant.hash_uniform(
+            w.quant_seed, offset, m.shape, m.device, out=w.noise_buf, scratch=w.hash_buf
+        )
+    sr_scratch = None if w.hash_buf is None else w.hash_buf.view(torch.float32)  # hash done
+    scale = w.state["exp_avg_scale"]
+    _quant.quantize_(
+        m, codes, scale, noise=noise, scratch=scratch, signs=w.sign_buf, sr_scratch=sr_scratch
+    )
 
 
 def grad_stats(w: Work, buf: Tensor) -> None:
@@ -118,8 +139,7 @@ def update_sumsq(w: Work, buf: Tensor, *, gsq_in_buf: bool) -> Tensor:
     assert w.cf is not None
     if not gsq_in_buf:
         torch.mul(w.grad, w.grad, out=buf)
-    weighted = torch.matmul(buf, w.cf.square().unsqueeze(-1)).squeeze(-1)
-    return weighted.mul_(w.rf.square()).sum()
+    return factored_sumsq(buf, w.rf, w.cf)
 
 
 def clip_scale(usq: Tensor, numel: int, clip_threshold: float) -> Tensor:
@@ -134,7 +154,7 @@ def momentum(w: Work, usq: Tensor, buf: Tensor, *, u_in_buf: bool) -> None:
     """
     o, g, st = w.opts, w.grad, w.state
     w.clip = clip_scale(usq, w.numel, o.clip_threshold)
-    m = load_momentum(w)
+    m = load_momentum(w, buf if w.factored else None)  # a vector's buf may hold u
     if not w.factored:
         u = buf if u_in_buf else _vector_update(w, buf)
         m.mul_(o.beta1).addcmul_(u, w.clip * (1.0 - o.beta1))
@@ -145,7 +165,6 @@ def momentum(w: Work, usq: Tensor, buf: Tensor, *, u_in_buf: bool) -> None:
     torch.mul(g, (w.rf * w.clip).unsqueeze(-1), out=buf)
     torch.addcmul(m, buf, w.cf.unsqueeze(-2), value=-1.0, out=buf)
     m.add_(buf, alpha=-(1.0 - o.beta1))  # m_new = m_old - (1-β1)(m_old - û)
-    store_momentum(w, m)  # int8: blockwise codes of m_new (the instability uses m_old - û)
     # instability (û - m_new)² = β1² (m_old - û)²; its ε2 is added to the means by `ema_`
     buf.square_()
     beta1_sq = o.beta1 * o.beta1
@@ -153,6 +172,7 @@ def momentum(w: Work, usq: Tensor, buf: Tensor, *, u_in_buf: bool) -> None:
     ema_(res_row, buf.sum(dim=-1).mul_(beta1_sq / g.shape[-1]), o.beta3, o.eps2)
     w.res_colsum = buf.sum(dim=-2).mul_(beta1_sq)
     w.res_rowema_sum = res_row.sum(dim=-1)
+    store_momentum(w, m, buf)  # int8: blockwise codes of m_new; m and buf are scratch now
 
 
 def instability_factors(w: Work) -> None:
@@ -172,7 +192,7 @@ def instability_factors(w: Work) -> None:
 
 def apply(w: Work, buf: Tensor) -> None:
     """Phase 6: decoupled weight decay, then the confidence-scaled step (into `w.p32`)."""
-    o, p, m = w.opts, w.p32, load_momentum(w)  # int8: the stored (quantized) m steps p
+    o, p, m = w.opts, w.p32, load_momentum(w, buf)  # int8: the stored (quantized) m steps p
     if o.weight_decay != 0:
         decay_(p, o.weight_decay, o.lr)  # came-pytorch: p.add_(p, alpha=-wd·lr)
     if not w.factored:

@@ -154,8 +154,15 @@ class CAME(FactoredOptimizer):
 
     def _make_work(self, **common: Any) -> StepWork:
         w = Work(**common)
-        if w.opts.stochastic_rounding and w.state["exp_avg"].dtype == torch.int8:
-            w.quant_seed = self._kernel_seed(w)
+        if w.state["exp_avg"].dtype == torch.int8:
+            if w.opts.stochastic_rounding:
+                w.quant_seed = self._kernel_seed(w)
+            if not w.fused:  # workspaces of the dequantized exp_avg and the quantizer
+                w.m_buf = self._workspace(w.grad, slot=1)
+                w.sign_buf = self._workspace(w.grad, dtype=torch.bool)
+                if w.quant_seed is not None:
+                    w.noise_buf = self._workspace(w.grad, dtype=torch.float32, slot=2)
+                    w.hash_buf = self._workspace(w.grad, dtype=torch.int32)
         return w
 
     # ------------------------------------------------------------------ the step

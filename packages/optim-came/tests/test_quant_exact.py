@@ -1,0 +1,117 @@
+"""The vectorized quantizer (`_quant`) equals the map's direct formula bit for bit.
+
+`_direct_quantize` / `_direct_hash` are the map written out plainly (padded blocks, the exact
+floor of √a with both corrections, the fp32 quotient `(a - lo²)/(2lo+1)`, int64 hashing): the
+form the PyTorch path had before it was made allocation-free, and the one the Triton kernels
+encode. Inputs sit on and around every rounding threshold and square, in partial blocks, with
+signed zeros and a block whose absmax is subnormal (127²/absmax overflows).
+"""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from optim_came import _quant
+
+Q, QB = float(_quant.QMAX**2), _quant.QBLOCK
+
+
+def _direct_hash(seed: int, offset: int, numel: int) -> torch.Tensor:
+    h = torch.arange(offset, offset + numel, dtype=torch.int64)
+    h = (h * 0x9E3779B1 + (seed * 0x85EBCA6B + 0x27D4EB2F)) & 0xFFFFFFFF
+    for mul, shift in ((0x85EBCA6B, 16), (0xC2B2AE35, 13)):
+        h ^= h >> shift
+        h = (h * mul) & 0xFFFFFFFF
+    h ^= h >> 16
+    return (h >> 8).float() * 2.0**-24
+
+
+def _direct_quantize(x: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    m = x.shape[-1]
+    pad = -m % QB
+    xb = F.pad(x, (0, pad)).unflatten(-1, (-1, QB))
+    absmax = xb.abs().amax(dim=-1)
+    inv = torch.where(absmax > 0, Q / absmax, 0.0).unsqueeze(-1)
+    a = (xb.abs() * inv).clamp(max=Q)
+    lo = a.sqrt().floor()
+    lo = lo - (lo * lo > a).float()
+    lo = (lo + ((lo + 1) * (lo + 1) <= a).float()).clamp(0, _quant.QMAX)
+    frac = (a - lo * lo) / (2.0 * lo + 1.0)
+    up = frac > 0.5 if noise is None else F.pad(noise, (0, pad)).unflatten(-1, (-1, QB)) < frac
+    q = (lo + up.float()).clamp(max=_quant.QMAX) * xb.sign()
+    return q.flatten(-2)[..., :m].to(torch.int8), absmax
+
+
+def _edge_values() -> torch.Tensor:
+    """Rows of 1 + 2·127 elements: the absmax, then values whose `a` is near a threshold/square."""
+    k = torch.arange(_quant.QMAX + 1, dtype=torch.float32)
+    targets = torch.cat([k * k + k + 0.5, k * k, k * k - 1e-3, k * k + k + 0.5 - 1e-3])
+    base = targets * (3.0 / Q)  # absmax 3.0: a = |x| · fl(127² / 3)
+    vals, up, down = [base], base, base
+    for _ in range(6):
+        up = torch.nextafter(up, torch.tensor(float("inf")))
+        down = torch.nextafter(down, torch.tensor(0.0))
+        vals += [up, down]
+    v = torch.cat(vals).clamp(max=3.0)
+    v = v[: v.numel() // 254 * 254].view(-1, 254)
+    x = torch.cat([torch.full((v.shape[0], 1), 3.0), v], dim=1)
+    return torch.cat([x, -x])
+
+
+def _inputs() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    xs = [_edge_values()]
+    for shape in [(7, 300), (3, 4, 129), (2, 1), (5, 256)]:
+        x = torch.randn(shape, generator=gen) * torch.rand((*shape[:-1], 1), generator=gen) ** 4
+        x[..., 0] = 0.0
+        x.view(-1)[::17] = -0.0
+        xs.append(x)
+    tiny = torch.randn(3, 200, generator=gen) * 1e-41  # subnormal absmax
+    tiny[1, :7] = 0.0
+    return [*xs, tiny]
+
+
+@pytest.mark.parametrize("sr_seed", [None, 11])
+def test_quantize_and_dequantize_equal_the_direct_formula_bit_for_bit(sr_seed) -> None:
+    for x in _inputs():
+        noise = None
+        if sr_seed is not None:
+            noise = _direct_hash(sr_seed, 5, x.numel()).view(x.shape)
+            assert torch.equal(_quant.hash_uniform(sr_seed, 5, x.shape, x.device), noise)
+            out, h = torch.empty_like(x), torch.empty(x.shape, dtype=torch.int32)
+            assert torch.equal(
+                _quant.hash_uniform(sr_seed, 5, x.shape, x.device, out=out, scratch=h), noise
+            )
+        want_codes, want_scale = _direct_quantize(x, noise)
+        for scratch in (None, torch.empty_like(x)):
+            codes = torch.full(x.shape, 99, dtype=torch.int8)
+            scale = torch.full(_quant.scale_shape(x.shape), 7.0)
+            x_in = x.clone()
+            work = {} if scratch is None else {
+                "scratch": scratch,
+                "signs": torch.empty(x.shape, dtype=torch.bool),
+                "sr_scratch": torch.empty_like(x),
+            }  # fmt: skip
+            _quant.quantize_(x_in, codes, scale, noise=noise, **work)
+            assert torch.equal(codes, want_codes)
+            assert torch.equal(scale.view(torch.int32), want_scale.view(torch.int32))
+            if scratch is None:
+                assert torch.equal(x_in.view(torch.int32), x.view(torch.int32))  # left intact
+        # dequantize: q·|q| · fl(scale / 127²), with and without workspaces
+        c = want_codes.float()
+        got = _quant.dequantize(want_codes, want_scale)
+        into = _quant.dequantize(
+            want_codes, want_scale, out=torch.empty_like(x), scratch=torch.empty_like(x)
+        )
+        s = (want_scale / Q).repeat_interleave(QB, dim=-1)[..., : x.shape[-1]]
+        direct = c * c.abs() * s
+        assert torch.equal(got.view(torch.int32), direct.view(torch.int32))
+        assert torch.equal(into.view(torch.int32), direct.view(torch.int32))
+
+
+@pytest.mark.parametrize(
+    ("seed", "offset", "numel"), [(3, 2**31 - 9, 40), (2**31 - 2, 2**32 + 3, 300)]
+)
+def test_hash_wraps_like_the_64_bit_formula(seed, offset, numel) -> None:
+    assert torch.equal(_quant.hash_uniform(seed, offset, (numel,), torch.device("cpu")),
+                       _direct_hash(seed, offset, numel))  # fmt: skip
