@@ -5,12 +5,13 @@ Command (from the repo root):
     python packages/leanlm/benchmarks/bench_compile.py [--sizes tiny smoke] [--rounds 7]
         [--steps 10] [--threads N] [--device cpu]
 
-For each size, two copies of the same Llama (`leanlm.model.llama_config`, same initial weights)
-train with AdamW on the same random batches: one eager, one with `leanlm.engines.compile_layers`
-applied (what `compile = true` does before the engine wraps the model). A round times `--steps`
-optimizer steps (forward, `causal_lm_loss`, backward, step) of each in turn; the table gives the
-median tokens per second over `--rounds` interleaved rounds and the ratio compiled / eager. The
-first call of each (compiling, for the compiled one) is timed separately and not in the medians.
+For each size, two copies of the same Llama (`leanlm.train.model.llama_config`, same initial
+weights) train with AdamW on the same random batches: one eager, one with
+`leanlm.train.engines.compile_layers` applied (what `compile = true` does before the engine
+wraps the model). A round times `--steps` optimizer steps (forward, `causal_lm_loss`, backward,
+step) of each in turn; the table gives the median tokens per second over `--rounds` interleaved
+rounds and the ratio compiled / eager. The first call of each (compiling, for the compiled one)
+is timed separately and not in the medians.
 Sizes: `tiny` is the tests' model (hidden 32, 2 layers, 4 x 32 tokens per step, vocabulary 512),
 `smoke` the smoke preset's (hidden 64, 2 layers, 8 x 128 tokens, vocabulary 2048). The header
 names the device, thread count, load, versions and git SHA.
@@ -29,10 +30,10 @@ import torch
 from transformers import LlamaForCausalLM
 
 from leanlm.config import ModelConfig
-from leanlm.engines import compile_layers
-from leanlm.evaluate import causal_lm_loss
-from leanlm.model import llama_config
 from leanlm.presets import PRESETS
+from leanlm.train.engines import compile_layers
+from leanlm.train.evaluate import causal_lm_loss
+from leanlm.train.model import llama_config
 from leanlm_testing import bench
 
 

@@ -10,7 +10,7 @@ only: its 60-step teacher is too weak for the comparison to mean anything):
 Data: leanlm's embedded corpus (the CPython standard library's `.py` files, split by file into
 train / validation), its byte-level BPE tokenizer trained on the train split, and validation
 perplexity on evenly spread, non-overlapping validation windows (`leanlm.data.spread_windows`,
-`leanlm.evaluate.evaluate_perplexity`): the *test* windows. The learning rate is chosen on
+`leanlm.train.evaluate.evaluate_perplexity`): the *test* windows. The learning rate is chosen on
 *selection* windows: the blocks halfway between consecutive test windows of the same validation
 stream (disjoint from every test window).
 
@@ -66,7 +66,7 @@ from leanlm.data import (
     tokenize_corpus,
 )
 from leanlm.data.tokenizer import load_or_train_tokenizer
-from leanlm.evaluate import evaluate_perplexity
+from leanlm.train.evaluate import evaluate_perplexity
 from leanlm_testing import bench
 from prune_distill import PruneTarget, collect_importance, forward_kl, prune
 

@@ -59,8 +59,8 @@ def load_data(args: argparse.Namespace) -> dict[str, Any]:
     """Train stream, test and selection windows, token ids of the config, corpus description."""
     from leanlm.config import DataConfig, TokenizerConfig
     from leanlm.data import load_corpus, selection_windows, spread_windows, tokenize_corpus
+    from leanlm.data.resources import default_cache_dir
     from leanlm.data.tokenizer import load_or_train_tokenizer
-    from leanlm.resources import default_cache_dir
 
     cache = default_cache_dir()
     corpus = load_corpus(

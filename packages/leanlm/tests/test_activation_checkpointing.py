@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from leanlm.config import dumps_toml
-from leanlm.distill_train import StudentWithHiddenLoss
-from leanlm.model import enable_activation_checkpointing
-from leanlm.pipeline import run_pipeline
+from leanlm.run.pipeline import run_pipeline
+from leanlm.train.distill import StudentWithHiddenLoss
+from leanlm.train.model import enable_activation_checkpointing
 from leanlm_testing.cli_runs import run_leanlm
 from leanlm_testing.models import tiny_llama
 from prune_distill import HiddenStateLoss
@@ -67,7 +67,7 @@ def _losses(out):
 
 
 def test_a_stage_trains_the_same_with_activation_checkpointing(tmp_path, tiny_config, monkeypatch):
-    import leanlm.model
+    import leanlm.train.model
 
     enabled = []
 
@@ -75,7 +75,7 @@ def test_a_stage_trains_the_same_with_activation_checkpointing(tmp_path, tiny_co
         enable_activation_checkpointing(model)
         enabled.append(model.model.layers[0].gradient_checkpointing)
 
-    monkeypatch.setattr(leanlm.model, "enable_activation_checkpointing", spy)
+    monkeypatch.setattr(leanlm.train.model, "enable_activation_checkpointing", spy)
     changes = {"steps": 4, "warmup_steps": 1, "checkpoint_every": 0, "eval_every": 4}
     base = tiny_config(pretrain=changes)
     ckpt = dataclasses.replace(

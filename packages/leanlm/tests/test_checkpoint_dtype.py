@@ -11,8 +11,8 @@ from safetensors import safe_open
 from transformers import AutoTokenizer
 
 from leanlm.config import DistillConfig, PruneConfig
-from leanlm.model import TRAIN_DTYPE, load_model, load_teacher
-from leanlm.pipeline import run_pipeline
+from leanlm.run.pipeline import run_pipeline
+from leanlm.train.model import TRAIN_DTYPE, load_model, load_teacher
 from leanlm_testing.models import tiny_llama
 
 
@@ -79,7 +79,7 @@ def test_prune_keeps_bf16_and_distill_trains_fp32_from_a_bf16_teacher(
             checkpoint_every=0,
         ),
     )
-    import leanlm.distill_train as distill_train
+    import leanlm.train.distill as distill_train
 
     seen = {}
     original = distill_train.distillation_loss

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from leanlm.config import TrainConfig
-from leanlm.pipeline import run_pipeline
+from leanlm.run.pipeline import run_pipeline
 
 # inductor imports torch.utils.mkldnn, which uses the deprecated torch.jit.script_method, and
 # dynamo reads `.grad` of non-leaf tensors while it builds its guards (warnings of torch's own)

@@ -26,7 +26,7 @@ from leanlm.config import (
 from leanlm.data import blocks, load_corpus, tokenize_corpus
 from leanlm.data.stream import StreamBatches, WindowStream
 from leanlm.data.tokenizer import train_tokenizer
-from leanlm.pipeline import run_pipeline
+from leanlm.run.pipeline import run_pipeline
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from leanlm.config import ConfigError, DistillConfig
-from leanlm.distill_train import cached_distillation_loss, distillation_loss
-from leanlm.model import llama_config
 from leanlm.stages.distill import loss_label
+from leanlm.train.distill import cached_distillation_loss, distillation_loss
+from leanlm.train.model import llama_config
 from prune_distill import divergence
 
 VOCAB = 64

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from leanlm.config import DistillConfig, PruneConfig
-from leanlm.pipeline import run_pipeline
+from leanlm.run.pipeline import run_pipeline
 
 
 @pytest.fixture(scope="module")

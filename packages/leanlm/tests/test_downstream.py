@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from leanlm import ConfigError, load_toml
 from leanlm.cli import main
 from leanlm.config import dumps_toml
-from leanlm.downstream import EvalConfig, run_tasks, scores, task_manager
-from leanlm.metrics import LoggingConfig, read_metrics
-from leanlm.pipeline import run_pipeline
+from leanlm.report.downstream import EvalConfig, run_tasks, scores, task_manager
+from leanlm.report.metrics import LoggingConfig, read_metrics
+from leanlm.run.pipeline import run_pipeline
 from leanlm.stages import StageResult
 
 pytest.importorskip("lm_eval", reason="needs leanlm[eval]")

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from leanlm.evaluate import evaluate_perplexity, window_nll
+from leanlm.train.evaluate import evaluate_perplexity, window_nll
 
 
 class FixedLogits(torch.nn.Module):

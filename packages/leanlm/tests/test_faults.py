@@ -14,11 +14,11 @@ import psutil
 import pytest
 
 import leanlm.cli
-import leanlm.evaluate
-from leanlm import rundir
+import leanlm.train.evaluate
 from leanlm.cli import main
 from leanlm.config import DataConfig, dumps_toml
-from leanlm.trainer import causal_lm_loss
+from leanlm.run import lock, rundir
+from leanlm.train.trainer import causal_lm_loss
 from leanlm_testing.cli_runs import (
     ENV,
     assert_same_weights,
@@ -85,7 +85,7 @@ def test_sigterm_stops_every_process_then_resume_equals_uninterrupted(
     before = _snapshot(killed)
     time.sleep(1)
     assert _snapshot(killed) == before
-    assert not (killed / rundir.LOCK_FILE).exists()
+    assert not (killed / lock.LOCK_FILE).exists()
 
     resumed = run_leanlm("run", path, "--out", killed, "--resume", *two)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -111,7 +111,7 @@ def test_ctrl_c_to_the_process_group_stops_every_process_quietly(tmp_path, tiny_
     assert "interrupted at step " in messages(stderr)[0]
     stopped_at = int(messages(stderr)[0].split("interrupted at step ")[1].split(";")[0])
     assert (run / "pretrain" / "checkpoints" / f"step-{stopped_at:08d}").is_dir()
-    assert not (run / rundir.LOCK_FILE).exists()
+    assert not (run / lock.LOCK_FILE).exists()
 
 
 @pytest.mark.slow
@@ -148,7 +148,7 @@ def _signal_on_call(monkeypatch, call, sig=signal.SIGINT):
             os.kill(os.getpid(), sig)
         return causal_lm_loss(model, input_ids)
 
-    monkeypatch.setattr(leanlm.evaluate, "causal_lm_loss", loss_fn)
+    monkeypatch.setattr(leanlm.train.evaluate, "causal_lm_loss", loss_fn)
 
 
 def test_interrupt_then_truncated_checkpoint_then_resume(
@@ -234,7 +234,7 @@ def test_bad_starts_then_the_corrected_rerun(tmp_path, tiny_config, capsys, monk
     def fail(model, input_ids):
         raise RuntimeError("[enforce fail at inline_container.cc] file write failed")
 
-    monkeypatch.setattr(leanlm.evaluate, "causal_lm_loss", fail)
+    monkeypatch.setattr(leanlm.train.evaluate, "causal_lm_loss", fail)
     for full, says in ((False, "RuntimeError: [enforce fail"), (True, "no space left on")):
         monkeypatch.setattr(leanlm.cli, "disk_full", lambda _, full=full: full)
         assert main(["run", str(path), "--out", str(out)]) == (2 if full else 1)
@@ -254,7 +254,7 @@ def test_bad_starts_then_the_corrected_rerun(tmp_path, tiny_config, capsys, monk
     monkeypatch.undo()
 
     # the corrected run, into the same directory, over a lock left by a killed run
-    (out / rundir.LOCK_FILE).write_text("4194303\n")
+    (out / lock.LOCK_FILE).write_text("4194303\n")
     assert main(["run", str(path), "--out", str(out)]) == 0
     log = capsys.readouterr()
     assert "on 1 process(es), 4 steps" in log.out

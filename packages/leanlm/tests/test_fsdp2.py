@@ -201,8 +201,8 @@ def test_engine_defaults_from_zero_stage_and_every_training_stage_takes_fsdp2():
 
 
 def _evaluate_sharded(rank, world_size, windows, expected):
-    from leanlm.engines import fsdp2_shard
-    from leanlm.evaluate import evaluate_perplexity
+    from leanlm.train.engines import fsdp2_shard
+    from leanlm.train.evaluate import evaluate_perplexity
     from leanlm_testing.models import tiny_llama
 
     model = fsdp2_shard(tiny_llama(seed=0))
@@ -215,7 +215,7 @@ def _evaluate_sharded(rank, world_size, windows, expected):
 
 @pytest.mark.distributed
 def test_fsdp2_evaluation_runs_in_lockstep_and_equals_one_process(tmp_path):
-    from leanlm.evaluate import evaluate_perplexity
+    from leanlm.train.evaluate import evaluate_perplexity
     from leanlm_testing import spawn
     from leanlm_testing.models import tiny_llama
 
@@ -226,8 +226,8 @@ def test_fsdp2_evaluation_runs_in_lockstep_and_equals_one_process(tmp_path):
 
 
 def _built_came():
-    from leanlm.engines import fsdp2_shard
-    from leanlm.optim import decay_param_groups, optimizer_over
+    from leanlm.train.engines import fsdp2_shard
+    from leanlm.train.optim import decay_param_groups, optimizer_over
     from leanlm_testing.models import tiny_llama
 
     model = fsdp2_shard(tiny_llama(seed=0))
@@ -255,7 +255,7 @@ def _logical_state(model, optimizer):
 def _save_and_load_factored_state(rank, world_size, folder):
     from pathlib import Path
 
-    from leanlm.engines import _Fsdp2State
+    from leanlm.train.engines import _Fsdp2State
 
     model, optimizer = _built_came()
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
@@ -288,7 +288,7 @@ def _save_and_load_factored_state(rank, world_size, folder):
 def _load_factored_state_at(rank, world_size, folder):
     from pathlib import Path
 
-    from leanlm.engines import _Fsdp2State
+    from leanlm.train.engines import _Fsdp2State
 
     path = Path(folder)
     model, optimizer = _built_came()

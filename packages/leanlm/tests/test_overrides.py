@@ -7,7 +7,7 @@ import pytest
 from leanlm import PRESETS, ConfigError
 from leanlm.cli import main
 from leanlm.config import dumps_toml, load_toml, override
-from leanlm.rundir import CONFIG_FILE
+from leanlm.run.rundir import CONFIG_FILE
 
 
 @pytest.fixture

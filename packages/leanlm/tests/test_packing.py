@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from leanlm.data.packing import boundary_labels, document_positions, install
-from leanlm.model import llama_config
+from leanlm.train.model import llama_config
 
 EOS = 1
 
@@ -25,7 +25,7 @@ def test_positions_restart_after_each_eos_and_boundary_labels_are_ignored():
 
 @pytest.fixture(scope="module")
 def tiny_llama(tiny_config):
-    """The tests' tiny model (`leanlm.model.llama_config`) with 40 tokens and a chosen attention."""
+    """The tests' tiny model (`leanlm.train.model.llama_config`), 40 tokens, a chosen attention."""
 
     def make(attention: str) -> LlamaForCausalLM:
         config = llama_config(tiny_config().model, vocab_size=40, bos_id=EOS, eos_id=EOS, pad_id=0)

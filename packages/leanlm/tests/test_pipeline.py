@@ -5,8 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from leanlm.config import dumps_toml
-from leanlm.pipeline import run_pipeline
-from leanlm.rundir import ConfigChangedError
+from leanlm.run.pipeline import run_pipeline
+from leanlm.run.rundir import ConfigChangedError
 from leanlm.stages import StageResult
 
 
@@ -96,7 +96,7 @@ def test_a_finished_stage_stays_valid_at_another_process_count_with_the_same_glo
 ):
     import dataclasses
 
-    from leanlm.rundir import check_reuse
+    from leanlm.run.rundir import check_reuse
 
     config, out, _ = finished_run  # 1 process x 2 micro-batches per step
     halved = dataclasses.replace(
@@ -116,7 +116,7 @@ def test_a_finished_stage_stays_valid_at_another_process_count_with_the_same_glo
 def test_stored_work_under_another_hash_rule_is_named_as_such(tmp_path, finished_run):
     import shutil
 
-    from leanlm.rundir import check_reuse
+    from leanlm.run.rundir import check_reuse
 
     config, out, _ = finished_run
     copy = tmp_path / "run"
@@ -132,7 +132,7 @@ def test_stored_work_under_another_hash_rule_is_named_as_such(tmp_path, finished
 def test_a_one_process_checkpoint_in_a_sharded_run_names_both(tmp_path):
     from types import SimpleNamespace
 
-    from leanlm.checkpoint import TRAINER_STATE, Checkpointer
+    from leanlm.train.checkpoint import TRAINER_STATE, Checkpointer
 
     step = tmp_path / "step-00000004"  # written by one process: unsharded (DDP's format)
     step.mkdir()

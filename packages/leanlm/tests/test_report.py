@@ -4,9 +4,9 @@ import io
 
 import pytest
 
-from leanlm import pipeline
 from leanlm.config import ConfigError, ControlConfig
-from leanlm.progress import Progress
+from leanlm.run import pipeline
+from leanlm.train.progress import Progress
 
 
 def test_progress_prints_plain_lines_with_tokens_per_s_when_not_a_terminal():

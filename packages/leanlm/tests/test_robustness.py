@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-import leanlm.evaluate
+import leanlm.train.evaluate
 from leanlm.cli import main
 from leanlm.config import dumps_toml
-from leanlm.pipeline import run_pipeline
-from leanlm.trainer import TrainingDivergedError, causal_lm_loss
+from leanlm.run.pipeline import run_pipeline
+from leanlm.train.trainer import TrainingDivergedError, causal_lm_loss
 
 
 def _poison(monkeypatch, bad_calls):
@@ -21,7 +21,7 @@ def _poison(monkeypatch, bad_calls):
         loss = causal_lm_loss(model, input_ids)
         return loss * float("nan") if calls["n"] in bad_calls else loss
 
-    monkeypatch.setattr(leanlm.evaluate, "causal_lm_loss", loss_fn)
+    monkeypatch.setattr(leanlm.train.evaluate, "causal_lm_loss", loss_fn)
 
 
 def _rows(run_dir):

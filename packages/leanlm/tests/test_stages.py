@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from leanlm.config import ConfigError, ControlConfig, DistillConfig, PruneConfig, SparsifyConfig
-from leanlm.lineage import pruned_layer_map_for
-from leanlm.pipeline import run_pipeline
+from leanlm.run.pipeline import run_pipeline
+from leanlm.stages.lineage import pruned_layer_map_for
 from leanlm.stages.sparsify import COMPRESSED_FILE
 from sparse_kernels import load_compressed_
 
@@ -358,7 +358,7 @@ def test_peak_memory_is_measured_per_stage(full_run):
 
 
 def test_kl_is_drawn_on_its_own_axes(full_run):
-    from leanlm.plots import loss_figure, size_figure
+    from leanlm.report.plots import loss_figure, size_figure
 
     _, out, results = full_run
     fig = loss_figure(out, list(results.values()))

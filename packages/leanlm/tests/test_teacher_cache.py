@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import leanlm.model
+import leanlm.train.model
 from leanlm.config import ConfigError, DistillConfig, PruneConfig, dumps_toml
-from leanlm.pipeline import run_pipeline
-from leanlm.teacher_cache import CACHE_DIR, MANIFEST
+from leanlm.run.pipeline import run_pipeline
+from leanlm.train.teacher_cache import CACHE_DIR, MANIFEST
 from leanlm_testing.cli_runs import run_leanlm
 
 
@@ -64,14 +64,14 @@ def _weights(out):
 def test_cached_teacher_with_the_whole_vocabulary_equals_online(pretrained, tmp_path, capsys):
     run_pipeline(_config(pretrained, teacher="online"), tmp_path / "online")
     loads = []
-    original = leanlm.model.load_teacher
+    original = leanlm.train.model.load_teacher
 
     def spy(path, **kwargs):
         loads.append(path)
         return original(path, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(leanlm.model, "load_teacher", spy)
+        patch.setattr(leanlm.train.model, "load_teacher", spy)
         run_pipeline(_config(pretrained, teacher="cached"), tmp_path / "cached")
     assert len(loads) == 1  # once, to write the cache
     log = capsys.readouterr().out

@@ -1,5 +1,5 @@
 """A worker of a 2-process `leanlm run` dies, freezes or raises: every process ends, and the
-user is told which process, how and where (`leanlm.launch`, `leanlm.status`)."""
+user is told which process, how and where (`leanlm.run.launch`, `leanlm.run.status`)."""
 
 import dataclasses
 import json
@@ -12,8 +12,8 @@ import types
 import psutil
 import pytest
 
-from leanlm import interrupt, status
 from leanlm.config import dumps_toml
+from leanlm.run import interrupt, status
 from leanlm_testing.cli_runs import (
     ENV,
     assert_same_weights,
@@ -113,14 +113,14 @@ def test_a_frozen_worker_is_named_after_the_collective_timeout(tmp_path, forty_s
 FAIL_ON_RANK_1 = """
 import os
 if os.environ.get("RANK") == "1":
-    import leanlm.evaluate
-    real, calls = leanlm.evaluate.causal_lm_loss, []
+    import leanlm.train.evaluate
+    real, calls = leanlm.train.evaluate.causal_lm_loss, []
     def failing(model, input_ids):
         calls.append(1)
         if len(calls) == 5:
             raise RuntimeError("the data loader of rank 1 broke")
         return real(model, input_ids)
-    leanlm.evaluate.causal_lm_loss = failing
+    leanlm.train.evaluate.causal_lm_loss = failing
 """
 
 

@@ -14,12 +14,11 @@ from importlib.metadata import version
 from pathlib import Path
 
 from leanlm.config import STAGE_NAMES, ConfigError, RunConfig, load_toml, override
-from leanlm.interrupt import LAUNCHER_ENV, Interrupted
 from leanlm.presets import PRESETS
-from leanlm.rundir import (
+from leanlm.run.interrupt import LAUNCHER_ENV, Interrupted
+from leanlm.run.lock import RunLock, RunLockedError
+from leanlm.run.rundir import (
     DISK_ERRNOS,
-    RunLock,
-    RunLockedError,
     check_out_dir,
     disk_full,
     preflight,
@@ -118,7 +117,7 @@ def _is_user_error(err: BaseException) -> bool:
     """Errors every process hits alike (printed by rank 0 only, without a traceback)."""
     if isinstance(err, OSError) and err.errno in DISK_ERRNOS:
         return True
-    trainer = sys.modules.get("leanlm.trainer")
+    trainer = sys.modules.get("leanlm.train.trainer")
     if trainer is not None and isinstance(err, trainer.TrainingDivergedError):
         return True
     return isinstance(err, ValueError | FileExistsError | RunLockedError)
@@ -159,10 +158,10 @@ def report_failure(
     An error while the disk of `out` is full (torch and safetensors report a failed write in
     their own words) is reported as the full disk. A collective that timed out (after
     `collective_timeout_s`) names the process that stopped answering, where it can be known
-    (`leanlm.status`). A collective that failed because another process ended is reported by
+    (`leanlm.run.status`). A collective that failed because another process ended is reported by
     `leanlm`'s launcher (which knows how that process ended), else by the main process.
     """
-    from leanlm import interrupt, status
+    from leanlm.run import interrupt, status
 
     if isinstance(err, Interrupted | KeyboardInterrupt) or interrupt.requested():
         stop = err if isinstance(err, Interrupted) else interrupt.stopped()
@@ -203,12 +202,12 @@ def report_failure(
 
 def _work(config: RunConfig, out: Path, args: argparse.Namespace) -> int:
     """Run the pipeline in this process (one of several, or the only one)."""
-    from leanlm import interrupt
+    from leanlm.run import interrupt
 
     try:
         with interrupt.handling_signals():
             try:
-                from leanlm.pipeline import run_pipeline  # heavy imports: the config is valid
+                from leanlm.run.pipeline import run_pipeline  # heavy imports: the config is valid
 
                 run_pipeline(
                     config,
@@ -233,7 +232,7 @@ def _work(config: RunConfig, out: Path, args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `leanlm` script and `python -m leanlm`."""
-    from leanlm.status import Heartbeat
+    from leanlm.run.status import Heartbeat
 
     # a worker of leanlm's launcher says what it is doing, for the launcher's report
     heartbeat = Heartbeat.from_env() if LAUNCHED_ENV in os.environ else None
@@ -293,7 +292,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return report_failure(err, debug=args.debug)
     try:
         if nproc > 1 and not worker:
-            from leanlm.launch import relaunch
+            from leanlm.run.launch import relaunch
 
             return relaunch(nproc, argv)  # the workers print errors and where they stopped
         return _work(config, out, args)

@@ -79,7 +79,7 @@ def model_config(config: RunConfig) -> Any:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(config.init_model)  # config.json only
-    from leanlm.model import llama_config
+    from leanlm.train.model import llama_config
 
     vocab = config.tokenizer.vocab_size
     return llama_config(config.model, vocab_size=vocab, bos_id=0, eos_id=1, pad_id=2)
@@ -191,8 +191,8 @@ def _train_step(
     vocab: int,
     extra: list[Any],
 ) -> dict[str, dict[str, int]]:
-    from leanlm.model import enable_activation_checkpointing
-    from leanlm.optim import decay_param_groups, optimizer_over
+    from leanlm.train.model import enable_activation_checkpointing
+    from leanlm.train.optim import decay_param_groups, optimizer_over
 
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
@@ -231,7 +231,7 @@ def _train_step(
 
 
 def _lm_loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    from leanlm.evaluate import causal_lm_loss
+    from leanlm.train.evaluate import causal_lm_loss
 
     return causal_lm_loss(model, ids)
 
@@ -275,7 +275,7 @@ def _stage_step(run: RunConfig, name: str, base: Any, layers: int | None) -> Sta
                 note = "the sparse fine-tune step (masks held); one-shot scoring not planned"
                 phases = _train_step(run, cfg, model, _lm_loss, vocab=vocab, extra=[])
             elif cfg.teacher == "cached":
-                from leanlm.distill_train import cached_distillation_loss
+                from leanlm.train.distill import cached_distillation_loss
 
                 k = min(cfg.top_k or vocab, vocab)
                 topk = (cfg.micro_batch_size, run.data.seq_len, k)
@@ -285,7 +285,7 @@ def _stage_step(run: RunConfig, name: str, base: Any, layers: int | None) -> Sta
                 phases = _train_step(run, cfg, model, loss_fn, vocab=vocab, extra=[])
                 note = f"cached teacher: top-{k} logits of one micro-batch on the device"
             else:
-                from leanlm.distill_train import distillation_loss
+                from leanlm.train.distill import distillation_loss
 
                 teacher = _build(teacher_cfg, _checkpoint_dtype(base))
                 teacher = teacher.eval().requires_grad_(False)

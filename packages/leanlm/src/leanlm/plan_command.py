@@ -52,7 +52,7 @@ def plan_command(args: argparse.Namespace) -> int:
         layers = _layers(args.layers)
         config = load_toml(args.config)
         if config.init_model:
-            from leanlm.rundir import check_init_model
+            from leanlm.run.rundir import check_init_model
 
             check_init_model(config.init_model, weights=False)
     except (ValueError, FileNotFoundError) as err:

@@ -1,7 +1,7 @@
 """The sections of optional features: `[eval]` (lm-evaluation-harness) and `[logging]` (W&B).
 
-Light to import, as every section (no torch): `leanlm.downstream` runs the evaluation and
-`leanlm.metrics` the W&B logging; each needs an optional dependency only when switched on.
+Light to import, as every section (no torch): `leanlm.report.downstream` runs the evaluation and
+`leanlm.report.metrics` the W&B logging; each needs an optional dependency only when switched on.
 """
 
 from __future__ import annotations

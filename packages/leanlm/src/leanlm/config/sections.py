@@ -163,7 +163,7 @@ class TrainConfig:
     """`came` (optim-came: Adam-like quality at about half AdamW's optimizer memory), `adamw`
     (torch) or `adafactor` (optim-adafactor: factored second moments, least memory)."""
     engine: Literal["ddp", "zero", "fsdp2"] | None = None
-    """How several processes share the work (`leanlm.engines`): `"ddp"` replicates the model
+    """How several processes share the work (`leanlm.train.engines`): `"ddp"` replicates the model
     (accelerate's DDP); `"zero"` shards it with shard-zero at `zero_stage`; `"fsdp2"` shards
     parameters, gradients and optimizer state with PyTorch's FSDP2 (`fully_shard` per decoder
     layer; any `optimizer`; checkpoints reshard). Unset: `"zero"` when `zero_stage` > 0, else

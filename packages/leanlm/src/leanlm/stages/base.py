@@ -7,7 +7,7 @@ before it, sizes it must not exceed, ...); `run(ctx)` does the work. A stage rea
 stage's Hugging Face model folder (`ctx.input_dir`, `None` for the first stage), gets its own
 section as `ctx.section`, writes its model under `ctx.model_dir` (`save_pretrained` + tokenizer) and
 returns a `StageResult` with everything the report shows. Stages never import each other: what one
-leaves for another (the prune lineage) goes through a neutral module (`leanlm.lineage`). The
+leaves for another (the prune lineage) goes through a neutral module (`leanlm.stages.lineage`). The
 pipeline stores each result with a hash of everything the stage depends on, so a finished stage is
 skipped on `--resume` unless its inputs changed. `docs/development.md` walks through adding a stage.
 """
@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from leanlm.config import RunConfig
-    from leanlm.metrics import ScalarSink
-    from leanlm.resources import RunResources
+    from leanlm.data.resources import RunResources
+    from leanlm.report.metrics import ScalarSink
 
 
 @dataclass
@@ -51,7 +51,7 @@ class StageContext:
     """Hash of everything this stage depends on (its checkpoints must carry the same)."""
     sinks: tuple[ScalarSink, ...] = ()
     """Where the main process mirrors the stage's training scalars besides TensorBoard (a W&B
-    run with `[logging] wandb = true`); `leanlm.metrics.MetricsLog` takes them."""
+    run with `[logging] wandb = true`); `leanlm.report.metrics.MetricsLog` takes them."""
 
     @property
     def name(self) -> str:

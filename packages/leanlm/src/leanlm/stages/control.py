@@ -51,9 +51,9 @@ class Control(Stage):
 
     def run(self, ctx: StageContext) -> StageResult:
         """Count the compression stages' tokens, train the dense model that long, save it."""
-        from leanlm.evaluate import causal_lm_loss
-        from leanlm.model import TRAIN_DTYPE, load_model
-        from leanlm.trainer import train
+        from leanlm.train.evaluate import causal_lm_loss
+        from leanlm.train.model import TRAIN_DTYPE, load_model
+        from leanlm.train.trainer import train
 
         source = ctx.outputs.get(DENSE_STAGE, ctx.outputs.get(INIT_STAGE))
         if source is None:

@@ -7,9 +7,9 @@ Triton kernels on CUDA; optionally on the teacher's top-k logits), plus `hidden_
 times prune-distill's `HiddenStateLoss` between matched layer outputs when that weight is > 0.
 With `teacher_correction_steps` > 0 a copy of the teacher is first fine-tuned on the
 distillation batches (`prune_distill.correct_teacher`). The training
-loop, schedule, checkpoints and evaluation are `leanlm.trainer`'s; the loss function, the
+loop, schedule, checkpoints and evaluation are `leanlm.train.trainer`'s; the loss function, the
 student wrapped with its hidden-state loss and the teacher correction are in
-`leanlm.distill_train` (imported when the stage runs: loading a config does not load torch).
+`leanlm.train.distill` (imported when the stage runs: loading a config does not load torch).
 """
 
 from __future__ import annotations
@@ -43,16 +43,16 @@ class Distill(Stage):
 
     def run(self, ctx: StageContext) -> StageResult:
         """Load student and teacher (correct the teacher), train the student, save it."""
-        from leanlm.distill_train import (
+        from leanlm.stages.lineage import pruned_layer_map_for
+        from leanlm.train.distill import (
             StudentWithHiddenLoss,
             corrected_teacher,
             distillation_loss,
             save_student,
         )
-        from leanlm.evaluate import evaluate_perplexity
-        from leanlm.lineage import pruned_layer_map_for
-        from leanlm.model import TRAIN_DTYPE, count_parameters, load_model, load_teacher
-        from leanlm.trainer import train
+        from leanlm.train.evaluate import evaluate_perplexity
+        from leanlm.train.model import TRAIN_DTYPE, count_parameters, load_model, load_teacher
+        from leanlm.train.trainer import train
         from prune_distill import HiddenStateLoss
 
         cfg: DistillConfig = ctx.section
@@ -65,8 +65,8 @@ class Distill(Stage):
         student = load_model(ctx.input_dir, dtype=TRAIN_DTYPE)
         teacher_dir = ctx.outputs[cfg.teacher_stage]
         if cfg.teacher == "cached":
-            from leanlm.distill_train import cached_distillation_loss
-            from leanlm.teacher_cache import ensure_cache
+            from leanlm.train.distill import cached_distillation_loss
+            from leanlm.train.teacher_cache import ensure_cache
 
             vocab = student.get_output_embeddings().weight.shape[0]
             cache = ensure_cache(ctx, cfg, teacher_dir, vocab_size=vocab)

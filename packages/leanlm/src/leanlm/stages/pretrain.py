@@ -1,6 +1,6 @@
 """Stage `pretrain`: train a Llama from scratch (or continue `init_model`) with accelerate.
 
-The training loop is `leanlm.trainer`'s.
+The training loop is `leanlm.train.trainer`'s.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ class Pretrain(Stage):
 
     def run(self, ctx: StageContext) -> StageResult:
         """Build the model from `config.model` (or load `init_model`), train it, save it."""
-        from leanlm.evaluate import causal_lm_loss
-        from leanlm.model import TRAIN_DTYPE, build_model, load_model
-        from leanlm.trainer import train
+        from leanlm.train.evaluate import causal_lm_loss
+        from leanlm.train.model import TRAIN_DTYPE, build_model, load_model
+        from leanlm.train.trainer import train
 
         if ctx.input_dir is not None:  # `init_model`: continued pretraining
             model = load_model(ctx.input_dir, dtype=TRAIN_DTYPE)

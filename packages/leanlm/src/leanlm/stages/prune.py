@@ -1,10 +1,10 @@
 """Stage `prune`: Minitron-style structured pruning of the previous stage's model.
 
 Importance comes from forward passes over calibration sequences drawn (seeded) from the training
-split; `prune_distill.prune` then returns a smaller model of the same transformers class, which
-this stage scores on the validation windows and saves. Next to the model it writes the lineage
-record of `leanlm.lineage` (the source model folder and the source layer each kept layer was cut
-from), which `distill` uses to match layers in its hidden-state loss.
+split; `prune_distill.prune` then returns a smaller model of the same transformers class, which this
+stage scores on the validation windows and saves. Next to the model it writes the lineage record of
+`leanlm.stages.lineage` (the source model folder and the source layer each kept layer was cut from),
+which `distill` uses to match layers in its hidden-state loss.
 
 With `search = true` the target shape is not given but searched (Minitron's architecture search,
 `prune_distill.search`): every shape of the `search_*` choices within the parameter budget is
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from leanlm.config import SEARCHED, ConfigError, PruneConfig
-from leanlm.lineage import write_lineage
 from leanlm.stages.base import Stage, StageContext, StageResult
+from leanlm.stages.lineage import write_lineage
 
 if TYPE_CHECKING:
     from prune_distill import ImportanceScores, PruneTarget, SearchResult
@@ -35,10 +35,10 @@ class Prune(Stage):
 
     def run(self, ctx: StageContext) -> StageResult:
         """Score importance, prune, evaluate and save (every process computes the same model)."""
-        from leanlm.calibration import load_input_with_calibration
-        from leanlm.checkpoint import save_atomically
-        from leanlm.evaluate import evaluate_perplexity
-        from leanlm.model import TRAIN_DTYPE, count_parameters
+        from leanlm.stages.calibration import load_input_with_calibration
+        from leanlm.train.checkpoint import save_atomically
+        from leanlm.train.evaluate import evaluate_perplexity
+        from leanlm.train.model import TRAIN_DTYPE, count_parameters
         from prune_distill import collect_importance, prune, pruned_layer_map
 
         cfg: PruneConfig = ctx.section

@@ -77,16 +77,16 @@ class Sparsify(Stage):
 
     def run(self, ctx: StageContext) -> StageResult:
         """Mask, score the one-shot model, fine-tune with masks held, save both formats."""
-        from leanlm.calibration import load_input_with_calibration
-        from leanlm.evaluate import causal_lm_loss, evaluate_perplexity
-        from leanlm.model import load_model
-        from leanlm.trainer import train
+        from leanlm.stages.calibration import load_input_with_calibration
+        from leanlm.train.evaluate import causal_lm_loss, evaluate_perplexity
+        from leanlm.train.model import load_model
+        from leanlm.train.trainer import train
         from sparse_kernels import load_masks_, save_compressed, sparsify_, sparsity_report
 
         cfg: SparsifyConfig = ctx.section
         acc = ctx.accelerator
         start = time.perf_counter()
-        from leanlm.model import TRAIN_DTYPE
+        from leanlm.train.model import TRAIN_DTYPE
 
         model, batches = load_input_with_calibration(  # fp32: the masks and the fine-tune
             ctx,
@@ -144,8 +144,8 @@ class Sparsify(Stage):
 
 
 def _save_one_shot(ctx: StageContext, model: torch.nn.Module, evaluation: Any) -> dict[str, Any]:
-    from leanlm.checkpoint import save_atomically
-    from leanlm.model import count_parameters
+    from leanlm.train.checkpoint import save_atomically
+    from leanlm.train.model import count_parameters
     from sparse_kernels import save_pretrained_sparse
 
     acc = ctx.accelerator

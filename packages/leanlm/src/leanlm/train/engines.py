@@ -11,7 +11,7 @@
   Adafactor step each shard's rows with their row statistics and keep that state as plain local
   tensors; it is saved as `DTensor`s over the parameters' mesh (`_Fsdp2State`).
 
-The training loop (`leanlm.trainer`) calls the same methods whichever engine runs.
+The training loop (`leanlm.train.trainer`) calls the same methods whichever engine runs.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from leanlm.config import TrainConfig
-from leanlm.optim import decay_param_groups, optimizer_over
 from leanlm.stages.base import StageContext
+from leanlm.train.optim import decay_param_groups, optimizer_over
 
 
 class _ZeroState:
@@ -185,7 +185,7 @@ class Parallel:
         self.engine = engine
         self.zero_stage = cfg.zero_stage if engine == "zero" else 0
         if cfg.activation_checkpointing:
-            from leanlm.model import enable_activation_checkpointing
+            from leanlm.train.model import enable_activation_checkpointing
 
             enable_activation_checkpointing(model)
         self.model: torch.nn.Module

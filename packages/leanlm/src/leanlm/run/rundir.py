@@ -4,16 +4,14 @@
 cannot be created or written, or sits on a nearly full disk; a directory that holds a run
 (without `--resume`); a `--resume` whose config differs from the stored one (unless
 `--restart-changed`); an `init_model` that is not a causal-LM folder with a tokenizer; a hub
-model or dataset with no network and no cached copy. `RunLock` then keeps a second run out of
-the directory while this one lives (`fcntl.flock`, released by the kernel when the process
-dies, so a lock left by a killed run is simply taken over).
+model or dataset with no network and no cached copy. `leanlm.run.lock.RunLock` then keeps a
+second run out of the directory while this one lives.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -29,17 +27,12 @@ from urllib.parse import urlparse
 from leanlm.config import ConfigError, RunConfig, to_dict
 
 CONFIG_FILE = "config.toml"
-LOCK_FILE = "leanlm.lock"
 MIN_FREE_MIB = 100
 """An `--out` on a disk with less free space than this is refused before the run starts."""
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT})
 """`OSError`s that mean the disk, not the program, is at fault: reported in one line."""
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 _TRUE = {"1", "true", "yes", "on"}
-
-
-class RunLockedError(RuntimeError):
-    """Another live process holds the run directory."""
 
 
 class ConfigChangedError(ValueError):
@@ -360,40 +353,3 @@ def preflight(
     if config.init_model:
         check_init_model(config.init_model)
     check_hub_dataset(config)
-
-
-class RunLock:
-    """An exclusive lock on `out_dir / LOCK_FILE` holding the owner's PID."""
-
-    def __init__(self, out_dir: Path) -> None:
-        self.path = out_dir / LOCK_FILE
-        self._fd: int | None = None
-
-    def acquire(self) -> RunLock:
-        """Take the lock.
-
-        Raises:
-            RunLockedError: another live process holds it (its PID is named).
-        """
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.read(fd, 32).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise RunLockedError(
-                f"{self.path.parent} is in use by a running leanlm (PID {owner}); wait for it to "
-                f"finish, stop it (`kill {owner}`), or choose another --out"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
-        return self
-
-    def release(self) -> None:
-        """Remove the lock file and drop the lock."""
-        if self._fd is None:
-            return
-        self.path.unlink(missing_ok=True)
-        os.close(self._fd)
-        self._fd = None

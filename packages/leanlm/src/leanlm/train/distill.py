@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from leanlm.optim import decay_param_groups, optimizer_over
 from leanlm.stages.base import StageContext
-from leanlm.teacher_cache import CachedTeacher, stage_micro_batches
+from leanlm.train.optim import decay_param_groups, optimizer_over
+from leanlm.train.teacher_cache import CachedTeacher, stage_micro_batches
 from prune_distill import HiddenStateLoss, correct_teacher, divergence
 
 if TYPE_CHECKING:
     from leanlm.config import DistillConfig
-    from leanlm.trainer import LossFn
+    from leanlm.train.trainer import LossFn
 
 
 class StudentWithHiddenLoss(torch.nn.Module):
@@ -56,7 +56,7 @@ def save_student(
     if state_dict is not None:
         prefix = "student."
         state_dict = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-    from leanlm.trainer import save_pretrained
+    from leanlm.train.trainer import save_pretrained
 
     save_pretrained(model.student, folder, state_dict)
 

@@ -5,7 +5,7 @@ on (steps x processes x `grad_accum_steps`, in training order) and writes its to
 logits with `prune_distill.cache_teacher_topk`, one file per micro-batch, into
 `<stage>/teacher-cache`. The other processes wait, then every process trains the student from
 the files with no teacher in memory. The folder is written under a temporary name, every file
-fsynced, and renamed into place (`leanlm.checkpoint.save_atomically`); its manifest records
+fsynced, and renamed into place (`leanlm.train.checkpoint.save_atomically`); its manifest records
 the run settings it was made for and each file's size, so a resume reuses a complete cache for
 the same settings and rewrites a stale or damaged one, never reading a half-written one.
 
@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from leanlm.checkpoint import save_atomically
 from leanlm.data import global_batch_indices
 from leanlm.stages.base import StageContext
+from leanlm.train.checkpoint import save_atomically
 
 if TYPE_CHECKING:
     from leanlm.config import DistillConfig
@@ -43,7 +43,7 @@ def stage_micro_batches(
 ) -> Iterator[torch.Tensor]:
     """The first `steps` global batches of the stage, in micro-batches `(B, T)`.
 
-    In the trainer's order (`leanlm.trainer`: process r's micro-batches are the r-th slice).
+    In the trainer's order (`leanlm.train.trainer`: process r's micro-batches are the r-th slice).
     Every process walks the whole global batch, so all of them see the same sequences without
     communicating.
     """
@@ -103,7 +103,7 @@ def ensure_cache(
     The main process writes it (loading the teacher, frozen, in its checkpoint dtype, and
     freeing it afterwards); the others wait for it.
     """
-    from leanlm.model import load_teacher
+    from leanlm.train.model import load_teacher
     from prune_distill import cache_teacher_topk
 
     acc = ctx.accelerator

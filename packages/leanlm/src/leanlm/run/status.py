@@ -2,7 +2,7 @@
 
 Under `leanlm`'s launcher (`STATUS_ENV` names a folder it made) every worker runs a
 `Heartbeat`: a thread that rewrites `rank-<N>.json` every `INTERVAL_S` seconds (and within
-`_LOOK_S` of a new step) with its PID, stage, step (from `leanlm.interrupt.progress`), peak
+`_LOOK_S` of a new step) with its PID, stage, step (from `leanlm.run.interrupt.progress`), peak
 resident memory and the time, and a last time with the exit code when the worker ends through
 `leanlm.cli`. A process that is killed
 writes no exit code; one that is frozen (SIGSTOP, a wedged machine) stops rewriting its file.
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from leanlm import interrupt
+from leanlm.run import interrupt
 
 STATUS_ENV = "LEANLM_STATUS_DIR"
-"""Set by `leanlm.launch.relaunch`: the folder of the workers' status files."""
+"""Set by `leanlm.run.launch.relaunch`: the folder of the workers' status files."""
 
 INTERVAL_S = 1.0
 """Seconds between two rewrites of a worker's status file (sooner when its step changes)."""

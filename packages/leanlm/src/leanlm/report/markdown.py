@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from leanlm import plots
 from leanlm.config import RunConfig, dumps_toml
+from leanlm.report import plots
 from leanlm.stages.base import StageResult
 
 COLUMNS = (

@@ -92,7 +92,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> Any:
 
 
 TRAIN_DTYPE = torch.float32
-"""The dtype a model that trains is loaded in: every engine (`leanlm.engines`) keeps fp32
+"""The dtype a model that trains is loaded in: every engine (`leanlm.train.engines`) keeps fp32
 parameters (masters) and `RunConfig.mixed_precision` runs the forward under autocast, so a bf16
 checkpoint that trains is upcast; models that only run forward passes (a teacher, the model the
 `prune` stage scores) keep the checkpoint's dtype."""

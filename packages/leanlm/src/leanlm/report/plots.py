@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from leanlm.metrics import read_metrics
+from leanlm.report.metrics import read_metrics
 from leanlm.stages.base import StageResult
 
 CROSS_ENTROPY = "cross-entropy"

@@ -56,7 +56,7 @@ SHARDED_DIRS = ("zero", "fsdp2")
 
 
 class ShardedState(Protocol):
-    """The model and optimizer state of an engine that shards them (`leanlm.engines`)."""
+    """The model and optimizer state of an engine that shards them (`leanlm.train.engines`)."""
 
     folder: str
     """Its folder inside a checkpoint."""

@@ -12,15 +12,15 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
-from leanlm import interrupt
 from leanlm.config import INIT_STAGE, RunConfig, dumps_toml, to_dict
-from leanlm.downstream import Downstream
-from leanlm.metrics import WandbRun, peak_memory_mib, require_wandb, reset_peak_memory
-from leanlm.model import weights_stats
-from leanlm.report import write_report
-from leanlm.resources import RunResources
-from leanlm.rundir import CONFIG_FILE, check_reuse, holds_work, stage_hash
+from leanlm.data.resources import RunResources
+from leanlm.report.downstream import Downstream
+from leanlm.report.markdown import write_report
+from leanlm.report.metrics import WandbRun, peak_memory_mib, require_wandb, reset_peak_memory
+from leanlm.run import interrupt
+from leanlm.run.rundir import CONFIG_FILE, check_reuse, holds_work, stage_hash
 from leanlm.stages import STAGES, StageContext, StageResult
+from leanlm.train.model import weights_stats
 
 
 def make_accelerator(config: RunConfig) -> Accelerator:
@@ -55,19 +55,19 @@ def run_pipeline(
     continues from its latest checkpoint. Without `resume`, `out_dir` must not hold a run (a
     result or a checkpoint; what a run that failed before its first checkpoint left is
     replaced). With `resume`, a config change that would discard a stored result or checkpoint
-    (see `leanlm.rundir.check_reuse`) stops the run unless `restart_changed`: then the stages
+    (see `leanlm.run.rundir.check_reuse`) stops the run unless `restart_changed`: then the stages
     whose inputs changed, and all after them, start over. `command` is how the run was started
     (shown in the report). With `[eval]` tasks each stage's model is then scored by
-    lm-evaluation-harness (`leanlm.downstream`; a stored result only on the tasks it lacks);
+    lm-evaluation-harness (`leanlm.report.downstream`; a stored result only on the tasks it lacks);
     with `[logging] wandb` the main process logs the training scalars to one W&B run.
 
     Raises:
         leanlm.configio.ConfigError: `[eval]` or `[logging]` needs a package that is not
             installed, or names an unknown task (before any work).
         FileExistsError: if `out_dir` holds a run and `resume` is false.
-        leanlm.rundir.ConfigChangedError: `resume` with a changed config (the keys are listed)
+        leanlm.run.rundir.ConfigChangedError: `resume` with a changed config (the keys are listed)
             and not `restart_changed`.
-        leanlm.interrupt.Interrupted: the run was stopped by SIGTERM / SIGINT.
+        leanlm.run.interrupt.Interrupted: the run was stopped by SIGTERM / SIGINT.
     """
     out_dir = Path(out_dir)
     require_wandb(config.logging)

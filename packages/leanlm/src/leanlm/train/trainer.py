@@ -26,15 +26,15 @@ from typing import Any
 import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-from leanlm import interrupt
-from leanlm.checkpoint import Checkpointer, save_atomically
 from leanlm.config import ConfigError, TrainConfig
-from leanlm.engines import Parallel
-from leanlm.evaluate import EvalResult, causal_lm_loss, evaluate_perplexity
-from leanlm.metrics import MetricsLog
-from leanlm.model import count_parameters
-from leanlm.progress import Progress
+from leanlm.report.metrics import MetricsLog
+from leanlm.run import interrupt
 from leanlm.stages.base import StageContext
+from leanlm.train.checkpoint import Checkpointer, save_atomically
+from leanlm.train.engines import Parallel
+from leanlm.train.evaluate import EvalResult, causal_lm_loss, evaluate_perplexity
+from leanlm.train.model import count_parameters
+from leanlm.train.progress import Progress
 
 __all__ = [
     "LossFn",

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from types import FrameType
 
 LAUNCHER_ENV = "LEANLM_LAUNCHER_PID"
-"""Set by `leanlm.launch.relaunch` in the processes it starts (the launcher's PID)."""
+"""Set by `leanlm.run.launch.relaunch` in the processes it starts (the launcher's PID)."""
 
 
 class Interrupted(Exception):  # noqa: N818  (not an error: a requested stop)

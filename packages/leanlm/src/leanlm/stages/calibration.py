@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from leanlm.model import load_model
 from leanlm.stages.base import StageContext
+from leanlm.train.model import load_model
 
 
 def calibration_batches(
@@ -27,7 +27,8 @@ def load_input_with_calibration(
 ) -> tuple[Any, list[dict[str, torch.Tensor]]]:
     """The previous stage's model (on this process's device) and calibration batches.
 
-    The model is in `dtype`, or in its checkpoint's dtype when None (`leanlm.model.load_model`).
+    The model is in `dtype`, or in its checkpoint's dtype when None
+    (`leanlm.train.model.load_model`).
 
     The batches are the same on every process and in every run with the same seed, so a stage
     that derives something from them (importance scores, masks) derives it identically.
