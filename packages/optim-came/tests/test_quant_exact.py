@@ -4,16 +4,22 @@
 floor of √a with both corrections, the fp32 quotient `(a - lo²)/(2lo+1)`, int64 hashing): the
 form the PyTorch path had before it was made allocation-free, and the one the Triton kernels
 encode. Inputs sit on and around every rounding threshold and square, in partial blocks, with
-signed zeros and a block whose absmax is subnormal (127²/absmax overflows).
+signed zeros and a block whose absmax is subnormal (127²/absmax overflows), for block absmaxes
+where a rounded reciprocal would differ from the correctly rounded quotient; the momentum
+kernel (interpreted) gives the same codes there.
 """
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-from optim_came import _quant
+from leanlm_testing.kernels import device_or_skip
+from optim_came import _kernels, _quant
 
 Q, QB = float(_quant.QMAX**2), _quant.QBLOCK
+EDGE_ABSMAX = (0.37, 0.11, 5.5)
+"""Block absmaxes for which torch's `127² / absmax` (reciprocal, then multiply) is one ulp off
+the correctly rounded quotient, so a code at a threshold depends on which one is used."""
 
 
 def _direct_hash(seed: int, offset: int, numel: int) -> torch.Tensor:
@@ -31,7 +37,7 @@ def _direct_quantize(x: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch
     pad = -m % QB
     xb = F.pad(x, (0, pad)).unflatten(-1, (-1, QB))
     absmax = xb.abs().amax(dim=-1)
-    inv = torch.where(absmax > 0, Q / absmax, 0.0).unsqueeze(-1)
+    inv = torch.where(absmax > 0, torch.full_like(absmax, Q) / absmax, 0.0).unsqueeze(-1)
     a = (xb.abs() * inv).clamp(max=Q)
     lo = a.sqrt().floor()
     lo = lo - (lo * lo > a).float()
@@ -42,25 +48,25 @@ def _direct_quantize(x: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch
     return q.flatten(-2)[..., :m].to(torch.int8), absmax
 
 
-def _edge_values() -> torch.Tensor:
+def _edge_values(absmax: float = 3.0) -> torch.Tensor:
     """Rows of 1 + 2·127 elements: the absmax, then values whose `a` is near a threshold/square."""
     k = torch.arange(_quant.QMAX + 1, dtype=torch.float32)
     targets = torch.cat([k * k + k + 0.5, k * k, k * k - 1e-3, k * k + k + 0.5 - 1e-3])
-    base = targets * (3.0 / Q)  # absmax 3.0: a = |x| · fl(127² / 3)
+    base = targets * (absmax / Q)  # a = |x| · fl(127² / absmax)
     vals, up, down = [base], base, base
     for _ in range(6):
         up = torch.nextafter(up, torch.tensor(float("inf")))
         down = torch.nextafter(down, torch.tensor(0.0))
         vals += [up, down]
-    v = torch.cat(vals).clamp(max=3.0)
+    v = torch.cat(vals).clamp(max=absmax)
     v = v[: v.numel() // 254 * 254].view(-1, 254)
-    x = torch.cat([torch.full((v.shape[0], 1), 3.0), v], dim=1)
+    x = torch.cat([torch.full((v.shape[0], 1), absmax), v], dim=1)
     return torch.cat([x, -x])
 
 
 def _inputs() -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    xs = [_edge_values()]
+    xs = [_edge_values(), *(_edge_values(a) for a in EDGE_ABSMAX)]
     for shape in [(7, 300), (3, 4, 129), (2, 1), (5, 256)]:
         x = torch.randn(shape, generator=gen) * torch.rand((*shape[:-1], 1), generator=gen) ** 4
         x[..., 0] = 0.0
@@ -115,3 +121,28 @@ def test_quantize_and_dequantize_equal_the_direct_formula_bit_for_bit(sr_seed) -
 def test_hash_wraps_like_the_64_bit_formula(seed, offset, numel) -> None:
     assert torch.equal(_quant.hash_uniform(seed, offset, (numel,), torch.device("cpu")),
                        _direct_hash(seed, offset, numel))  # fmt: skip
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("sr_seed", [None, 7])
+def test_the_kernels_encode_gives_the_pytorch_paths_codes_at_the_thresholds(sr_seed) -> None:
+    # With m = 0, beta1 = 0 and unit factors the momentum kernel encodes g itself: its codes
+    # (div_rn) must equal quantize_'s where `a` sits within ulps of a threshold
+    dev = device_or_skip(_kernels)
+    g = torch.cat([_edge_values(a) for a in (3.0, *EDGE_ABSMAX)]).to(dev).unsqueeze(0)
+    b, n, m = g.shape
+    codes = torch.zeros(g.shape, dtype=torch.int8, device=dev)
+    scale = torch.zeros(_quant.scale_shape(g.shape), device=dev)
+    blocks = -(-n // _kernels.BLOCK_N)
+    rowsum, colpart = torch.zeros(b, n, device=dev), torch.zeros(b, blocks, m, device=dev)
+    bm, _ = _kernels.launch_config(m, quant=True)
+    _kernels._momentum_kernel[(b, blocks)](
+        g, codes, torch.ones(b, n, device=dev), torch.ones(b, m, device=dev), rowsum, colpart,
+        0.0, n, m, blocks, BLOCK_N=_kernels.BLOCK_N, BLOCK_M=bm, scale_ptr=scale,
+        qseed=_kernels.quant_seed(sr_seed), QUANT=True, QSR=sr_seed is not None,
+    )  # fmt: skip
+    noise = None if sr_seed is None else _quant.hash_uniform(sr_seed, 0, g.shape, dev)
+    want_codes, want_scale = torch.empty_like(codes), torch.empty_like(scale)
+    _quant.quantize_(g.clone(), want_codes, want_scale, noise=noise)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(codes, want_codes)
