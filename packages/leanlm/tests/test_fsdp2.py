@@ -255,7 +255,7 @@ def _logical_state(model, optimizer):
 def _save_and_load_factored_state(rank, world_size, folder):
     from pathlib import Path
 
-    from leanlm.train.engines import _Fsdp2State
+    from leanlm.train.sharded_state import Fsdp2State
 
     model, optimizer = _built_came()
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
@@ -264,13 +264,13 @@ def _save_and_load_factored_state(rank, world_size, folder):
         optimizer.step()
         optimizer.zero_grad()
     path = Path(folder)
-    _Fsdp2State(model, optimizer).save(path)
+    Fsdp2State(model, optimizer).save(path)
     assert sorted(path.glob("optim-rank*")) == []  # all in the DCP files
     logical = _logical_state(model, optimizer)
     if rank == 0:
         torch.save(logical, path.parent / "logical.pt")
     fresh_model, fresh_optimizer = _built_came()
-    _Fsdp2State(fresh_model, fresh_optimizer).load(path)
+    Fsdp2State(fresh_model, fresh_optimizer).load(path)
     saved, loaded = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
     assert len(saved) > 0
     assert saved.keys() == loaded.keys()
@@ -288,11 +288,11 @@ def _save_and_load_factored_state(rank, world_size, folder):
 def _load_factored_state_at(rank, world_size, folder):
     from pathlib import Path
 
-    from leanlm.train.engines import _Fsdp2State
+    from leanlm.train.sharded_state import Fsdp2State
 
     path = Path(folder)
     model, optimizer = _built_came()
-    _Fsdp2State(model, optimizer).load(path)  # written by 2 processes
+    Fsdp2State(model, optimizer).load(path)  # written by 2 processes
     got, saved = _logical_state(model, optimizer), torch.load(path.parent / "logical.pt")
     assert got.keys() == saved.keys()
     for key, value in saved.items():
@@ -302,7 +302,7 @@ def _load_factored_state_at(rank, world_size, folder):
         torch.save({}, path / "optim-rank00000-of-00003.pt")
     torch.distributed.barrier()
     with pytest.raises(ValueError, match="per-process files"):
-        _Fsdp2State(model, optimizer).load(path)
+        Fsdp2State(model, optimizer).load(path)
 
 
 @pytest.mark.distributed
