@@ -25,6 +25,22 @@ def tiny_llama_config(**overrides: Any) -> Any:
     return LlamaConfig(**kwargs)
 
 
+def llama3_8b_config(layers: int = 32) -> Any:
+    """The Llama-3-8B architecture (no weights; untied embeddings), with `layers` layers."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    )
+
+
 def tiny_llama(seed: int = 0, **overrides: Any) -> Any:
     """A freshly initialised `LlamaForCausalLM` from `tiny_llama_config(**overrides)`."""
     from transformers import LlamaForCausalLM

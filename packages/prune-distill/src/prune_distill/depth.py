@@ -92,6 +92,7 @@ def contiguous_block_search(
                     for handle in handles:
                         handle.remove()
                 dropped[start] += _token_nll(logits, targets)[0].double().cpu()
+                del logits  # not alive during the next pass
     finally:
         model.train(was_training)
     if tokens == 0:

@@ -132,12 +132,15 @@ def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in batch.items() if k not in _NOT_MODEL_INPUTS}
 
 
+def _nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token NLL (fp32) of `targets` (-100: ignored)."""
+    flat = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100, reduction="sum")
+
+
 def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Summed next-token NLL (fp32) and the number of target tokens."""
-    flat = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-    tgt = targets.reshape(-1)
-    nll = F.cross_entropy(flat, tgt, ignore_index=-100, reduction="sum")
-    return nll, int((tgt != -100).sum())
+    return _nll_sum(logits, targets), int((targets != -100).sum())
 
 
 def _hidden_from(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
@@ -167,7 +170,10 @@ def collect_importance(
     """Score heads, MLP neurons, hidden channels and layers of `model` on calibration batches.
 
     Forward passes only (``torch.no_grad``), in eval mode; the model's hooks, mode and weights are
-    left as they were.
+    left as they were. Memory beyond the weights: one forward pass at a time (its logits are
+    freed before the next; with `layer_loss`, also their fp32 loss, about 10 x vocab x tokens
+    bytes per batch) and, per layer, running fp64 sums (a few vectors); activations are reduced
+    in the hooks as the layer runs and never kept. Host reads happen only at the end.
 
     Args:
         model: a causal LM of a supported family (`prune_distill.arch.SUPPORTED`).
@@ -253,10 +259,10 @@ def collect_importance(
     was_training = model.training
     model.eval()
     num_rows = 0
-    num_tokens = 0
+    # token counts stay on the device until the end: no host read per pass
+    token_counts = torch.zeros(2, dtype=torch.int64, device=device)  # statistics, LM loss
     loss_base = torch.zeros((), dtype=torch.float64, device=device)
     loss_drop = torch.zeros(L, dtype=torch.float64, device=device)
-    loss_tokens = 0
     try:
         for i, layer in enumerate(layers):
             handles.append(
@@ -277,14 +283,18 @@ def collect_importance(
                 mask = torch.ones_like(ids)
             state["mask"] = mask.float()
             num_rows += int(ids.shape[0])
-            num_tokens += int(mask.sum())
+            token_counts[0] += mask.sum().long()
+            # the logits (tokens x vocab, the largest tensor of a pass) are dropped as soon as
+            # their loss is summed: never alive across the next forward pass
             logits = model(**model_inputs(batch), use_cache=False).logits
-            if layer_loss:
-                targets = lm_targets(batch)
-                nll, count = _token_nll(logits, targets)
-                loss_base += nll.double()
-                loss_tokens += count
-                loss_drop += _skipped_layer_nll(model, layers, batch, targets, state).double()
+            if not layer_loss:
+                del logits
+                continue
+            targets = lm_targets(batch)
+            loss_base += _nll_sum(logits, targets).double()
+            del logits
+            token_counts[1] += (targets != -100).sum()
+            loss_drop += _skipped_layer_nll(model, layers, batch, targets, state).double()
         if num_rows == 0:
             raise ValueError("`batches` yielded no sequences: nothing to calibrate on")
     finally:
@@ -292,6 +302,7 @@ def collect_importance(
             handle.remove()
         model.train(was_training)
 
+    num_tokens, loss_tokens = (int(n) for n in token_counts)
     lm_increase = None
     if layer_loss:
         denom = max(loss_tokens, 1)
@@ -336,7 +347,8 @@ def _skipped_layer_nll(
                 logits = model(**model_inputs(batch), use_cache=False).logits
             finally:
                 handle.remove()
-            out[i] = _token_nll(logits, targets)[0].double()
+            out[i] = _nll_sum(logits, targets).double()
+            del logits  # not alive during the next pass
     finally:
         state["mask"] = mask
     return out
