@@ -10,7 +10,7 @@ import torch
 from leanlm_testing import assert_verbose_allclose
 from leanlm_testing.kernels import KERNEL_SHAPES, device_or_skip
 from optim_adafactor import Adafactor, _kernels
-from optim_adafactor._kernel_references import apply_reference, stats_reference, sumsq_reference
+from optim_adafactor._kernels import apply_reference, stats_reference, sumsq_reference
 
 pytestmark = pytest.mark.skipif(not _kernels.HAS_TRITON, reason="triton is not installed")
 

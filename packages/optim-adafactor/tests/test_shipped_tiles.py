@@ -19,7 +19,8 @@ from optim_adafactor import Adafactor, _kernels
 pytestmark = kt.fused_kernel_marks(_kernels, torch.device("cpu"))
 
 SHAPES = kt.SHIPPED_TILE_SHAPES
-MODULES = [m for m in (Adafactor._kernels_module, Adafactor._multi_module) if m is not None]
+# the per-tensor tiles are `_kernels`' (the fused phases, `Adafactor._kernels_module`, launch there)
+MODULES = [m for m in (_kernels.__name__, Adafactor._multi_module) if m is not None]
 MULTI = [False, True] if Adafactor._multi_module is not None else [False]
 
 
@@ -28,7 +29,7 @@ gpu_tiles = kt.shipped_tiles_fixture(MODULES)
 
 def test_tiles_are_the_shipped_ones_and_span_several(gpu_tiles) -> None:
     """The patched tiles are the GPU's, and the widths above run the multi-tile column loop."""
-    gpu = gpu_tiles[Adafactor._kernels_module]
+    gpu = gpu_tiles[_kernels.__name__]
     kt.assert_tiles_span_several(_kernels, gpu, SHAPES)
     for name, copy in gpu_tiles.items():  # every module's launch_config now returns the GPU's
         live = __import__(name, fromlist=["launch_config"])

@@ -1,6 +1,6 @@
 # Triton convention: upper-case constexpr kernel arguments, many positional kernel arguments.
 # ruff: noqa: N803, PLR0917
-"""Fused Triton kernels for the factored (>=2-D) Adafactor step, launchers and references.
+"""Fused Triton kernels for the factored (>=2-D) Adafactor step and their launchers.
 
 A factored step on a tensor viewed as (B, n, m) needs three streaming passes over the elements,
 because the update's RMS (the clip) is a global reduction that must finish before the parameter
@@ -16,9 +16,10 @@ can be written (research note §7: `3G + 2P (+P for RMS(p)) + 2M` bytes per elem
    (fp32 math), optionally with stochastic rounding for bf16.
 
 The small O(n + m) work between passes (EMAs of r and c, `rsqrt` factors, the clip scale) is done
-with torch ops on vectors and is shared with the PyTorch path (`_torch_path.finish_stats`).
-Every kernel has a pure-PyTorch reference (`*_reference`, in `_kernel_references`) that the
-tests compare against.
+with torch ops on vectors and is shared with the PyTorch path (`_torch_path.finish_stats`); the
+phases around the launches are `_triton_path`'s, the `@triton.jit` helpers the kernels call
+(tiles, the parameter store) `_jit_helpers`'. Each launcher is followed by its kernel's
+pure-PyTorch reference (`*_reference`), which the tests compare against.
 """
 
 from __future__ import annotations
@@ -26,15 +27,12 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from optim_adafactor import _multi_tables
-
-if TYPE_CHECKING:
-    from optim_adafactor._torch_path import Work
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -73,123 +71,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def stochastic_round_bf16(x, seed, offs):  # type: ignore[no-untyped-def]
-        """fp32 `x` -> fp32 values representable in bf16, stochastically rounded (unbiased).
-
-        Adds uniform 16-bit noise from `tl.randint(seed, offs)` to the fp32 bit pattern and
-        truncates the low 16 bits: rounds up with probability equal to the discarded fraction.
-        """
-        noise = tl.randint(seed, offs.to(tl.int32)) & 0xFFFF
-        bits = x.to(tl.int32, bitcast=True) + noise.to(tl.int32)
-        return (bits & -65536).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def tensor_seed(seed_base, index):  # type: ignore[no-untyped-def]
-        """The stochastic-rounding seed of the tensor at `index` in a step.
-
-        `seed_base` is `seed + 1_000_003 · step`: this is `FactoredOptimizer._kernel_seed`, which
-        the PyTorch path uses too.
-        """
-        return ((seed_base + 7919 * index) % 2147483647).to(tl.int32)
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def row_tile(n_rows, n_cols, BLOCK_N: tl.constexpr):  # type: ignore[no-untyped-def]
-        """This program's rows of a (batch, n_rows, n_cols) launch on a (batch, row-block) grid.
-
-        Returns `(pid_b, pid_r, rows, row_mask, base)`: the batch and row-block indices, the
-        BLOCK_N row indices, their mask and the offset of the batch's first element (int64).
-        """
-        pid_b = tl.program_id(0)
-        pid_r = tl.program_id(1)
-        rows = pid_r * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < n_rows
-        base = pid_b.to(tl.int64) * n_rows * n_cols
-        return pid_b, pid_r, rows, row_mask, base
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def col_tile(start, rows, row_mask, base, n_cols, BLOCK_M: tl.constexpr):  # type: ignore[no-untyped-def]
-        """The BLOCK_N x BLOCK_M tile of `row_tile`'s rows at column `start`.
-
-        Returns `(cols, col_mask, mask, offs)`: column indices, their mask, the tile's mask and
-        its element offsets (int64).
-        """
-        cols = start + tl.arange(0, BLOCK_M)
-        col_mask = cols < n_cols
-        mask = row_mask[:, None] & col_mask[None, :]
-        offs = base + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
-        return cols, col_mask, mask, offs
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def span(start, end, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        """`(idx, idx < end)` for `idx = start + arange(BLOCK)`: a masked run of rows or columns."""
-        idx = start + tl.arange(0, BLOCK)
-        return idx, idx < end
-
-    @triton.jit
-    def tile(rows, row_mask, cols, col_mask, m):  # type: ignore[no-untyped-def]
-        """`(mask, offs)` of the rows x cols tile of a row-major matrix with `m` columns (int64)."""
-        mask = row_mask[:, None] & col_mask[None, :]
-        offs = rows[:, None].to(tl.int64) * m + cols[None, :]
-        return mask, offs
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def vector_ema(g_ptr, v_ptr, k, numel, beta2, eps1, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        """Elements `k + arange(BLOCK)` of a vector: `v = β2 v + (1-β2)(g² + ε1)`, stored.
-
-        Returns `(offs, mask, g, v)` with g upcast to fp32 (the unfactored second moment of the
-        multi-tensor vector kernels here and in optim-came).
-        """
-        offs, mask = span(k, numel, BLOCK)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # upcast first
-        v = tl.load(v_ptr + offs, mask=mask, other=1.0)
-        v = beta2 * v + (1.0 - beta2) * (g * g + eps1)
-        tl.store(v_ptr + offs, v, mask=mask)
-        return offs, mask, g, v
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def vector_load(g_ptr, v_ptr, k, numel, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        """Elements `k + arange(BLOCK)` of a vector: `(offs, mask, g, v)`, g upcast to fp32."""
-        offs, mask = span(k, numel, BLOCK)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + offs, mask=mask, other=1.0)
-        return offs, mask, g, v
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def store_update(  # type: ignore[no-untyped-def]
-        p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY: tl.constexpr, SR: tl.constexpr
-    ):
-        """Store `p - wd_lr·p - upd` (fp32 `p` as loaded from `p_ptr + offs`) in p's dtype.
-
-        The end of every apply kernel here and in optim-came; SR rounds stochastically. The
-        decay is `p - wd_lr·p` (HF's and came-pytorch's `p.add_(p, alpha=-wd·lr)`), not
-        `p·(1 - wd_lr)`: the fp32 rounding of `1 - wd_lr` would bias it by up to 0.3% near
-        wd·lr = 1e-5. The caller loads `p` itself, where its kernel always did: moving the load
-        changes the register allocation of the CAME kernels (tools/gpu_compile.py).
-        """
-        if HAS_DECAY:
-            p = p - wd_lr * p
-        p = p - upd
-        if SR:
-            p = stochastic_round_bf16(p, seed, offs)
-        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def momentum_store(  # type: ignore[no-untyped-def]
-        p_ptr, m_ptr, offs, mask, upd, beta1, wd_lr, seed,
-        HAS_M: tl.constexpr, HAS_DECAY: tl.constexpr, SR: tl.constexpr,
-    ):  # fmt: skip
-        """Adafactor's apply tail: the momentum, then `store_update` of the parameter.
-
-        HAS_M: `m = β1 m + upd` (fp32, stored) steps instead of `upd`. Loads m and p here.
-        """
-        if HAS_M:
-            m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-            m = beta1 * m + upd
-            tl.store(m_ptr + offs, m, mask=mask)
-            upd = m
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY, SR)
+    from optim_adafactor._jit_helpers import col_tile, momentum_store, row_tile
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _stats_kernel(  # type: ignore[no-untyped-def]
@@ -368,6 +250,21 @@ def launch_stats(g3: Tensor, p3: Tensor | None) -> tuple[Tensor, Tensor, Tensor 
     return rowsum, colpart, ppart
 
 
+def stats_reference(g: Tensor, p: Tensor | None, block_n: int = BLOCK_N) -> tuple[Tensor, ...]:
+    """Reference of `_stats_kernel` on (B, n, m): row sums, (B, blocks, m) partials, Σp² parts."""
+    g2 = g.float().square()
+    b, n, m = g2.shape
+    blocks = -(-n // block_n)
+    pad = blocks * block_n - n
+    padded = torch.nn.functional.pad(g2, (0, 0, 0, pad))
+    colpart = padded.view(b, blocks, block_n, m).sum(dim=2)
+    ppart = None
+    if p is not None:
+        p2 = torch.nn.functional.pad(p.float().square(), (0, 0, 0, pad))
+        ppart = p2.view(b, blocks, block_n * m).sum(dim=-1).reshape(-1)
+    return g2.sum(dim=-1), colpart, *((ppart,) if ppart is not None else ())
+
+
 def launch_sumsq(g3: Tensor, rf: Tensor, cf: Tensor) -> Tensor:
     """`_sumsq_kernel`: Σ (g · rf ⊗ cf)² for contiguous (B, n, m) `g3`, (B, n) `rf`, (B, m) `cf`."""
     b, n, m = g3.shape
@@ -382,75 +279,61 @@ def launch_sumsq(g3: Tensor, rf: Tensor, cf: Tensor) -> Tensor:
     return upart.sum()
 
 
-def _check(w: Work) -> tuple[Tensor, Tensor, int, int, int, int]:
-    p, g = w.param, w.grad
-    if p.dim() < 2:
-        raise ValueError(f"the fused kernels handle >=2-D tensors, got shape {tuple(p.shape)}")
-    if not p.is_contiguous():
-        raise ValueError("the fused kernels need a contiguous parameter")
-    if g.shape != p.shape or g.device != p.device:
-        raise ValueError("gradient and parameter must have the same shape and device")
-    g3 = as_3d(g.contiguous())
-    b, n, m = g3.shape
-    return as_3d(p), g3, b, n, m, -(-n // BLOCK_N)
+def sumsq_reference(g: Tensor, rf: Tensor, cf: Tensor) -> Tensor:
+    """Reference of `_sumsq_kernel`, summed: Σ (g · rf ⊗ cf)²."""
+    return (g.float() * rf.unsqueeze(-1) * cf.unsqueeze(-2)).square().sum()
 
 
-def local_stats(w: Work, buf: Tensor | None = None) -> None:
-    """Phase 1 with `_stats_kernel`; same contract as `_torch_path.local_stats`."""
-    from optim_adafactor.factored import ema_  # lazy: `factored` imports this module
-
-    p3, g3, _, n, m, _ = _check(w)
-    o, st = w.opts, w.state
-    rowsum, colpart, ppart = launch_stats(g3, p3 if o.needs_param_rms else None)
-    if ppart is not None:
-        w.psq = ppart.sum()
-    beta2 = o.beta2(w.step)
-    lead = w.param.shape[:-2]
-    row = st["exp_avg_sq_row"]
-    ema_(row, rowsum.view(*lead, n).div_(m), beta2, w.eps1)
-    w.colsum = colpart.sum(dim=1).view(*lead, m)
-    w.rowema_sum = row.sum(dim=-1)
-
-
-def update_sumsq(w: Work, buf: Tensor | None = None, *, gsq_in_buf: bool = False) -> Tensor:
-    """Phase 3 with `_sumsq_kernel`: Σ u² (the clip statistic)."""
-    g3 = _check(w)[1]
-    assert w.rf is not None
-    assert w.cf is not None
-    return launch_sumsq(g3, w.rf, w.cf)
-
-
-def apply(
-    w: Work, usq: Tensor | None, buf: Tensor | None = None, *, u_in_buf: bool = False, seed: int = 0
+def launch_apply(
+    g3: Tensor,
+    p3: Tensor,
+    exp_avg: Tensor | None,
+    rs: Tensor,
+    cf: Tensor,
+    decay: Tensor | None,
+    beta1: float | None,
+    seed: int,
+    *,
+    sr: bool,
 ) -> None:
-    """Phase 4 with `_apply_kernel`: clip scale on the device, then one fused pass."""
-    p3, g3, b, n, m, blocks = _check(w)
-    o = w.opts
-    assert w.rf is not None
-    assert w.cf is not None
-    scale: Tensor | float = w.lr_t
-    if usq is not None:
-        assert o.clip_threshold is not None
-        denom = usq.div(w.numel).sqrt_().div_(o.clip_threshold).clamp_(min=1.0)
-        scale = denom.reciprocal_().mul_(scale)
-    if o.maximize:
-        scale = -scale
-    beta1 = o.beta1
-    rs = (w.rf * (scale * (1.0 - beta1) if beta1 is not None else scale)).reshape(b, n)
-    decay = None  # weight_decay · lr_t, on the device
-    if o.weight_decay != 0:
-        wd_lr = w.lr_t * o.weight_decay  # a 0-dim device tensor with parameter scaling
-        decay = torch.empty(1, dtype=torch.float32, device=g3.device).fill_(wd_lr)
-    m_state = w.state.get("exp_avg") if beta1 is not None else None
-    sr = o.stochastic_rounding and w.param.dtype == torch.bfloat16
-    nbytes = g3.dtype.itemsize + 2 * p3.dtype.itemsize + (8 if m_state is not None else 0)
+    """`_apply_kernel` on contiguous (B, n, m) `g3`, `p3` (and the fp32 momentum `exp_avg`).
+
+    `rs` (B, n) row scales and `cf` (B, m) column factors in fp32; `decay` a 1-element fp32
+    `weight_decay · lr_t` or None; `sr` rounds bf16 parameters stochastically with `seed`.
+    """
+    b, n, m = g3.shape
+    nbytes = g3.dtype.itemsize + 2 * p3.dtype.itemsize + (8 if exp_avg is not None else 0)
     if b * n * m == 0 or planned(_apply_kernel, g3, nbytes):
         return
     bm, warps = launch_config(m)
-    _apply_kernel[(b, blocks)](
-        g3, p3, m_state if m_state is not None else g3, rs.contiguous(),
-        w.cf.reshape(b, m).contiguous(), decay if decay is not None else rs,
+    rs = rs.reshape(b, n).contiguous()
+    _apply_kernel[(b, -(-n // BLOCK_N))](
+        g3, p3, exp_avg if exp_avg is not None else g3, rs, cf.reshape(b, m).contiguous(),
+        decay if decay is not None else rs,
         0.0 if beta1 is None else beta1, seed, n, m,
-        HAS_M=m_state is not None, HAS_DECAY=decay is not None, SR=sr,
+        HAS_M=exp_avg is not None, HAS_DECAY=decay is not None, SR=sr,
         BLOCK_N=BLOCK_N, BLOCK_M=bm, num_warps=warps,
     )  # fmt: skip
+
+
+def apply_reference(
+    g: Tensor,
+    p: Tensor,
+    m: Tensor | None,
+    rs: Tensor,
+    cf: Tensor,
+    decay: Tensor | None,
+    beta1: float,
+) -> None:
+    """Reference of `_apply_kernel` (round-to-nearest store), in place on `p` and `m`.
+
+    `decay` holds `weight_decay · lr_t` (shape (1,)) or is None.
+    """
+    upd = g.float() * rs.unsqueeze(-1) * cf.unsqueeze(-2)
+    if m is not None:
+        m.mul_(beta1).add_(upd)
+        upd = m
+    p32 = p.float()
+    if decay is not None:
+        p32 = p32 - decay * p32
+    p.copy_(p32 - upd)

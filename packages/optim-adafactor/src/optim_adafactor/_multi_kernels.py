@@ -87,7 +87,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor._kernels import span, store_update, tile
+    from optim_adafactor._jit_helpers import span, store_update, tile
     from optim_adafactor._multi_stats_kernels import (
         _GEO,
         _MOM,

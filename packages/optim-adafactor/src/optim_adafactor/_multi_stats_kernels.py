@@ -30,7 +30,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor._kernels import span, tensor_seed, tile
+    from optim_adafactor._jit_helpers import span, tensor_seed, tile
 
     # addr columns: parameter, exp_avg (or the parameter), row EMA, column EMA
     _P = tl.constexpr(0)

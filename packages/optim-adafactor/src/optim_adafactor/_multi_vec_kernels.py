@@ -38,7 +38,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor._kernels import momentum_store, tensor_seed, vector_ema, vector_load
+    from optim_adafactor._jit_helpers import momentum_store, tensor_seed, vector_ema, vector_load
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _mt_vec_kernel(  # type: ignore[no-untyped-def]

@@ -127,13 +127,9 @@ def update_sumsq(w: Work, buf: Tensor, *, gsq_in_buf: bool) -> Tensor:
     return torch.linalg.vector_norm(u).square()  # type: ignore[no-any-return]
 
 
-def apply(w: Work, usq: Tensor | None, buf: Tensor, *, u_in_buf: bool) -> None:
-    """Phase 4: clip, momentum, weight decay, parameter update (into `w.p32`).
-
-    `usq` is the (reduced) `Σ u²`, or None when clipping is off. `u_in_buf`: `buf` holds the
-    unscaled update from phase 3 (vectors and torch semantics only).
-    """
-    o, p, g, st = w.opts, w.p32, w.grad, w.state
+def step_scale(w: Work, usq: Tensor | None) -> Scalar:
+    """`lr_t / max(1, RMS(u) / clip_threshold)`, negated to maximize; `usq` None: no clip."""
+    o = w.opts
     scale: Scalar = w.lr_t
     if usq is not None:
         assert o.clip_threshold is not None
@@ -141,6 +137,17 @@ def apply(w: Work, usq: Tensor | None, buf: Tensor, *, u_in_buf: bool) -> None:
         scale = denom.reciprocal_().mul_(scale)
     if o.maximize:
         scale = -scale
+    return scale
+
+
+def apply(w: Work, usq: Tensor | None, buf: Tensor, *, u_in_buf: bool) -> None:
+    """Phase 4: clip, momentum, weight decay, parameter update (into `w.p32`).
+
+    `usq` is the (reduced) `Σ u²`, or None when clipping is off. `u_in_buf`: `buf` holds the
+    unscaled update from phase 3 (vectors and torch semantics only).
+    """
+    o, p, g, st = w.opts, w.p32, w.grad, w.state
+    scale = step_scale(w, usq)
     if o.semantics == "torch":
         if o.weight_decay != 0:  # torch.optim.Adafactor: p *= 1 - lr·wd (its own form)
             assert o.lr is not None

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from optim_adafactor import _kernels
+from optim_adafactor import _jit_helpers, _kernels
 from optim_adafactor._stochastic import copy_stochastic_
 
 __all__ = [
@@ -51,18 +51,18 @@ if _kernels.HAS_TRITON:
     #: `@triton.jit` helper: `stochastic_round_bf16(x_fp32, seed, offsets)` returns fp32 values
     #: exactly representable in bf16, rounded up with probability equal to the discarded fraction
     #: (unbiased). Call it from another kernel just before a bf16 store.
-    stochastic_round_bf16 = _kernels.stochastic_round_bf16
+    stochastic_round_bf16 = _jit_helpers.stochastic_round_bf16
     #: `@triton.jit` helper: `store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY,
     #: SR)` writes `p - wd_lr·p - upd` (fp32 math) in p's dtype, stochastically rounded with SR.
-    store_update = _kernels.store_update
+    store_update = _jit_helpers.store_update
     #: `@triton.jit` helper: `tensor_seed(seed_base, index)`, the rounding seed of a step's
     #: `index`-th tensor (`FactoredOptimizer._kernel_seed`).
-    tensor_seed = _kernels.tensor_seed
+    tensor_seed = _jit_helpers.tensor_seed
     #: `@triton.jit` helpers of the per-tensor kernels' (batch, row-block) grid:
     #: `row_tile(n_rows, n_cols, BLOCK_N)` -> `(pid_b, pid_r, rows, row_mask, base)` and
     #: `col_tile(start, rows, row_mask, base, n_cols, BLOCK_M)` -> `(cols, col_mask, mask, offs)`.
-    row_tile = _kernels.row_tile
-    col_tile = _kernels.col_tile
+    row_tile = _jit_helpers.row_tile
+    col_tile = _jit_helpers.col_tile
     __all__ += ["col_tile", "row_tile", "stochastic_round_bf16", "store_update", "tensor_seed"]
 
 

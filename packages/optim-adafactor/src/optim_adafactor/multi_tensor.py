@@ -87,7 +87,7 @@ __all__ = [
 ]
 
 if HAS_TRITON:
-    from optim_adafactor._kernels import (
+    from optim_adafactor._jit_helpers import (
         span,
         store_update,
         tensor_seed,

@@ -59,7 +59,7 @@ class Adafactor(FactoredOptimizer):
     """
 
     _torch_path: ClassVar[ModuleType] = _torch_path
-    _kernels_module: ClassVar[str] = "optim_adafactor._kernels"
+    _kernels_module: ClassVar[str] = "optim_adafactor._triton_path"
     _multi_module: ClassVar[str | None] = "optim_adafactor._multi_kernels"
 
     def __init__(  # noqa: PLR0917 (HF's positional signature is the anchor)
