@@ -1,9 +1,16 @@
 import dataclasses
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
+from filelock import FileLock
 
 from leanlm.config import (
     DataConfig,
+    DistillConfig,
     ModelConfig,
     PretrainConfig,
     PruneConfig,
@@ -67,5 +74,82 @@ def tiny_search():
             "calibration_samples": 16,
         }
         return PruneConfig(search=True, **{**space, **changes})
+
+    return make
+
+
+class Pretrained(NamedTuple):
+    config: RunConfig  # the config it was pretrained with
+    model: Path  # its fp32 model folder (with the tokenizer)
+    bf16: Path  # the same weights saved in bf16 with the tokenizer, like a hub checkpoint
+
+
+@pytest.fixture(scope="session")
+def shared_folder(tmp_path_factory):
+    """`shared_folder(name, build)`: a folder that `build(folder)` fills once per test session,
+    once for all pytest-xdist workers too (the first to ask builds it under a file lock, the
+    others wait and read it). Shared: tests read it and copy it to change it, never write it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this session's folder, above the workers' own
+    root = root / "shared"
+    root.mkdir(exist_ok=True)
+
+    def get(name: str, build: Callable[[Path], object]) -> Path:
+        folder, done = root / name, root / f"{name}.done"
+        with FileLock(root / f"{name}.lock"):
+            if not done.exists():  # not built, or its builder failed: (re)build it here
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir()
+                build(folder)
+                done.touch()
+        return folder
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_pretrained(shared_folder, tiny_config):
+    """A tiny model pretrained for 6 steps, as an `init_model`. Shared: read it, never write it."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from leanlm.run.pipeline import run_pipeline
+    from leanlm.train.model import load_model
+
+    config = tiny_config(pretrain={"steps": 6, "warmup_steps": 1, "checkpoint_every": 0})
+
+    def build(out):
+        run_pipeline(config, out)
+        model = out / "pretrain" / "model"
+        load_model(model).to(torch.bfloat16).save_pretrained(out / "bf16")
+        AutoTokenizer.from_pretrained(model).save_pretrained(out / "bf16")
+
+    out = shared_folder("pretrained", build)
+    return Pretrained(config, out / "pretrain" / "model", out / "bf16")
+
+
+@pytest.fixture(scope="session")
+def prune_distill_config(tiny_pretrained):
+    """`prune` (to hidden 16, MLP 32) then `distill` from `init_model` (default: the fp32
+    `tiny_pretrained`), taught by it; `**distill` on top of a 2-step `[distill]`."""
+
+    def make(init_model=None, **distill):
+        settings = {
+            "teacher_stage": "init",
+            "steps": 2,
+            "micro_batch_size": 4,
+            "warmup_steps": 1,
+            "eval_every": 2,
+            "eval_batch_size": 4,
+            "checkpoint_every": 0,
+        }
+        return dataclasses.replace(
+            tiny_pretrained.config,
+            init_model=str(init_model or tiny_pretrained.model),
+            stages=("prune", "distill"),
+            prune=PruneConfig(hidden_size=16, intermediate_size=32, calibration_samples=8),
+            distill=DistillConfig(**(settings | distill)),
+        )
 
     return make

@@ -3,14 +3,9 @@
 Only what trains is upcast to fp32 (the engines keep fp32 parameters under autocast).
 """
 
-import dataclasses
-
-import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoTokenizer
 
-from leanlm.config import DistillConfig, PruneConfig
 from leanlm.run.pipeline import run_pipeline
 from leanlm.train.model import TRAIN_DTYPE, load_model, load_teacher
 from leanlm_testing.models import tiny_llama
@@ -48,37 +43,10 @@ def test_a_bf16_checkpoint_loads_in_bf16_and_reloads_exactly(tmp_path):
         assert torch.equal(p, q.float()), name  # upcast exactly, not re-initialised
 
 
-@pytest.fixture(scope="module")
-def bf16_model(tmp_path_factory, tiny_config):
-    """A tiny pretrained model saved in bf16 with its tokenizer, like a hub checkpoint."""
-    config = tiny_config(pretrain={"steps": 4, "warmup_steps": 1, "checkpoint_every": 0})
-    out = tmp_path_factory.mktemp("pretrained")
-    run_pipeline(config, out)
-    folder = out / "bf16"
-    load_model(out / "pretrain" / "model").to(torch.bfloat16).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(out / "pretrain" / "model").save_pretrained(folder)
-    return config, folder
-
-
 def test_prune_keeps_bf16_and_distill_trains_fp32_from_a_bf16_teacher(
-    bf16_model, tmp_path, monkeypatch
+    tiny_pretrained, prune_distill_config, tmp_path, monkeypatch
 ):
-    config, folder = bf16_model
-    config = dataclasses.replace(
-        config,
-        init_model=str(folder),
-        stages=("prune", "distill"),
-        prune=PruneConfig(hidden_size=16, intermediate_size=32, calibration_samples=8),
-        distill=DistillConfig(
-            teacher_stage="init",
-            steps=2,
-            micro_batch_size=4,
-            warmup_steps=1,
-            eval_every=2,
-            eval_batch_size=4,
-            checkpoint_every=0,
-        ),
-    )
+    config = prune_distill_config(tiny_pretrained.bf16)
     import leanlm.train.distill as distill_train
 
     seen = {}

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from leanlm.config import ConfigError, ControlConfig, DistillConfig, PruneConfig, SparsifyConfig
 from leanlm.run.pipeline import run_pipeline
+from leanlm.stages.base import StageResult
 from leanlm.stages.lineage import pruned_layer_map_for
 from leanlm.stages.sparsify import COMPRESSED_FILE
 from sparse_kernels import load_compressed_
@@ -35,11 +36,11 @@ def _full_config(tiny_config, **pretrain):
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory, tiny_config):
+def full_run(shared_folder, tiny_config):
+    # one run for all workers (shared: tests read it); results as each stage stored them
     config = _full_config(tiny_config)
-    out = tmp_path_factory.mktemp("full")
-    results = run_pipeline(config, out)
-    return config, out, {r.stage: r for r in results}
+    out = shared_folder("stages-full", lambda folder: run_pipeline(config, folder))
+    return config, out, {stage: StageResult.load(out / stage) for stage in STAGES}
 
 
 def test_every_stage_runs_and_reports(full_run):

@@ -13,41 +13,22 @@ import torch
 from safetensors.torch import load_file
 
 import leanlm.train.model
-from leanlm.config import ConfigError, DistillConfig, PruneConfig, dumps_toml
+from leanlm.config import ConfigError, DistillConfig, dumps_toml
 from leanlm.run.pipeline import run_pipeline
 from leanlm.train.teacher_cache import CACHE_DIR, MANIFEST
 from leanlm_testing.cli_runs import run_leanlm
 
 
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory, tiny_config):
-    config = tiny_config(pretrain={"steps": 6, "warmup_steps": 1, "checkpoint_every": 0})
-    out = tmp_path_factory.mktemp("pretrained")
-    run_pipeline(config, out)
-    return config, out / "pretrain" / "model"
-
-
-def _config(pretrained, **distill):
-    config, model_dir = pretrained
+def _config(prune_distill_config, **distill):
     settings = {
-        "teacher_stage": "init",
         "steps": 4,
-        "micro_batch_size": 4,
         "grad_accum_steps": 2,
-        "warmup_steps": 1,
         "eval_every": 4,
-        "eval_batch_size": 4,
         "checkpoint_every": 2,
         "temperature": 2.0,
         "lm_loss_weight": 0.25,
     }
-    return dataclasses.replace(
-        config,
-        init_model=str(model_dir),
-        stages=("prune", "distill"),
-        prune=PruneConfig(hidden_size=16, intermediate_size=32, calibration_samples=8),
-        distill=DistillConfig(**(settings | distill)),
-    )
+    return prune_distill_config(**(settings | distill))
 
 
 def _losses(out):
@@ -61,8 +42,10 @@ def _weights(out):
     return load_file(out / "distill" / "model" / "model.safetensors")
 
 
-def test_cached_teacher_with_the_whole_vocabulary_equals_online(pretrained, tmp_path, capsys):
-    run_pipeline(_config(pretrained, teacher="online"), tmp_path / "online")
+def test_cached_teacher_with_the_whole_vocabulary_equals_online(
+    prune_distill_config, tmp_path, capsys
+):
+    run_pipeline(_config(prune_distill_config, teacher="online"), tmp_path / "online")
     loads = []
     original = leanlm.train.model.load_teacher
 
@@ -72,7 +55,7 @@ def test_cached_teacher_with_the_whole_vocabulary_equals_online(pretrained, tmp_
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(leanlm.train.model, "load_teacher", spy)
-        run_pipeline(_config(pretrained, teacher="cached"), tmp_path / "cached")
+        run_pipeline(_config(prune_distill_config, teacher="cached"), tmp_path / "cached")
     assert len(loads) == 1  # once, to write the cache
     log = capsys.readouterr().out
     cache = tmp_path / "cached" / "distill" / CACHE_DIR
@@ -94,8 +77,8 @@ def test_cached_teacher_with_the_whole_vocabulary_equals_online(pretrained, tmp_
         torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_resume_reuses_the_cache_and_rewrites_a_damaged_one(pretrained, tmp_path, capsys):
-    config = _config(pretrained, teacher="cached", top_k=16)
+def test_resume_reuses_the_cache_and_rewrites_a_damaged_one(prune_distill_config, tmp_path, capsys):
+    config = _config(prune_distill_config, teacher="cached", top_k=16)
     out = tmp_path / "run"
     run_pipeline(config, out)
     expected = _weights(out)
@@ -139,10 +122,10 @@ def test_a_cached_teacher_rejects_what_needs_the_teacher_model(key, value):
 
 
 @pytest.mark.distributed
-def test_two_processes_share_one_cache_and_train_like_one(pretrained, tmp_path):
+def test_two_processes_share_one_cache_and_train_like_one(prune_distill_config, tmp_path):
     # the main process writes the cache, the other waits; both train from it, like one process
     # with the same global batch (2 x 4 sequences per step, or 1 process x 4 x 2 micro-batches)
-    one = _config(pretrained, teacher="cached", top_k=16, checkpoint_every=0)
+    one = _config(prune_distill_config, teacher="cached", top_k=16, checkpoint_every=0)
     two = dataclasses.replace(one, distill=dataclasses.replace(one.distill, grad_accum_steps=1))
     run_pipeline(one, tmp_path / "one")
     (tmp_path / "two.toml").write_text(dumps_toml(two))
