@@ -4,14 +4,23 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from leanlm.config import ConfigError, ControlConfig, DistillConfig, PruneConfig, SparsifyConfig
+from leanlm.config import (
+    ConfigError,
+    ControlConfig,
+    DistillConfig,
+    PruneConfig,
+    SparsifyConfig,
+    dumps_toml,
+)
 from leanlm.run.pipeline import run_pipeline
+from leanlm.run.rundir import CONFIG_FILE
 from leanlm.stages.base import StageResult
 from leanlm.stages.lineage import pruned_layer_map_for
 from leanlm.stages.sparsify import COMPRESSED_FILE
@@ -108,10 +117,13 @@ def test_sparsified_model_is_2_4_sparse_on_disk_and_compact(full_run):
     )
 
 
-def test_resume_between_stages_skips_finished_ones(tmp_path, tiny_config):
-    config = _full_config(tiny_config)
+def test_resume_between_stages_skips_finished_ones(full_run, tmp_path):
+    # a run of the first two stages: the full run's (same config, same hashes), copied
+    config, out, _ = full_run
     first = tmp_path / "run"
-    run_pipeline(dataclasses.replace(config, stages=STAGES[:2]), first)
+    for stage in STAGES[:2]:
+        shutil.copytree(out / stage, first / stage)
+    (first / CONFIG_FILE).write_text(dumps_toml(dataclasses.replace(config, stages=STAGES[:2])))
     before = (first / "prune" / "result.json").read_text()
     results = run_pipeline(config, first, resume=True)
     assert [r.stage for r in results] == list(STAGES)
