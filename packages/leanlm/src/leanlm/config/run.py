@@ -2,7 +2,8 @@
 
 A TOML file mirrors the dataclasses: top-level keys of `RunConfig`, one table per section
 (`[data]`, `[tokenizer]`, `[model]` from `leanlm.config.sections`; `[eval]` and `[logging]` from
-`leanlm.config.extra_sections`) and one per stage (`[pretrain]`, ... from
+`leanlm.config.extra_sections`), the run-level `[optim]` and `[parallel]` that load resolves into
+the training stages (`leanlm.config.shared_sections`) and one per stage (`[pretrain]`, ... from
 `leanlm.config.stage_sections` and `leanlm.config.prune_section`). Unknown keys, wrong types and
 impossible values raise `ConfigError` (a `ValueError`) naming the dotted key, before any work
 starts. The stages a run can list are `STAGE_NAMES`, the stage fields of `RunConfig` in pipeline
@@ -19,14 +20,15 @@ import tomllib
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import tomli_w
 
-from leanlm.config.configio import ConfigError, from_dict, to_dict, with_overrides
+from leanlm.config.configio import ConfigError, from_dict, to_dict
 from leanlm.config.extra_sections import EvalConfig, LoggingConfig
 from leanlm.config.prune_section import SEARCHED, PruneConfig
 from leanlm.config.sections import INIT_STAGE, DataConfig, ModelConfig, TokenizerConfig
+from leanlm.config.shared_sections import named_from_shared, resolve_with_overrides
 from leanlm.config.stage_sections import (
     DENSE_STAGE,
     ControlConfig,
@@ -244,7 +246,9 @@ def load_toml(path: str | Path, *, overrides: Sequence[str] = ()) -> RunConfig:
     """Read a `RunConfig` from a TOML file, with `--set KEY=VALUE` `overrides` laid over it.
 
     Each override is read as the TOML line `KEY = VALUE` and checked with the file's keys
-    (`leanlm.configio.with_overrides`).
+    (`leanlm.configio.with_overrides`). Run-level `[optim]` / `[parallel]` keys are copied into
+    the training stages here (`leanlm.config.shared_sections`): the file's where a stage does
+    not set the key, an override's over the file's values.
 
     Raises:
         ConfigError: for unknown keys, wrong types or impossible values (naming the key).
@@ -255,7 +259,7 @@ def load_toml(path: str | Path, *, overrides: Sequence[str] = ()) -> RunConfig:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"{path} is not valid TOML: {err}") from err
-    return from_dict(RunConfig, with_overrides(data, overrides))
+    return _build(data, overrides)
 
 
 def override(config: RunConfig, overrides: Sequence[str]) -> RunConfig:
@@ -266,7 +270,16 @@ def override(config: RunConfig, overrides: Sequence[str]) -> RunConfig:
     """
     if not overrides:
         return config
-    return from_dict(RunConfig, with_overrides(to_dict(config), overrides))
+    return _build(to_dict(config), overrides)
+
+
+def _build(data: dict[str, Any], overrides: Sequence[str]) -> RunConfig:
+    """The `RunConfig` of a TOML mapping and overrides, `[optim]` / `[parallel]` resolved."""
+    resolved, sources = resolve_with_overrides(data, overrides)
+    try:
+        return from_dict(RunConfig, resolved)
+    except ConfigError as err:
+        raise named_from_shared(err, sources) from None
 
 
 def dumps_toml(config: RunConfig) -> str:
