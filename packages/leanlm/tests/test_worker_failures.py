@@ -52,10 +52,15 @@ def _resume_equals(path, out, full):
     assert loss_rows(full) == loss_rows(out)
 
 
+def _forty_steps_config(tiny_config):
+    """A 40-step run, checkpoints every 10."""
+    return tiny_config(pretrain={"steps": 40, "checkpoint_every": 10, "eval_every": 20})
+
+
 @pytest.fixture(scope="module")
 def forty_steps(tiny_config, tmp_path_factory):
-    """A 40-step config (checkpoints every 10), and its uninterrupted 2-process run."""
-    config = tiny_config(pretrain={"steps": 40, "checkpoint_every": 10, "eval_every": 20})
+    """The 40-step config and its uninterrupted 2-process run."""
+    config = _forty_steps_config(tiny_config)
     folder = tmp_path_factory.mktemp("uninterrupted")
     (folder / "run.toml").write_text(dumps_toml(config))
     command = leanlm_command(
@@ -89,9 +94,9 @@ def test_a_killed_worker_is_named_and_every_process_ends_then_resume(tmp_path, f
 
 
 @pytest.mark.distributed
-def test_a_frozen_worker_is_named_after_the_collective_timeout(tmp_path, forty_steps):
+def test_a_frozen_worker_is_named_after_the_collective_timeout(tmp_path, tiny_config):
     # (the resume after it is the killed worker's: the launcher ends a frozen one by SIGKILL)
-    config, _ = forty_steps
+    config = _forty_steps_config(tiny_config)
     path, out = tmp_path / "run.toml", tmp_path / "run"
     path.write_text(dumps_toml(dataclasses.replace(config, collective_timeout_s=20)))
     launcher, tree, rank1 = _start(path, out)
