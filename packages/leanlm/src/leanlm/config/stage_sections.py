@@ -132,6 +132,12 @@ class SparsifyConfig(TrainConfig):
     """Training sequences used for Wanda / SparseGPT statistics."""
     calibration_batch_size: int = 16
     """Sequences per calibration forward pass."""
+    sequential: bool = True
+    """Wanda / SparseGPT: walk the decoder layers in order, scoring each layer on the outputs of
+    the already-pruned layers before it, with one layer's statistics in memory (the reference
+    implementations' algorithm; SparseGPT at Llama-3-8B shapes: 1.1 GiB of Hessians instead of
+    36.5 GiB). Layers at `model.model.layers` only. `false`: score every layer on the dense
+    model in one pass, every layer's statistics at once."""
     steps: int = 50
     lr: float = 1e-3
     warmup_steps: int = 5

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from leanlm.config import SparsifyConfig
+from leanlm.config import ConfigError, SparsifyConfig
 from leanlm.stages.base import Stage, StageContext, StageResult
 
 if TYPE_CHECKING:
@@ -96,7 +96,13 @@ class Sparsify(Stage):
         )
         # Deterministic given the calibration batches: a resumed run rebuilds the same masks
         # before its checkpoint restores the fine-tuned weights.
-        sparsify_(model, cfg.sparsity_config, calibration=batches)
+        sequential = cfg.sequential and cfg.method != "magnitude"  # magnitude has no statistics
+        try:
+            sparsify_(model, cfg.sparsity_config, calibration=batches, sequential=sequential)
+        except ValueError as err:
+            if not sequential or "sequential" not in str(err):
+                raise
+            raise ConfigError("sparsify.sequential", f"{err} (here: `sequential = false`)") from err
         report = sparsity_report(model)
         target = sum(model.get_submodule(n).weight.numel() for n in report)
         zeros = sum(frac * model.get_submodule(n).weight.numel() for n, frac in report.items())
