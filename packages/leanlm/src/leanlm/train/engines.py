@@ -18,6 +18,7 @@ format. The training loop (`leanlm.train.trainer`) calls `Parallel`, the same wh
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -81,7 +82,7 @@ def compile_layers(model: torch.nn.Module) -> int:
     return len(layers)
 
 
-class Engine:
+class Engine(abc.ABC):
     """One way of spreading the model and optimizer over processes; `ENGINES` names each.
 
     `wrap` wraps or shards them; the training loop then reaches them only through these
@@ -99,17 +100,17 @@ class Engine:
         self.model: torch.nn.Module
         self.optimizer: Any
 
+    @abc.abstractmethod
     def wrap(self, model: torch.nn.Module, make_optimizer: MakeOptimizer) -> None:
         """Wrap (or shard) `model` and build its optimizer: sets `model` and `optimizer`."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def no_sync(self) -> Any:
         """A context in which backward accumulates gradients without reducing them."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm; returns the norm before clipping (a plain tensor)."""
-        raise NotImplementedError
 
     def final_state(self) -> dict[str, torch.Tensor] | None:
         """The full fp32 state dict when sharded (a collective), else None."""
@@ -120,9 +121,9 @@ class Engine:
         return None
 
     @property
+    @abc.abstractmethod
     def label(self) -> str:
         """The report's `parallel` column."""
-        raise NotImplementedError
 
 
 class DdpEngine(Engine):
