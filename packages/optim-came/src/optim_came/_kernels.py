@@ -2,25 +2,12 @@
 # ruff: noqa: N803, PLR0917
 """Fused Triton kernels for the factored (>= 2-D) CAME step, launchers and references.
 
-CAME (Luo et al., ACL 2023, arXiv:2307.02047) on a tensor viewed as (B, n, m) needs four
-streaming passes, because two global reductions sit between the gradient and the write: the
-update RMS (the clip) and the instability factors: `3G + 3M + 2P` bytes per element (research
-note §7), plus 1.25 B of fp32 row-block column partials (written and summed, see the README),
-23.25 B with bf16 g/p and fp32 m:
-
-1. row / column sums of `g²` (optim-adafactor's `sq_stats` kernel, reused);
-2. `Σ u²` with `u = g · rf ⊗ cf` (optim-adafactor's `scaled_sumsq` kernel, reused);
-3. `_momentum_kernel`: `d = m - g·rs_i·cf_j` (`rs = rf · clip`), `m ← m - (1-β1) d`, and the row
-   sums and row-block partial column sums of `d²` (the instability is `β1² d²`, see
-   `_torch_path.momentum`);
-4. `_apply_kernel`: `p ← p - lr·wd·p - m · rRs_i · cR_j` (`rRs = lr · rsqrt(R/mean(R))`,
-   `cR = rsqrt(C)`), stored in p's
-   dtype, optionally with stochastic rounding for bf16.
-
-Between passes the O(n + m) work (EMAs of the factor vectors, `rsqrt`, the clip scale) runs as
-torch ops on vectors, shared with the PyTorch path, and never leaves the device. All sums are
-fp32 and deterministic (per-row-block partials summed in a fixed order, no atomics). bf16/fp16
-inputs are upcast right after `tl.load`.
+CAME (Luo et al., ACL 2023, arXiv:2307.02047) needs four streaming passes over a (B, n, m)
+tensor because two global reductions (the update RMS for the clip, and the instability factors)
+sit between the gradient and the write: g² statistics and `Σ u²` (optim-adafactor's kernels,
+reused), then `_momentum_kernel` and `_apply_kernel` here. The O(n + m) work between passes runs
+as torch ops shared with `_torch_path` and stays on the device. Sums are fp32 and deterministic
+(row-block partials summed in a fixed order, no atomics).
 """
 
 from __future__ import annotations
@@ -148,6 +135,7 @@ if HAS_TRITON:
     ):
         """`d = m - g·rs_i·cf_j`; `m ← m - (1-β1)·d`; row sums and partial column sums of d².
 
+        `rs = rf · clip`; the instability is `β1² d²` (see `_torch_path.momentum`).
         One program owns BLOCK_N rows (row sums without atomics) and writes one row-block
         partial of the column sums; fp32 math, m stored back in its own dtype. QUANT: m is
         int8 codes with per-block scales (`_quant`), decoded after the load and re-encoded
@@ -200,9 +188,10 @@ if HAS_TRITON:
     ):
         """`p ← p - wd_lr·p - m·rRs_i·cR_j` in fp32, stored in p's dtype (SR: stochastic, bf16).
 
-        `decay_ptr` holds `wd_lr = weight_decay · lr` (a device value: `lr` may be a tensor).
-        The decay is came-pytorch's `p.add_(p, alpha=-wd·lr)`, not `p·(1 - wd_lr)`, whose
-        fp32 rounding of `1 - wd_lr` biases it by up to 0.3% near wd·lr = 1e-5.
+        `rRs = lr · rsqrt(R / mean(R))`, `cR = rsqrt(C)`. `decay_ptr` holds
+        `wd_lr = weight_decay · lr` (a device value: `lr` may be a tensor). The decay is
+        came-pytorch's `p.add_(p, alpha=-wd·lr)`, not `p·(1 - wd_lr)`, whose fp32 rounding of
+        `1 - wd_lr` biases it by up to 0.3% near wd·lr = 1e-5.
         """
         pid_b, _, rows, row_mask, base = factored.row_tile(n_rows, n_cols, BLOCK_N)
         srow = (pid_b.to(tl.int64) * n_rows + rows) * tl.cdiv(n_cols, _QB)  # QUANT: scales

@@ -2,29 +2,10 @@
 # ruff: noqa: N803, PLR0917
 """Multi-tensor fused CAME step: seven Triton launches per group of matrices of a batch.
 
-The batch, its work split and its tables are optim-adafactor's (`optim_adafactor._multi_tables`;
-`addr` rows hold the parameter, `exp_avg`, the row and column EMAs of g², and the row and column
-EMAs of the instability). For a matrix `g` of shape (n, m):
-
-1. optim-adafactor's `_mt_stats_kernel` (launched through its `launch_stats`, as are 2 and 3),
-   one program per row item: row EMA `r` and the column partials of g² and g²/r;
-2. its `_mt_cols_kernel`, one program per column item: column EMA `c`, `cf`, partials of Σu²;
-3. its `_mt_scalars_kernel` (lr = 1, clip on): `mean(r)` and the clip `1/max(1, RMS(u)/d)`;
-4. `_mt_momentum_kernel`, one program per row item, column tile by column tile:
-   `d = m - g·rs_i·cf_j` (`rs` = clip · rf), `m ← m - (1-β1) d`; each column partial of d² is
-   written once per item and each row block's partial once per tile, then the row EMA `R` of
-   the instability `β1² d²` is finished from them (the instability is `(û - m_new)² = β1² d²`,
-   see `_torch_path.momentum`);
-5. `_mt_cols_kernel` again on `d²`: column EMA `C` and `cR = 1/√C`;
-6. `_mt_scalars_kernel` again: `mean(R)`, lr and wd·lr (a tensor lr stays on the device);
-7. `_mt_came_apply_kernel`, one program per row item: `p ← p - wd·lr·p - m · lr·rR_i · cR_j`.
-
-Small unfactored tensors take one more launch for all of them (`_multi_vec`).
-
-DRAM bytes per element (computed from the kernels, recorded per launch by the launch plan):
-G (pass 1; its second sweep re-reads the item from L2), G + 2M (pass 4), M + 2P (pass 7), and
-the column partials (g², g²/r and d², 4 B per column of a row item each). The second read of m
-is forced by the instability factors, which need all of `m_new` before `p` can be written.
+Reuses optim-adafactor's batch, work split and address tables (`optim_adafactor._multi_tables`)
+and its statistics kernels; adds `_mt_momentum_kernel` and `_mt_came_apply_kernel`. Launching
+per group rather than per tensor keeps a model's step to a handful of launches. The launch
+order is in `step_batch`; small unfactored tensors take one more launch (`_multi_vec_kernels`).
 """
 
 from __future__ import annotations
@@ -295,8 +276,21 @@ def batch_key(w: Work) -> tuple[object, ...]:
 def step_batch(opt: CAME, works: list[Work], cache: dict[tuple[object, ...], Any]) -> None:
     """One fused CAME step of every matrix in `works` (same `batch_key`).
 
-    Seven launches per group of matrices (`_multi_tables`).
-    Unfactored tensors (a batch of them) take `_multi_vec_kernels.step_vectors`: one launch.
+    Seven launches per group of matrices (`_multi_tables`), for a matrix `g` of shape (n, m):
+
+    1. optim-adafactor's `_mt_stats_kernel` (via its `launch_stats`, as are 2 and 3): row EMA `r`
+       and the column partials of g² and g²/r;
+    2. its `_mt_cols_kernel`: column EMA `c`, `cf` and the partials of Σu²;
+    3. its `_mt_scalars_kernel` (lr = 1, clip on): `mean(r)` and the clip `1/max(1, RMS(u)/d)`;
+    4. `_mt_momentum_kernel`: `d = m - g·rs_i·cf_j`, `m ← m - (1-β1) d`, and the row EMA `R` of
+       the instability `β1² d²`;
+    5. `_mt_cols_kernel` again on `d²`: column EMA `C` and `cR = 1/√C`;
+    6. `_mt_scalars_kernel` again: `mean(R)`, lr and wd·lr (a tensor lr stays on the device);
+    7. `_mt_came_apply_kernel`: `p ← p - wd·lr·p - m · lr·rR_i · cR_j`.
+
+    m is read twice (passes 4 and 7) because the instability factors need all of `m_new` before
+    `p` can be written. Unfactored tensors (a batch of them) take
+    `_multi_vec_kernels.step_vectors`: one launch.
     """
     w0 = works[0]
     if not w0.factored:

@@ -1,23 +1,12 @@
 """Blockwise 8-bit storage of CAME's first moment (`state_dtype=torch.int8`), PyTorch reference.
 
-`exp_avg` of a >= 2-D parameter is kept as int8 codes shaped like the parameter plus
-`exp_avg_scale`, one fp32 absmax per block of `QBLOCK` consecutive elements of a row (the last
-dim; a row whose length is not a multiple of `QBLOCK` ends in a partial block). Blocks never
-cross rows, so sharding a parameter by rows (shard-zero, FSDP2) keeps every block whole and a
-shard quantizes exactly as the whole tensor does.
-
-The map is signed and quadratic: code `q` in [-127, 127] stands for `sign(q)·(q/127)²·scale`.
-Like bitsandbytes' dynamic map it spends its codes more densely near zero than a linear map
-(spacing `scale·(2|q|+1)/127²`: ~6e-5·scale next to zero, ~0.016·scale at the absmax, about
-the dynamic map's 1/64 there), but encoding and decoding are arithmetic (a square root and a
-square) rather than a 256-entry table gather and an 8-step binary search, which keeps a fused
-kernel's per-element work small. The block's absmax is coded exactly (`q = ±127`).
-
-Rounding is to the nearest representable value, or stochastic (unbiased in value: up with
-probability `(a - lo²)/(hi² - lo²)` between the neighbouring codes `lo`, `hi`). The stochastic
-noise is a hash of (seed, global element index), so a row shard draws the same noise for its
-elements as the whole tensor does (exact under sharding) and a resume continues it from the
-seed and step count alone.
+`exp_avg` of a >= 2-D parameter is int8 codes shaped like the parameter plus `exp_avg_scale`,
+one fp32 absmax per block of `QBLOCK` elements of a row; blocks never cross rows, so a row shard
+(shard-zero, FSDP2) quantizes exactly as the whole tensor. Code `q` in [-127, 127] stands for
+`sign(q)·(q/127)²·scale`: denser near zero like bitsandbytes' dynamic map, but encoded and
+decoded arithmetically (a square root, a square) instead of a table search, which keeps a fused
+kernel's per-element work small. Rounding is nearest, or stochastic with noise hashed from
+(seed, global element index), so shards and resumes draw the same noise.
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
-"""The PyTorch path of one CAME step, split into the phases that row sharding needs.
+"""The PyTorch path of one CAME step (the CPU path and the kernels' reference), in phases.
 
-For a factored parameter (>= 2 dims, viewed as (..., n, m)) a step is six phases. Between phases
-1-2, 3-4 and 4-5 a row-sharded parameter all-reduces its partial sums (bucketed over all
-parameters, see `optimizer.py`); an unsharded one just goes on:
-
-1. `grad_stats`: `g²` into the workspace, row EMA `r = β2 r + (1-β2)(mean_j g² + ε1)`, local column
-   sums of `g²` and `Σ_i r_i`.
-2. `grad_factors`: column EMA `c`, factors `rf = rsqrt(r / mean(r))`, `cf = rsqrt(c)` (times
-   `sqrt(1-β2^t)` with bias correction).
-3. `update_sumsq`: `Σ u²`, `u = g · rf ⊗ cf`, computed as `Σ_i rf_i² Σ_j g²_ij cf_j²` (a mat-vec on
-   the `g²` still in the workspace), so `u` is never materialised.
-4. `momentum`: `û = u / max(1, RMS(u)/d)` (the clip scale stays a device tensor),
-   `m = β1 m + (1-β1) û`, and the instability statistics of `(û - m)²`: the row EMA `R` and the
-   local column sums. `û - m_new = β1 (û - m_old)`, so the workspace holds `m_old - û` once and
-   serves both the momentum update and the instability.
-5. `instability_factors`: column EMA `C`, factors `res_rf = rsqrt(R / mean(R))`,
-   `res_cf = rsqrt(C)` (times `sqrt(1-β3^t)`).
-6. `apply`: `p ← p - lr·wd·p - lr · m · res_rf ⊗ res_cf`.
-
-Vectors and scalars keep a full `v = β2 v + (1-β2)(g² + ε1)`, `u = g / √v`, the same clip and
-momentum, and step `p ← p - lr·wd·p - lr·m` (no confidence term, as in came-pytorch).
-
-Every N-sized temporary lives in one reusable fp32 workspace (`buf`). An int8 `exp_avg`
-(`state_dtype=torch.int8`) is dequantized in phases 4 and 6 into a second one (`Work.m_buf`), and
-phase 4 quantizes it back using both as scratch, and a bool one for the signs (`_quant`): the
-step allocates nothing N-sized (stochastic rounding adds fp32 and int32 ones for its noise).
+A factored parameter (>= 2 dims, viewed as (..., n, m)) steps in six phases, `grad_stats` to
+`apply`; between phases 1-2, 3-4 and 4-5 a row-sharded parameter all-reduces its partial sums
+(bucketed, see `optimizer.py`), which is why the step is split. Vectors and scalars keep a full
+`v` and step `p ← p - lr·wd·p - lr·m` (no confidence term, as in came-pytorch). Every N-sized
+temporary lives in reusable workspaces (`buf`, `Work.m_buf` for an int8 `exp_avg`), so a step
+allocates nothing N-sized.
 """
 
 from __future__ import annotations
@@ -92,7 +73,10 @@ def store_momentum(w: Work, m: Tensor, scratch: Tensor | None = None) -> None:
 
 
 def grad_stats(w: Work, buf: Tensor) -> None:
-    """Phase 1. Leaves `g²` in `buf`."""
+    """Phase 1: row EMA `r = β2 r + (1-β2)(mean_j g² + ε1)`, local column sums of g², `Σ_i r_i`.
+
+    Vectors update their full `v` instead. Leaves `g²` in `buf`.
+    """
     o, g, st = w.opts, w.grad, w.state
     torch.mul(g, g, out=buf)
     if not w.factored:
@@ -105,7 +89,10 @@ def grad_stats(w: Work, buf: Tensor) -> None:
 
 
 def grad_factors(w: Work) -> None:
-    """Phase 2: column EMA and the factors of the second moment, from (reduced) sums."""
+    """Phase 2: column EMA `c`, factors `rf = rsqrt(r / mean(r))`, `cf = rsqrt(c)`.
+
+    From the (reduced) sums of phase 1; `cf` times `sqrt(1-β2^t)` with bias correction.
+    """
     if not w.factored:
         return
     assert w.colsum is not None
@@ -129,7 +116,9 @@ def _vector_update(w: Work, buf: Tensor) -> Tensor:
 
 
 def update_sumsq(w: Work, buf: Tensor, *, gsq_in_buf: bool) -> Tensor:
-    """Phase 3: local `Σ u²`. `gsq_in_buf`: `buf` still holds phase 1's `g²`.
+    """Phase 3: local `Σ u²`, `u = g · rf ⊗ cf`. `gsq_in_buf`: `buf` still holds phase 1's `g²`.
+
+    Computed as `Σ_i rf_i² Σ_j g²_ij cf_j²` (a mat-vec on `g²`), so `u` is never materialised.
 
     Vectors leave `u` in `buf`.
     """
@@ -149,6 +138,10 @@ def clip_scale(usq: Tensor, numel: int, clip_threshold: float) -> Tensor:
 
 def momentum(w: Work, usq: Tensor, buf: Tensor, *, u_in_buf: bool) -> None:
     """Phase 4: clip, momentum, local instability statistics (factored tensors).
+
+    `û = u / max(1, RMS(u)/d)`, `m = β1 m + (1-β1) û`, then the row EMA `R` and local column
+    sums of the instability `(û - m)²`. Since `û - m_new = β1 (û - m_old)`, the workspace holds
+    `m_old - û` once and serves both updates.
 
     `usq` is the (reduced) `Σ u²`; `u_in_buf`: a vector's `u` is still in `buf` from phase 3.
     """
@@ -176,7 +169,11 @@ def momentum(w: Work, usq: Tensor, buf: Tensor, *, u_in_buf: bool) -> None:
 
 
 def instability_factors(w: Work) -> None:
-    """Phase 5: column EMA of the instability and its factors, from (reduced) sums."""
+    """Phase 5: column EMA `C` of the instability and the factors of `R` and `C`.
+
+    `res_rf = rsqrt(R / mean(R))`, `res_cf = rsqrt(C)`, from the (reduced) sums of phase 4;
+    `res_cf` times `sqrt(1-β3^t)` with bias correction.
+    """
     if not w.factored:
         return
     assert w.res_colsum is not None
@@ -191,7 +188,7 @@ def instability_factors(w: Work) -> None:
 
 
 def apply(w: Work, buf: Tensor) -> None:
-    """Phase 6: decoupled weight decay, then the confidence-scaled step (into `w.p32`)."""
+    """Phase 6: `p ← p - lr·wd·p - lr · m · res_rf ⊗ res_cf` (into `w.p32`)."""
     o, p, m = w.opts, w.p32, load_momentum(w, buf)  # int8: the stored (quantized) m steps p
     if o.weight_decay != 0:
         decay_(p, o.weight_decay, o.lr)  # came-pytorch: p.add_(p, alpha=-wd·lr)

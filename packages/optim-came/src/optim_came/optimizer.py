@@ -50,7 +50,7 @@ class CAME(FactoredOptimizer):
         bias_correction: Divide `r, c, v` by `1-β2^t` and (when zero-initialised) `R, C` by
             `1-β3^t`. Off in came-pytorch.
         instability_init: Initial value of `R` and `C` (came-pytorch: 0). 1.0 (yangluo7/CAME
-            PR #6) removes the ~11·lr update spike of the first steps (research note §1.7).
+            PR #6) removes the ~11·lr update spike of the first steps.
         state_dtype: storage of the first moment `exp_avg`: torch.float32 (default),
             torch.bfloat16 (2 bytes less per element) or torch.int8 (>= 2-D parameters:
             blockwise 8-bit codes plus one fp32 scale per 128 elements of a row, ~1.03 bytes
