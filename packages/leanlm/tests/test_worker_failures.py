@@ -25,11 +25,17 @@ from leanlm_testing.cli_runs import (
 )
 
 
-def _start(path, out):
+def _start(path, out, **popen):
     """A 2-process run (see `start_two_process_run`), its process tree and its rank-1 worker."""
-    launcher, tree = start_two_process_run(path, out)
+    launcher, tree = start_two_process_run(path, out, **popen)
     (rank1,) = [p for p in tree if p.environ().get("RANK") == "1"]
     return launcher, tree, rank1
+
+
+def _sitecustomize(folder, code):
+    """`ENV` where every process imports `code` at start (as `folder/sitecustomize.py`)."""
+    (folder / "sitecustomize.py").write_text(code)
+    return {**ENV, "PYTHONPATH": os.pathsep.join([str(folder), ENV.get("PYTHONPATH", "")])}
 
 
 def _wait_gone(launcher, tree, within):
@@ -70,17 +76,35 @@ def forty_steps(tiny_config, tmp_path_factory):
     return config, folder / "run"
 
 
+SLOW_TEARDOWN_ON_RANK_0 = """
+import os
+if os.environ.get("RANK") == "0":
+    import time
+    import torch.distributed
+    real = torch.distributed.destroy_process_group
+    def slow(*args, **kwargs):
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+    torch.distributed.destroy_process_group = slow
+"""
+
+
 @pytest.mark.distributed
 def test_a_killed_worker_is_named_and_every_process_ends_then_resume(tmp_path, forty_steps):
+    # rank 0 tears down slowly (as on a loaded machine): torchrun's SIGTERM, sent once it sees
+    # rank 1 gone, ends rank 0 before it writes its exit code; the report names rank 1 alone
     config, full = forty_steps
     path, out = tmp_path / "run.toml", tmp_path / "run"
     path.write_text(dumps_toml(config))
-    launcher, tree, rank1 = _start(path, out)
+    env = _sitecustomize(tmp_path, SLOW_TEARDOWN_ON_RANK_0)
+    launcher, tree, rank1 = _start(path, out, env=env)
     rank1.send_signal(signal.SIGKILL)  # what the out-of-memory killer does
     stderr = _wait_gone(launcher, tree, within=30)
     assert not (out / "pretrain" / "result.json").exists(), "the run finished before the kill"
 
-    died, resume = messages(stderr)
+    lines = messages(stderr)
+    assert len(lines) == 2, stderr  # the killed worker, then how to resume
+    died, resume = lines
     assert died.startswith(
         f"leanlm: process 1 (PID {rank1.pid}) was killed by SIGKILL (often the out-of-memory "
         "killer: see `dmesg`) at pretrain step "
@@ -131,11 +155,10 @@ if os.environ.get("RANK") == "1":
 
 @pytest.mark.distributed
 def test_a_worker_that_raises_prints_its_own_error_once(tmp_path, tiny_config):
-    # every worker imports `sitecustomize` at start: rank 1's fifth micro-batch raises
-    (tmp_path / "sitecustomize.py").write_text(FAIL_ON_RANK_1)
+    # rank 1's fifth micro-batch raises
+    env = _sitecustomize(tmp_path, FAIL_ON_RANK_1)
     path, out = tmp_path / "run.toml", tmp_path / "run"
     path.write_text(dumps_toml(tiny_config()))
-    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), ENV.get("PYTHONPATH", "")])}
     done = run_leanlm("run", path, "--out", out, "--processes", "2", env=env)
     assert done.returncode == 1
     assert messages(done.stderr) == [
@@ -194,6 +217,29 @@ def test_the_launcher_names_a_killed_worker_and_ends_a_frozen_one(tmp_path):
     assert r1.killed
     assert watch.report({0: (10, 1), 1: (11, -signal.SIGKILL)}) == [
         "ended process 1 (PID 11), which had stopped answering"
+    ]
+
+
+def test_a_worker_torchrun_stopped_after_another_died_is_not_named(tmp_path):
+    # rank 1 is killed; torchrun's agent SIGTERMs rank 0, which was past its own signal
+    # handling (tearing down after the lost peer): it dies without writing its exit code
+    killed = "process 1 (PID 11) was killed by SIGKILL"
+    watch, r0, r1 = status.WorkerWatch(tmp_path), _Worker(10, 250), _Worker(11, 300)
+    _write_status(tmp_path, 0, 10)
+    _write_status(tmp_path, 1, 11)
+    watch.poll([r0, r1])
+    watch.poll([])  # both went in the same poll (a loaded machine)
+    lines = watch.report({0: (10, -signal.SIGTERM), 1: (11, -signal.SIGKILL)})
+    assert [line.split(" (often")[0] for line in lines] == [killed]
+
+    # a SIGTERM that came first (a user's `kill`, before the signal handling) is named
+    watch, r0, r1 = status.WorkerWatch(tmp_path), _Worker(10, 250), _Worker(11, 300)
+    watch.poll([r0, r1])
+    watch.poll([r0])
+    watch.poll([])
+    lines = watch.report({0: (10, -signal.SIGTERM), 1: (11, -signal.SIGTERM)})
+    assert lines == [
+        "process 1 (PID 11) was killed by SIGTERM at pretrain step 5, peak memory 300 MiB"
     ]
 
 

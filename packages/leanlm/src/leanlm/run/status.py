@@ -221,7 +221,9 @@ class WorkerWatch:
         """Lines on the workers that died without reporting it, and those the launcher ended.
 
         `failures`: torchrun's {rank: (pid, exit code)}. A worker that wrote its exit code
-        reported its own error; one torchrun killed after the others had ended is not a cause.
+        reported its own error; one torchrun killed after the others had ended is not a cause,
+        nor one its agent's SIGTERM ended after another failed (a worker past its own signal
+        handling, e.g. tearing down after a lost peer, dies of it without writing its exit code).
         """
         statuses = read_all(self.folder)
         reported = [
@@ -230,12 +232,21 @@ class WorkerWatch:
             if s.gone_at and statuses.get(s.rank, {}).get("exit", 0) != 0
         ]
         first_report = min(reported, default=float("inf"))
+        # the order workers went in; of those gone in the same poll, a SIGTERM death went last
+        order = {
+            rank: (
+                self.seen.get(pid, _Seen(rank, pid)).gone_at,
+                code == -signal.SIGTERM and "exit" not in statuses.get(rank, {}),
+            )
+            for rank, (pid, code) in failures.items()
+        }
         lines = []
         for rank, (pid, code) in sorted(failures.items()):
             status = statuses.get(rank, {})
             seen = self.seen.get(pid, _Seen(rank, pid))
+            stopped = order[rank][1] and any(order[r] < order[rank] for r in order if r != rank)
             if pid in self.ended:
                 lines.append(f"ended process {rank} (PID {pid}), which had stopped answering")
-            elif "exit" not in status and (seen.gone_at or 0) <= first_report + 1.0:
+            elif "exit" not in status and seen.gone_at <= first_report + 1.0 and not stopped:
                 lines.append(describe_death(rank, pid, code, status, seen.peak_rss_mib))
         return lines
