@@ -2,24 +2,12 @@
 # ruff: noqa: N803, PLR0917
 """Fused Triton kernels for the factored (>=2-D) Adafactor step and their launchers.
 
-A factored step on a tensor viewed as (B, n, m) needs three streaming passes over the elements,
-because the update's RMS (the clip) is a global reduction that must finish before the parameter
-can be written (research note §7: `3G + 2P (+P for RMS(p)) + 2M` bytes per element):
-
-1. `_stats_kernel`: row sums `Σ_j g²` (one program owns a block of rows, so no atomics), per
-   row-block partial column sums `Σ_i g²` and partial `Σ p²`. The partials are summed by torch in
-   a fixed order, so the result is deterministic.
-2. `_sumsq_kernel`: partial `Σ (g·rf_i·cf_j)²` per row block (the clip statistic).
-3. `_apply_kernel`: `m = β1 m + g·rs_i·cf_j` (momentum) and `p = p·decay - (m or g·rs_i·cf_j)`,
-   with `rs = rf · lr_t / max(1, RMS(u)/d) (· (1-β1))` computed on the device beforehand, so no
-   value ever goes to the host. bf16/fp16 parameters are read and written in their own dtype
-   (fp32 math), optionally with stochastic rounding for bf16.
-
-The small O(n + m) work between passes (EMAs of r and c, `rsqrt` factors, the clip scale) is done
-with torch ops on vectors and is shared with the PyTorch path (`_torch_path.finish_stats`); the
-phases around the launches are `_triton_path`'s, the `@triton.jit` helpers the kernels call
-(tiles, the parameter store) `_jit_helpers`'. Each launcher is followed by its kernel's
-pure-PyTorch reference (`*_reference`), which the tests compare against.
+A factored step on a (B, n, m) tensor takes three streaming passes, because the update's RMS
+(the clip) is a global reduction that must finish before the parameter is written:
+`_stats_kernel` (g² row sums, row-block column partials, Σ p²), `_sumsq_kernel` (Σ u²) and
+`_apply_kernel`. The O(n + m) work between passes runs as torch ops shared with the PyTorch path
+(`_torch_path.finish_stats`), on the device; the phases around the launches are `_triton_path`'s.
+Each launcher is followed by its kernel's pure-PyTorch reference (`*_reference`) for the tests.
 """
 
 from __future__ import annotations
@@ -37,7 +25,7 @@ from optim_adafactor import _multi_tables
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-# Tiles: BLOCK_N rows x BLOCK_M columns. Small under the interpreter (~0.5 ms per program).
+# Tiles: BLOCK_N rows x BLOCK_M columns; small under the interpreter, which is slow per program.
 BLOCK_N = 16
 BLOCK_M = 64 if _INTERPRET else 256
 NUM_WARPS = 8  # launch option of every kernel here (stated, so tools/gpu_compile.py compiles it)
@@ -46,12 +34,9 @@ NUM_WARPS = 8  # launch option of every kernel here (stated, so tools/gpu_compil
 def launch_config(n_cols: int) -> tuple[int, int]:
     """(BLOCK_M, num_warps) of every kernel here for rows of `n_cols` (16 x BLOCK_M tiles).
 
-    Aligned rows: 16 x 256 on 8 warps (16 elements per thread, 16-byte vector loads). An odd
-    `n_cols` makes the masks unaligned, so every load is a scalar load with its own 64-bit
-    address: 16 x 256 then needs 239-248 registers in the apply kernel with stochastic
-    rounding (ptxas, sm_80/sm_90: one step from spilling) and 16 x 128 on 8 warps spills 16
-    bytes in the fp32 statistics kernel on sm_80; 16 x 64 on 4 warps (8 per thread) needs at
-    most ~100 and never spills (tools/gpu_compile.py).
+    Aligned rows: 16 x 256 on 8 warps (16-byte vector loads). An odd `n_cols` makes every load
+    a scalar load with its own address, and larger tiles then come close to spilling registers,
+    so those rows take 16 x 64 on 4 warps (ptxas evidence in benchmarks/RESULTS.md).
     """
     if n_cols % 16 == 0:
         return BLOCK_M, NUM_WARPS
@@ -149,6 +134,7 @@ if HAS_TRITON:
     ):
         """`m = β1 m + g·rs_i·cf_j`; `p = p - wd_lr·p - (m or g·rs_i·cf_j)`; store in p's dtype.
 
+        `rs = rf · lr_t / max(1, RMS(u)/d) (· (1-β1))` is computed on the device beforehand.
         The decay is `p - wd_lr·p` (HF's `p.add_(p, alpha=-wd·lr)`), not `p·(1 - wd_lr)`: the
         fp32 rounding of `1 - wd_lr` would bias it by up to 0.3% near wd·lr = 1e-5.
 

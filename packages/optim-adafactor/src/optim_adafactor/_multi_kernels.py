@@ -3,30 +3,10 @@
 """Multi-tensor fused Adafactor step: four Triton launches per group of matrices of a batch.
 
 A batch is every unsharded 2-D parameter of a step on the fused path with the same options,
-step and dtypes (usually all of a param group). Each matrix is a row of the tables of
-`_multi_tables` (device addresses cast to typed pointers in the kernels; work split into row
-items of ~`ITEM_ELEMENTS` elements and column items there), so the number of launches does not
-grow with the number of parameters. The kernels of steps 1-3 are in `_multi_stats_kernels`
-(optim-came's multi-tensor step launches them too). For a matrix `g` of shape (n, m):
-
-1. `_mt_stats_kernel`, one program per row item: sweep 1 gives the item's row sums of g² (and
-   Σ p²), hence the new row EMA `r_i`, written in place; sweep 2 re-reads the item (just read:
-   L2) column tile by column tile for the column partials of g² and of g²/r_i, written once.
-   The second gives Σu² without another pass over g:
-   `Σ u² = Σ_ij g²_ij · mean(r)/r_i · 1/c_j = mean(r) · Σ_j (Σ_i g²_ij / r_i) / c_j`
-   (the mat-vec identity of `_torch_path.update_sumsq`, with the row factor folded in first).
-2. `_mt_cols_kernel`, one program per column item: sums the row items' partials (fixed order:
-   deterministic, no atomics), the column EMA `c_j` (in place), `cf = 1/√c` and a partial of
-   `Σ_j W_j / c_j`.
-3. `_mt_scalars_kernel`, one program per matrix: mean(r), Σu², RMS(p), the step size `lr_t`,
-   the clip and the row scale, on the device (no host sync).
-4. `_mt_apply_kernel`, one program per row item: `m = β1 m + g·rs_i·cf_j`,
-   `p = p - wd·lr_t·p - (m or g·rs_i·cf_j)`, stored in p's dtype (optional stochastic rounding).
-
-DRAM bytes (computed from the kernels, G/P/M = bytes of g/p/m per element): pass 1 reads G
-(+P with parameter scaling), pass 4 reads G, P (and M) and writes P (and M); the column
-partials (two fp32 per column of a row item, written then read) add `16 / R` per element for
-items of R rows. Each launch's bytes are recorded by the launch plan (`_multi_tables`).
+step and dtypes (usually a whole param group). Each matrix is a row of the tables of
+`_multi_tables`, so the number of launches does not grow with the number of parameters. The
+statistics kernels (launches 1-3) live in `_multi_stats_kernels`, shared with optim-came; this
+module adds the apply kernel and `step_batch`, which lists the four launches.
 """
 
 from __future__ import annotations
@@ -60,14 +40,11 @@ STAGES = 3  # software-pipelined loads of the row-item loops (`tl.range(num_stag
 def launch_config(aligned: bool, *, stats: bool = False) -> tuple[int, int, int]:
     """(SUB, BLOCK_M, num_warps) of the tiles: SUB rows x BLOCK_M columns.
 
-    Aligned rows: 8 x 256 on 8 warps (8 elements per thread, 16-byte vector loads); the
-    statistics kernels (`stats`) 8 x 128 on 4 warps, because ptxas spilled 12-20 bytes of
-    the fp32 statistics kernel on sm_80 at 8 x 256 on 8 or 4 warps. Unaligned
-    rows (columns not a multiple of 16, or an unaligned start) make every load a scalar load
-    with its own 64-bit address: 16 x 32 on 4 warps. With 16 x 256 (aligned) and 16 x 64
-    (unaligned) CAME's momentum kernel spilled 12-32 bytes on sm_80/sm_90; these need at most
-    ~100 registers in every multi-tensor kernel (tools/gpu_compile.py). SUB is also the rows
-    of an apply work item.
+    Aligned rows: 8 x 256 on 8 warps (16-byte vector loads), the statistics kernels (`stats`)
+    8 x 128 on 4 warps. Unaligned rows (columns not a multiple of 16, or an unaligned start)
+    make every load a scalar load with its own address: 16 x 32 on 4 warps. Larger tiles
+    spilled registers (ptxas evidence in benchmarks/RESULTS.md). SUB is also the rows of an
+    apply work item.
     """
     if aligned:
         return (8, BLOCK_M // 2, 4) if stats else (8, BLOCK_M, NUM_WARPS)
@@ -301,6 +278,16 @@ def launch_scalars(
 
 def step_batch(opt: Adafactor, works: list[Work], cache: dict[tuple[object, ...], Any]) -> None:
     """One fused step of every matrix in `works` (same `batch_key`): four launches per group.
+
+    For a matrix `g` of shape (n, m):
+
+    1. `_mt_stats_kernel`, per row item: the row EMA `r` and the column partials of g² and of
+       g²/r, which give Σu² without another pass over g:
+       `Σ u² = mean(r) · Σ_j (Σ_i g²_ij / r_i) / c_j`;
+    2. `_mt_cols_kernel`, per column item: the column EMA `c`, `cf = 1/√c`, partials of Σu²;
+    3. `_mt_scalars_kernel`, per matrix: mean(r), RMS(p), `lr_t`, the clip and the row scale;
+    4. `_mt_apply_kernel`, per row item: `m = β1 m + g·rs_i·cf_j`,
+       `p = p - wd·lr_t·p - (m or g·rs_i·cf_j)`, stored in p's dtype.
 
     Unfactored tensors (a batch of them) take `_multi_vec_kernels.step_vectors`: one launch.
     """

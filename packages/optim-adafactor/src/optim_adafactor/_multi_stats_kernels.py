@@ -2,19 +2,11 @@
 # ruff: noqa: N803, PLR0917
 """Statistics kernels of the multi-tensor fused step, shared by Adafactor and optim-came's CAME.
 
-Steps 1-3 of `_multi_kernels.py`, one launch each for all the matrices of a group (work items
-and addresses from the tables of `_multi_tables`):
-
-1. `_mt_stats_kernel`, one program per row item: the row EMA `r` of g² (in place), per-item
-   sums of r (and of p²), and the column partials of g² and g²/r of the item, written once;
-2. `_mt_cols_kernel`, one program per column item: the column EMA `c` (in place),
-   `cf = cf_scale/√c` and partials of Σu²;
-3. `_mt_scalars_kernel`: per matrix, mean(r), the clipped step scale, wd·lr_t and lr_t.
-
-There is no launcher here: `_multi_kernels.step_batch` and optim-came's `step_batch` launch these
-kernels with their own table layouts (`NADDR` addresses per matrix), and each of those modules
-lists its launches of them in its own `gpu_launch_configs()`, which tools/gpu_compile.py
-compiles under that module's name. This module's list is therefore empty.
+Launches 1-3 of `_multi_kernels.step_batch`, one launch each for all the matrices of a group:
+`_mt_stats_kernel` (row EMA, column partials), `_mt_cols_kernel` (column EMA, `cf`) and
+`_mt_scalars_kernel` (per-matrix scalars). No launcher here: each optimizer launches them with
+its own table layout (`NADDR` addresses per matrix) and lists those launches in its own
+`gpu_launch_configs()`, so this module's list is empty.
 """
 
 from __future__ import annotations

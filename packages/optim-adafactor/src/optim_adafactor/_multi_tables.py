@@ -1,30 +1,12 @@
 """Work split of the multi-tensor fused steps, and the launch plan read from it.
 
-A multi-tensor kernel steps every matrix of a batch in one launch, as torch's fused AdamW does
-with its tensor lists (`MultiTensorApply.cuh`). Triton cannot take a list of tensors, so each
-matrix is a row of small int64 tables that the kernels read:
-
-- `addr` (n_mats, K): device addresses (`data_ptr()`) of the matrix's parameter and state
-  tensors; `gaddr` (n_mats,): its gradient's (rebuilt only when a gradient moved);
-- `geo` (n_mats, GEO): rows, columns and the matrix's ranges in the item tables and buffers;
-- `rows` (nR, 5): row items `(matrix, first row, end row, partial offset, row-partial offset)`;
-- `cols` (nC, 3): column items `(matrix, first column, end column)`.
-
-Work split (why: `../shared/research/gpu-h100.md` §2, §6). A row item is R whole rows with
-R·m ≈ `ITEM_ELEMENTS` (a multiple of the kernels' `SUB` rows), so every program of a pass does
-about the same work whatever the matrix's width (max/mean elements per program ≤ 2) and a
-1.1B model gives ~10^4 short programs per pass. Each row item writes its column partials once
-(`partial offset`: one row of `colpart` per item); a column item sums the partials of its
-columns over the matrix's row items in a fixed order (deterministic, no atomics), and takes
-enough columns that it reads about `COL_PARTIALS` of them.
-
-The partials cost 4 B per column per row item and buffer. A batch whose partials would exceed
-`MAX_PARTIAL_FLOATS` is launched in groups of consecutive matrices (one set of launches each,
-sharing the scratch buffers), so the scratch stays bounded at any model size.
-
-The tables and buffers are built once per parameter set and cached. Building them is host work
-plus one pinned, non-blocking copy per table: no synchronisation. `plan_launches` runs an
-optimizer's real `step()` on meta tensors and records each launch instead of making it.
+Triton cannot take a list of tensors, so each matrix of a batch is a row of small int64 tables
+(device addresses, geometry, work items; see `build`) that the kernels read, as torch's fused
+AdamW does with its tensor lists. Row items of about `ITEM_ELEMENTS` elements give every program
+of a pass about the same work whatever a matrix's width; column partials are summed in a fixed
+order (deterministic, no atomics), and a batch is launched in groups so the scratch stays bounded
+(`MAX_PARTIAL_FLOATS`). Tables are built once per parameter set and cached, without host sync;
+`plan_launches` records the launches of a real `step()` on meta tensors.
 """
 
 from __future__ import annotations
@@ -54,6 +36,7 @@ CACHE_SIZE = 16
 
 
 def to_device(rows: list[list[int]] | list[int], device: torch.device) -> Tensor:
+    """An int64 table on `device`; to CUDA through pinned memory, without host sync."""
     table = torch.tensor(rows, dtype=torch.int64)
     if device.type == "cpu":
         return table
@@ -187,7 +170,15 @@ def build(
     """Tables for 2-D matrices; `mats[i]` = (param, *state tensors) whose addresses go in `addr`.
 
     `indices[i]` is the matrix's position in the step (it seeds stochastic rounding); `block_m`
-    is the column tile of the row-partial buffer (one float per row and tile).
+    is the column tile of the row-partial buffer (one float per row and tile). The tables:
+
+    - `addr` (n_mats, K): device addresses (`data_ptr()`) of the parameter and state tensors;
+      `gaddr` (n_mats,): the gradient's (`Tables.gaddr`, rebuilt only when a gradient moved);
+    - `geo` (n_mats, GEO): rows, columns and the matrix's ranges in the item tables and buffers;
+    - `rows` (nR, 5): row items `(matrix, first row, end row, partial offset, row-partial
+      offset)`, R whole rows with R·m ≈ `ITEM_ELEMENTS`; each writes its column partials once;
+    - `cols` (nC, 3): column items `(matrix, first column, end column)`, each summing about
+      `COL_PARTIALS` partials of its columns over the matrix's row items.
     """
     device = mats[0][0].device
     shapes = [(int(ts[0].shape[0]), int(ts[0].shape[1])) for ts in mats]

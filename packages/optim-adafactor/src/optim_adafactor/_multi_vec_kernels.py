@@ -2,13 +2,11 @@
 # ruff: noqa: N803, PLR0917
 """Multi-tensor fused Adafactor step of small unfactored tensors: one launch for all of them.
 
-Vectors (norm weights, biases) and other unfactored tensors of at most `MAX_NUMEL` elements
-keep a full second moment `v`. One program steps one tensor in two sweeps: the first updates
-`v = β2 v + (1-β2)(g² + ε1)` in place and sums `u² = g²/v` (and `p²`); the step size, the clip
-and the momentum coefficient then follow on the device; the second sweep re-reads g and v
-(from L1/L2: at most 256 KB) and writes m and p as `_torch_path.apply` does. DRAM bytes per
-element: G + 4 (v read) + 4 (v write) + P (+P for RMS(p)) + P + 2M, negligible next to the
-matrices. Same tables and address scheme as `_multi_kernels.py`.
+Vectors (norm weights, biases) and other unfactored tensors of at most `MAX_NUMEL` elements keep
+a full second moment `v`. One program steps one tensor in two sweeps: `v` and Σu² (and Σp²),
+then, after the step size and clip on the device, m and p as `_torch_path.apply` does; the
+second sweep re-reads g and v from cache (at most `MAX_NUMEL` elements). Same tables and
+address scheme as `_multi_kernels.py`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Lossless state dicts and the stochastic-rounding randomness of `base.FactoredOptimizer`.
 
-`LosslessState` is the part of `FactoredOptimizer` (its base class) that saves and restores:
-
-- statistics are kept in fp32 (float64 for float64 parameters) and `load_state_dict` restores
-  them bit-exact, undoing `torch.optim.Optimizer`'s cast of every state tensor to the
-  parameter's dtype;
-- the stochastic-rounding seed is saved in and restored from the state dict. The noise of a
-  step is a function of the seed, the step count and the parameter's position in the step
-  (`FactoredOptimizer._kernel_seed`), so nothing else is needed to continue it exactly; the
-  PyTorch path reseeds a cached `torch.Generator` per device with it.
+`LosslessState` (the base class of `FactoredOptimizer`) keeps statistics in fp32 (float64 for
+float64 parameters) and restores them bit-exact, undoing `torch.optim.Optimizer`'s cast of state
+to the parameter's dtype. It also saves the stochastic-rounding seed: a step's noise depends
+only on the seed, the step count and the parameter's position (`_kernel_seed`), so a resumed
+run continues it exactly.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
-"""The PyTorch path of one Adafactor step, split into the phases that sharding needs.
+"""The PyTorch path of one Adafactor step (the CPU path and the kernels' reference), in phases.
 
-A step on one parameter is four phases; between them a row-sharded parameter all-reduces its
-partial sums (see `sharding.py`), an unsharded one just goes on:
-
-1. `local_stats`: `Σ p²` (for RMS(p)), the row EMA of `mean_j(g²+ε1)`, the local column sums of
-   `g²` and the sum of the row EMA (its mean is the factored normaliser); vectors update their
-   full second moment.
-2. `finish_stats`: column EMA from the (reduced) column sums, the factors `rf = rsqrt(r/mean(r))`
-   and `cf = rsqrt(c)`, and the step size `lr_t` (a 0-dim device tensor when it depends on RMS(p);
-   never a host value).
-3. `update_sumsq`: `Σ u²` with `u = g·rf⊗cf` (the clip RMS). For factored tensors this is
-   `Σ_i rf_i² Σ_j g_ij² cf_j²`, a matrix-vector product on `g²`, so `u` is never materialised.
-4. `apply`: clip, momentum, weight decay and the parameter write.
-
-Bandwidth (fp32, unsharded, factored, no momentum): g² (r+w), two sums, Σp² and the mat-vec (4
-reads), `g·rf` (r+w) and `p += (g·rf)·cf` (2 r + w): ~11 passes of N floats, versus ~21 for the
-HF reference. Every N-sized temporary lives in one reusable workspace buffer (`buf`), because
-fresh page-faulted allocations cost as much as the arithmetic on CPU.
+A step on one parameter is four phases, `local_stats`, `finish_stats`, `update_sumsq` and
+`apply`; between them a row-sharded parameter all-reduces its partial sums (see `sharding.py`),
+which is why the step is split. Every N-sized temporary lives in one reusable workspace (`buf`),
+because on CPU fresh page-faulted allocations cost as much as the arithmetic.
 """
 
 from __future__ import annotations
@@ -43,7 +30,10 @@ class Work(StepWork):
 
 
 def local_stats(w: Work, buf: Tensor) -> None:
-    """Phase 1 (see module docstring). Leaves `g²` in `buf` for factored tensors."""
+    """Phase 1: `Σ p²` (for RMS(p)), row EMA `r` of `mean_j(g² + ε1)`, column sums of g², `Σ_i r_i`.
+
+    Vectors update their full second moment instead. Leaves `g²` in `buf` for factored tensors.
+    """
     o, g, st = w.opts, w.grad, w.state
     if o.needs_param_rms:
         w.psq = torch.linalg.vector_norm(w.p32).square()
@@ -67,7 +57,11 @@ def local_stats(w: Work, buf: Tensor) -> None:
 
 
 def finish_stats(w: Work) -> None:
-    """Phase 2: column EMA, factors and step size, from (reduced) phase-1 sums."""
+    """Phase 2: column EMA `c`, the factors and the step size `lr_t`, from (reduced) phase-1 sums.
+
+    Factors `rf = rsqrt(r / mean(r))`, `cf = rsqrt(c)` (torch semantics: the normaliser
+    `max(mean(r), ε1)` instead); `lr_t` is a 0-dim device tensor when it depends on RMS(p).
+    """
     o, st = w.opts, w.state
     rel = o.relative_step_size(w.step)
     if o.needs_param_rms:
@@ -116,7 +110,10 @@ def _materialise_update(w: Work, buf: Tensor) -> Tensor:
 
 
 def update_sumsq(w: Work, buf: Tensor, *, gsq_in_buf: bool) -> Tensor:
-    """Phase 3: local `Σ u²`. `gsq_in_buf`: `buf` still holds phase 1's `g²`."""
+    """Phase 3: local `Σ u²`, `u = g·rf⊗cf`. `gsq_in_buf`: `buf` still holds phase 1's `g²`.
+
+    Factored: `Σ_i rf_i² Σ_j g²_ij cf_j²`, a mat-vec on `g²`, so `u` is never materialised.
+    """
     if w.factored and w.opts.semantics != "torch":
         assert w.rf is not None
         assert w.cf is not None

@@ -2,19 +2,11 @@
 
 Both optimizers step every parameter through phases (statistics, clip, update) that a
 row-sharded parameter interleaves with bucketed all-reduces, on a PyTorch path or on fused
-Triton kernels. This module and two helpers hold everything that does not depend on the
-algorithm:
-
-- option checks shared by the two `parse_group`s (`_checks`: `check_number`, `check_bool`,
-  `check_lr`);
-- the per-parameter record of a step in flight (`StepWork`), its construction (`_prepare`:
-  gradient checks, state creation, compute dtype, row shard, path) and the step loop;
-- the choice between the PyTorch path and the kernels (`backend=`);
-- lossless state and the stochastic-rounding randomness, saved in and restored from the state
-  dict (`_state.LosslessState`, the base class of `FactoredOptimizer`);
-- the row-sharding registry and the bucketed reduction of named partial sums.
-
-Nothing here synchronises with the host inside `step()`.
+Triton kernels. Everything that does not depend on the algorithm lives here: the per-parameter
+record of a step (`StepWork`) and its preparation, the step loop, the `backend=` choice, the
+row-sharding registry and the bucketed reduction of named partial sums; lossless state comes
+from `_state.LosslessState`, option checks from `checks`. Nothing here syncs with the host in
+`step()`.
 """
 
 from __future__ import annotations

@@ -1,35 +1,11 @@
 """DTensor parameters (FSDP2's `fully_shard`, `distribute_tensor`): local shards + row sharding.
 
-A factored optimizer cannot run its math on DTensors directly: the statistics it keeps are not
-shaped like the parameter, and the row/column means must span the whole logical tensor. So
-`FactoredOptimizer` steps the *local* shard of a DTensor parameter and drives the row-sharding
-protocol of `sharding.py` from the DTensor's placements:
-
-- `Shard(0)` on one mesh dimension (FSDP2, HSDP's shard dimension): the local tensor holds rows
-  `[offset, offset + local_rows)` of the global tensor, chunked like `torch.chunk` (chunks of
-  `ceil(rows / mesh size)` rows; trailing ranks may hold fewer rows, or none). Row statistics stay
-  local; column sums, row-statistic sums and the RMS sums are all-reduced over that mesh
-  dimension's process group, so the step equals the single-process step.
-- `Replicate` (any mesh dimension, e.g. HSDP's replicate dimension): every replica holds the same
-  values and gradients, so it needs no reduction.
-- Anything else (`Shard(d)` with d > 0, `Partial`, strided shards of FSDP + tensor parallelism,
-  dim 0 sharded over two mesh dimensions) raises a `ValueError` naming the placements.
-
-The optimizer state of a DTensor parameter is kept as plain local tensors (the shard's rows of the
-row statistics, the full column statistics, a local-shaped `exp_avg`). `state_dict()` therefore
-returns each rank's own shard of the state, to save and load per rank (same mesh, same
-placements); it is not a DTensor state dict, so do not pass it to `torch.distributed.checkpoint`
-(DCP would keep one rank's copy of the tensors that share a key).
-
-For DCP, `distributed_state_dict(optimizer, model)` describes the same state as DTensors over
-each parameter's mesh, which view the local tensors: a state shaped like the local shard gets
-the parameter's placements; a row statistic (key `*_row`, and blockwise quantization scales
-`*_scale`, which are rows x blocks; for tensors of 3 or more dims the column statistic too,
-whose dim 0 is the parameter's) gets them with dim 0 of global length; a
-2-D parameter's column statistic (`*_col`, equal on every rank) is replicated; the step count
-and the hyper-parameters are plain values. DCP saves that once per logical tensor and loads it
-at any number of ranks; `load_distributed_state_dict` then writes what DCP loaded into the
-optimizer (DCP loads DTensors in place).
+A factored optimizer cannot run its math on DTensors: its statistics are not shaped like the
+parameter, and row/column means must span the whole logical tensor. So `FactoredOptimizer` steps
+a DTensor's local shard and drives `sharding.py`'s row-sharding protocol from its placements:
+`Shard(0)` on one mesh dimension (FSDP2, HSDP's shard dimension) all-reduces the column and RMS
+sums there, `Replicate` needs no reduction, anything else raises a `ValueError`. The state stays
+plain local tensors, so `state_dict()` is per rank; for DCP use `distributed_state_dict`.
 """
 
 from __future__ import annotations
@@ -130,7 +106,13 @@ def distributed_state_dict(optimizer: Any, model: nn.Module) -> dict[str, Any]:
     """The state of a factored optimizer over `model`'s (DTensor) parameters, for DCP.
 
     `{"state": {parameter name: {key: value}}, "param_groups": bytes}`: every state tensor of a
-    DTensor parameter becomes a DTensor viewing it (see the module docstring), other parameters'
+    DTensor parameter becomes a DTensor over the parameter's mesh viewing it: a state shaped
+    like the local shard gets the parameter's placements; a row statistic (`*_row`, blockwise
+    quantization scales `*_scale`, and for 3+ dims `*_col`) gets them with dim 0 of global
+    length; a 2-D parameter's column statistic (`*_col`, equal on every rank) is replicated.
+    DCP then saves each logical tensor once and loads it at any number of ranks (then call
+    `load_distributed_state_dict`). Plain `state_dict()` is per rank and must not go to DCP,
+    which would keep one rank's copy of tensors that share a key. Other parameters'
     state stays as is, and the groups' hyper-parameters and the stochastic-rounding seed travel
     pickled (equal on every rank). Parameters get their zero state first if they have none, so
     that a checkpoint can be loaded before the first step. A collective of nothing: call it on

@@ -1,25 +1,11 @@
-"""Public building blocks of factored second-moment optimizers (Adafactor, CAME).
+"""Public building blocks of factored second-moment optimizers (Adafactor, and optim-came's CAME).
 
-`optim_adafactor.Adafactor` is built from these, and `optim-came` reuses them: the EMA and
-factor helpers of the PyTorch path, the Triton launchers of the two statistics passes, the
-stochastic-rounding store, and (in `optim_adafactor.sharding`) the row-sharding protocol and its
-bucketed all-reduce. Nothing here synchronises with the host.
-
-For a tensor viewed as (..., n, m) and a non-negative statistic `x` (the squared gradient in
-Adafactor, also the instability `(û - m)²` in CAME), the factored second moment is
-
-.. code-block:: text
-
-    r = β r + (1-β) (mean_j x + ε)      c = β c + (1-β) (mean_i x + ε)     (`ema_`)
-    rf = rsqrt(r / mean(r))             cf = rsqrt(c)                      (`factors`)
-    x_ij ≈ (r_i c_j / mean(r)),  so  x_ij^-1/2 ≈ rf_i cf_j
-
-`mean(r)` is the mean over the last dim of `r` (the rows of the logical tensor). Under row
-sharding the caller all-reduces the column sums and `Σ_i r_i` before calling `factors`.
-
-Triton launchers (`sq_stats`, `scaled_sumsq`, and the `stochastic_round_bf16`, `store_update`
-and `tensor_seed` JIT helpers for kernels of other packages) need `triton` and a CUDA device,
-or `TRITON_INTERPRET=1` on CPU; check `triton_available(device)` first.
+For a tensor viewed as (..., n, m) and a non-negative statistic `x` (g², or CAME's instability),
+the factored second moment keeps row and column EMAs `r`, `c` (`ema_`) and approximates
+`x_ij^-1/2 ≈ rf_i · cf_j` with `rf = rsqrt(r / mean(r))`, `cf = rsqrt(c)` (`factors`); under row
+sharding the caller all-reduces the column sums and `Σ_i r_i` first. Also the Triton launchers
+of the two statistics passes (`sq_stats`, `scaled_sumsq`) and JIT helpers for other packages'
+kernels: they need Triton and CUDA, or `TRITON_INTERPRET=1` (check `triton_available`).
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """Public building blocks of multi-tensor fused steps of factored optimizers.
 
 Adafactor's multi-tensor step is built from these, and optim-came's fused CAME uses them and
-nothing else of this package's kernels:
-
-- the work split and its tables (`tables_for`, `Tables`, `Group`, `Work`): row items of about
-  `ITEM_ELEMENTS` elements, column items, groups that bound the scratch (`_multi_tables`);
-- the launchers of the factored statistics (`launch_stats`, `launch_cols`, `launch_scalars`),
-  which take a table layout of `naddr` addresses per matrix (parameter, momentum, row EMA,
-  column EMA, then the caller's own);
-- the batched step of small unfactored tensors (`fusable`, `vec_tables`);
-- the launch plan: `plan_launches(make_optimizer, shapes, dtype)` runs a real `step()` on meta
-  tensors and returns each launch it would make (`Launch`); a launcher of another package
-  reports its own launches through `planned(kernel, work, nbytes)`;
-- with Triton: the `@triton.jit` helpers `store_update`, `tensor_seed`, `apply_scalars`,
-  `span` and `tile` (a masked run of rows or columns; a tile's mask and offsets), `vector_ema`
-  (the unfactored second moment of a vector's elements) and `vector_load`, the statistics
-  kernel (`stats_kernel`, for `gpu_launch_configs`) and `cols_launch_config`.
-
-A caller's kernels read a matrix's `geo` row (`GEO` int64 fields: rows, columns, column-factor
-offset, its row items, its column items, its partial offset, its index in the step) and its
-`addr` row (the caller's own layout).
+nothing else of this package's kernels: the work split and its tables (`tables_for`, `Tables`,
+`Group`, `Work`), the launchers of the factored statistics (`launch_stats`, `launch_cols`,
+`launch_scalars`, for a table layout of `naddr` addresses per matrix: parameter, momentum, row
+EMA, column EMA, then the caller's own), the batched step of small unfactored tensors
+(`fusable`, `vec_tables`), the launch plan (`plan_launches`, `planned`) and, with Triton, the
+`@triton.jit` helpers the kernels share. A caller's kernels read a matrix's `geo` row (`GEO`).
 """
 
 from __future__ import annotations

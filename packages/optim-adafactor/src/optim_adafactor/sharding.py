@@ -1,20 +1,12 @@
 """The row-sharding protocol: a parameter that holds a contiguous block of rows of a larger tensor.
 
-A sharding wrapper (FSDP2-style `Shard(0)`, ZeRO, tensor parallelism) gives each rank a block of
-rows (dim 0) of a *logical* tensor. Factored optimizers need statistics over the whole logical
-tensor: Adafactor's column statistics and row-statistic mean (for 2-D tensors), the update RMS
-used by clipping and the parameter RMS used by the relative step. This module declares how a
-parameter says it is sharded, and provides the bucketed all-reduce the optimizers use so that a
-step issues a constant number of collectives per process group, not one per parameter.
-
-A parameter declares itself sharded in either of two duck-typed ways (no import of this package
-is needed by the wrapper):
-
-1. an attribute ``param.leanlm_row_shard`` holding any object with the attributes
-   ``global_shape`` (sequence of ints), ``row_offset`` (int) and ``group`` (a
-   ``torch.distributed.ProcessGroup``, or None for the default group); or
-2. ``optimizer.set_row_shard(param, global_shape=..., row_offset=..., group=...)``, which takes
-   precedence over the attribute.
+Factored optimizers need statistics over the whole *logical* tensor (column statistics, the
+row-statistic mean, the update and parameter RMS) while a sharding wrapper (FSDP2-style
+`Shard(0)`, ZeRO) gives each rank a block of rows. A parameter declares its shard duck-typed,
+without importing this package: an attribute ``param.leanlm_row_shard`` with ``global_shape``,
+``row_offset`` and ``group`` (a ProcessGroup, or None for the default), or
+``optimizer.set_row_shard(param, ...)``, which takes precedence. `Bucket` batches the partial
+sums, so a step issues a constant number of collectives per process group, not one per parameter.
 """
 
 from __future__ import annotations
