@@ -1,21 +1,14 @@
 """Minitron-style structured pruning of Hugging Face causal LMs, and distillation.
 
 ```python
-from prune_distill import collect_importance, prune, PruneTarget, DistillConfig, distill
-
 scores = collect_importance(model, batches)  # forward-only hooks, no grads
 student = prune(model, scores, PruneTarget(hidden_size=..., intermediate_size=...))
 distill(student, model, batches, DistillConfig())  # forward KL at T = 1, AdamW
 ```
 
-Minitron's depth variant (`contiguous_block_search`) and architecture search (`search`) build on
-these. Optional: `DistillConfig(hidden_loss_weight=...)` adds an intermediate hidden-state loss
-(`HiddenStateLoss`), and `correct_teacher(model, batches, steps=...)` fine-tunes a copy of the
-teacher on the distillation data first.
-
-The names below are loaded on first use (PEP 562): `import prune_distill` and
-`prune_distill.config` (`DistillConfig`) do not import torch, so a program that only builds or
-checks a config (e.g. leanlm validating a config file) stays fast.
+Depth pruning (`contiguous_block_search`), architecture search (`search`), a hidden-state loss
+and teacher correction (`correct_teacher`) build on these. Names load on first use (PEP 562), so
+`import prune_distill` and `DistillConfig` do not import torch (fast config checks, e.g. leanlm's).
 """
 
 from __future__ import annotations
@@ -90,9 +83,9 @@ class _Package(types.ModuleType):
     """This package's module type: `distill`, `prune` and `search` stay the functions.
 
     They name both a submodule and an exported function. Importing a submodule binds its name on
-    the package; the eager imports this package used to do rebound it to the function right
-    after, so the binding of such a submodule is ignored here instead (the submodules stay
-    importable by their full names: `from prune_distill.search import candidates`).
+    the package, which would shadow the function, so the binding of such a submodule is ignored
+    (the submodules stay importable by their full names: `from prune_distill.search import
+    candidates`).
     """
 
     def __setattr__(self, name: str, value: Any) -> None:

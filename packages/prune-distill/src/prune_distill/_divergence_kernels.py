@@ -2,43 +2,12 @@
 # ruff: noqa: N803, PLR0917
 """Fused reverse-KL and generalized-JSD kernels: loss and student-logit gradient, no (N, V) temps.
 
-Same design as the forward-KL kernel in `_kl_kernels` (one program per token row, the vocabulary
-streamed in ``BLOCK_V`` chunks, online log-sum-exp, fp32 math right after the loads). For row
-``n`` with student logits ``s_n``, teacher logits ``t_n``, temperature ``T`` and row weight ``w_n``,
-``a = s_n / T``, ``b = t_n / T``, student ``q = softmax(a)``, teacher ``p = softmax(b)``:
-
-Reverse KL (student -> teacher, mode seeking; Gu et al., MiniLLM, arXiv 2306.08543)::
-
-    RKL_n = Σ_v q_v (log q_v - log p_v) = Σ_v q_v (a_v - b_v) - lse(a) + lse(b)
-    loss_n = T² · w_n · RKL_n
-    grad_n = w_n · T · q ⊙ (log q - log p - RKL_n)
-
-Sweep 1 keeps online (max, Σexp) for ``a`` and ``b`` and ``Σ exp(a - m_a)(a - b)`` rescaled with
-``a``'s running max (the forward kernel with the roles swapped); sweep 2 writes the gradient.
-
-Generalized JSD (Agarwal et al., GKD, arXiv 2306.13649; the convention of TRL's
-``generalized_jsd_loss`` and Liger-Kernel's ``LigerJSD``), with the mixture ``m = β p + (1-β) q``
-(``β`` weights the *teacher*)::
-
-    JSD_β,n = β KL(p || m) + (1 - β) KL(q || m)
-    loss_n  = T² · w_n · JSD_β,n
-    grad_n  = w_n · T · (1 - β) · q ⊙ (log q - log m - KL(q || m))
-
-(∂JSD/∂q_v = (1-β) log(q_v / m_v): the ``p/m`` and ``q/m`` terms cancel because ``β p + (1-β) q
-= m``; the softmax Jacobian then subtracts the ``q``-weighted mean.) ``log m`` needs both final
-normalisers, so JSD takes three sweeps: (1) online log-sum-exp of ``a`` and ``b``; (2) both KL
-terms, with ``log m = logaddexp(log β + log p, log(1-β) + log q)``; (3) the gradient. The kernel
-takes ``0 < β < 1``; the endpoints are the forward/reverse KL (the mixture formula itself would
-give 0 there), as TRL and Liger define them, and `prune_distill.divergences` dispatches them.
-
-Numerics: every sum is fp32, per block in vocabulary order, then across blocks; exponents are of
-``x - running max <= 0`` or of log-probabilities, so ±1e4 logits cannot overflow. Padding lanes
-of the last block read ``-inf`` for the max/Σexp terms and have probability 0 (and finite log
-terms) elsewhere, so they add exactly nothing. The JSD terms are sums of ``p (log p - log m)``
-over log-probabilities, without the ``lse(a) - lse(b)`` cancellation of the KL forms.
-
-`fused_divergence_reference` is the PyTorch statement of the same contract (the tests'
-reference); the CPU path is the chunked PyTorch loss in `prune_distill.divergences`.
+Same design as the forward-KL kernel of `_kl_kernels` (one program per token row, the vocabulary
+streamed in ``BLOCK_V`` chunks, online log-sum-exp, fp32 math right after the loads). Reverse KL
+is MiniLLM's (arXiv 2306.08543); the generalized JSD is GKD's (arXiv 2306.13649) in TRL's and
+Liger-Kernel's convention, ``β`` weighting the teacher in ``m = β p + (1-β) q``; the kernel takes
+``0 < β < 1`` and `prune_distill.divergences` dispatches the endpoints to the two KLs.
+`fused_divergence_reference` is the tests' PyTorch statement of the contract.
 """
 
 from __future__ import annotations
@@ -75,7 +44,12 @@ if HAS_TRITON:
         HAS_GRAD: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
-        """Row ``pid``: ``loss = T²·w·KL(q || p)``, ``grad = w·T·q·(log q - log p - KL)``."""
+        """Row ``pid``: ``loss = T²·w·KL(q || p)``, ``grad = w·T·q·(log q - log p - KL)``.
+
+        ``KL(q || p) = Σ_v q_v (a_v - b_v) - lse(a) + lse(b)``: sweep 1 keeps online (max, Σexp)
+        for ``a`` and ``b`` and ``Σ exp(a - m_a)(a - b)`` rescaled with ``a``'s running max (the
+        forward kernel with the roles swapped); sweep 2 writes the gradient.
+        """
         row = tl.program_id(0).to(tl.int64)
         s_row = s_ptr + row * stride_s
         t_row = t_ptr + row * stride_t
@@ -131,7 +105,16 @@ if HAS_TRITON:
         HAS_GRAD: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
-        """Row ``pid``: ``loss = T²·w·(β KL(p||m) + (1-β) KL(q||m))`` and its student gradient."""
+        """Row ``pid``: ``loss = T²·w·(β KL(p||m) + (1-β) KL(q||m))`` and its student gradient.
+
+        ``grad = w·T·(1-β)·q ⊙ (log q - log m - KL(q||m))``: ``∂JSD/∂q_v = (1-β) log(q_v/m_v)``
+        (the ``p/m`` and ``q/m`` terms cancel since ``β p + (1-β) q = m``), then the softmax
+        Jacobian subtracts the ``q``-weighted mean. ``log m`` needs both final normalisers, so
+        three sweeps: online log-sum-exp of ``a`` and ``b``; both KL terms, with
+        ``log m = logaddexp(log β + log p, log(1-β) + log q)``; the gradient. The terms are sums
+        of ``p (log p - log m)`` over log-probabilities (no ``lse(a) - lse(b)`` cancellation),
+        and padding lanes have probability 0 with finite log terms, so they add nothing.
+        """
         row = tl.program_id(0).to(tl.int64)
         s_row = s_ptr + row * stride_s
         t_row = t_ptr + row * stride_t

@@ -2,32 +2,12 @@
 # ruff: noqa: N803, PLR0917
 """Fused forward-KL kernel: the loss and the student-logit gradient in one kernel, no (N, V) temps.
 
-For token row ``n`` with student logits ``s_n``, teacher logits ``t_n`` (both (V,)), temperature
-``T`` and row weight ``w_n`` (``mask / number of valid tokens``), with ``a = s_n / T``,
-``b = t_n / T``, ``p = softmax(b)``, ``q = softmax(a)``:
-
-    KL_n = Σ_v p_v (b_v - a_v) + lse(a) - lse(b)
-    loss_n = T² · w_n · KL_n
-    grad_n = dloss / ds_n = w_n · T · (q - p)
-
-which is Hinton et al.'s temperature-scaled KD loss (arXiv 1503.02531) in the forward-KL form
-Minitron uses (arXiv 2407.14679, Sec. 3). The fused design follows Liger-Kernel's KL/JSD losses
-(arXiv 2410.10989): one program per token row streams the vocabulary in ``BLOCK_V`` chunks.
-
-* Sweep 1 keeps an online (max, Σexp) for ``a`` and for ``b`` (Milakov & Gimelshein,
-  arXiv 1805.02867) plus ``Σ exp(b_v - m_b) (b_v - a_v)``, rescaled with ``b``'s running max, so
-  the KL comes out of one read of both rows: ``KL = acc / Σexp_b + lse(a) - lse(b)``.
-* Sweep 2 (only when a gradient is needed) re-reads both rows and writes ``grad_n`` in the
-  logits' dtype.
-
-Numerics: loads are upcast to fp32 right after ``tl.load``; every sum is fp32 in vocabulary order
-per block, then across blocks. Exponents are always ``x - running max <= 0``, so ±1e4 logits cannot
-overflow; padding lanes of the last block read as ``-inf`` for the max / exp terms (``exp`` gives 0)
-and 0 for the ``b - a`` term, so they add exactly nothing. Memory: the only outputs are the
-gradient (N, V) and the per-row loss (N,); nothing else of size (N, V) is allocated.
-
-`fused_kl_reference` is the PyTorch statement of the same contract (the tests' reference); the
-CPU path of `forward_kl` is the chunked PyTorch loss in `losses.py`.
+Per token row: ``KL_n = Σ_v p_v (b_v - a_v) + lse(a) - lse(b)`` with ``a = s_n / T``,
+``b = t_n / T``, ``p = softmax(b)``; ``loss_n = T² · w_n · KL_n``, ``grad_n = w_n · T · (q - p)``
+(Hinton et al.'s KD loss, arXiv 1503.02531, in Minitron's forward-KL form, arXiv 2407.14679).
+As Liger-Kernel's KL loss (arXiv 2410.10989), one program per row streams the vocabulary in
+``BLOCK_V`` chunks, so only the gradient (N, V) and the loss (N,) are allocated.
+`fused_kl_reference` is the tests' PyTorch statement of the contract; the CPU path is `losses.py`.
 """
 
 from __future__ import annotations
@@ -89,7 +69,15 @@ if HAS_TRITON:
         HAS_GRAD: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
-        """Row ``pid``: ``loss = T²·w·KL(softmax(t/T) || softmax(s/T))``, ``grad = w·T·(q - p)``."""
+        """Row ``pid``: ``loss = T²·w·KL(softmax(t/T) || softmax(s/T))``, ``grad = w·T·(q - p)``.
+
+        Sweep 1 keeps an online (max, Σexp) for ``a`` and ``b`` plus ``Σ exp(b - m_b)(b - a)``
+        rescaled with ``b``'s running max, so ``KL = acc / Σexp_b + lse(a) - lse(b)`` comes from
+        one read of both rows; sweep 2 (only with a gradient) re-reads them and writes ``grad``
+        in the logits' dtype. Sums are fp32 in vocabulary order; exponents are of ``x - running
+        max <= 0``, so ±1e4 logits cannot overflow; padding lanes read ``-inf`` (``exp`` gives 0)
+        and 0 for ``b - a``, so they add nothing.
+        """
         row = tl.program_id(0).to(tl.int64)
         s_row = s_ptr + row * stride_s
         t_row = t_ptr + row * stride_t

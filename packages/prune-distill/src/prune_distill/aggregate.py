@@ -1,17 +1,10 @@
 """How activation statistics are reduced over the sequence and over the batch.
 
-Minitron (arXiv 2407.14679, Table 11) compares reductions of the per-token activation magnitudes:
-first over the sequence of each sample (``mean``, ``l2`` or ``var``), then over the samples
-(``l2``, ``mean`` or ``var``). It adopts (batch ``l2``, sequence ``mean``), the default here.
-
-* sequence ``mean``: mean over the sample's non-padding tokens;
-* sequence ``l2``: the L2 norm over them (square root of the sum of squares);
-* sequence ``var``: their population variance;
-* batch ``l2``: the L2 norm of the per-sample values;
-* batch ``mean``: their mean;
-* batch ``var``: their population variance.
-
-Samples with no non-padding token do not count. Accumulation is fp64.
+Minitron (arXiv 2407.14679, Table 11) compares reductions of per-token activation magnitudes:
+first over each sample's non-padding tokens (``mean``, ``l2`` norm or population ``var``), then
+over the samples (``l2``, ``mean`` or ``var``). It adopts (batch ``l2``, sequence ``mean``), the
+default here; the others are options for its ablation. Samples with no non-padding token do not
+count; accumulation is fp64.
 """
 
 from __future__ import annotations

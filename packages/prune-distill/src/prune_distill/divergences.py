@@ -1,25 +1,11 @@
 """Reverse KL and generalized JSD between teacher and student logits; `divergence` picks a loss.
 
-With student ``q = softmax(s / T)`` and teacher ``p = softmax(t / T)`` per token row, weights ``w``
-(``1 / number of valid tokens`` by default) and the loss scaled by ``T²`` as `forward_kl`:
-
-* ``reverse_kl``: ``T² Σ_n w_n KL(q_n || p_n)`` (mode seeking; MiniLLM, arXiv 2306.08543).
-* ``jsd``: ``T² Σ_n w_n [β KL(p_n || m_n) + (1-β) KL(q_n || m_n)]`` with ``m = β p + (1-β) q``,
-  the generalized JSD of GKD (arXiv 2306.13649) in TRL's and Liger-Kernel's convention: ``β`` is
-  the *teacher's* weight, ``β = 0`` is the forward KL(p || q) and ``β = 1`` the reverse KL(q || p)
-  (at those endpoints the mixture formula would be 0; like TRL and Liger, they are defined as the
-  two KLs and dispatched to them). ``β = 0.5`` is the symmetric JSD, bounded by ``log 2``.
-
-Paths, as `forward_kl`'s (`prune_distill.losses`): ``chunk_size=None`` is plain autograd (the
-reference); ``backend="torch"`` the chunked path, which computes the loss and its analytic
-student gradient one chunk of rows at a time in fp32; ``backend="triton"`` the fused kernels of
-`_divergence_kernels` (dense teacher; CUDA, or CPU under ``TRITON_INTERPRET=1``); ``"auto"`` the
-kernel for a dense teacher on CUDA, else chunked.
-
-Top-k teachers (`TopK`, as cached by `cache_teacher_topk`): the teacher is renormalised over its
-k tokens and has no mass elsewhere. The JSD (``β < 1``) stays finite there (``m >= (1-β) q``) and
-is computed on the chunked path with that teacher; the reverse KL is infinite wherever the student
-has mass outside the k tokens, so `reverse_kl` (and `jsd` at ``β = 1``) refuses a top-k teacher.
+The alternatives to `forward_kl` (`prune_distill.losses`) for distillation, with the same
+arguments, token weights, ``T²`` scale and paths: ``chunk_size=None`` is plain autograd (the
+reference), ``backend="torch"`` the chunked path (loss and analytic student gradient one chunk
+of rows at a time, in fp32), ``backend="triton"`` the fused kernels of `_divergence_kernels`
+(dense teacher; CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"auto"`` the kernel for a dense
+teacher on CUDA, else chunked.
 """
 
 from __future__ import annotations
@@ -150,9 +136,11 @@ def reverse_kl(
 ) -> torch.Tensor:
     """Temperature-scaled reverse KL(student || teacher), mean over valid tokens.
 
-    The arguments are `forward_kl`'s (`mask`, `temperature` with the T² scale, `chunk_size`,
-    `backend`), except that `teacher_logits` must be dense (..., V) logits: a top-k teacher is
-    refused (see the module docstring). Returns a scalar fp32 loss.
+    ``T² Σ_n w_n KL(q_n || p_n)`` with ``q = softmax(s / T)``, ``p = softmax(t / T)`` (mode
+    seeking; MiniLLM, arXiv 2306.08543). The arguments are `forward_kl`'s (`mask`, `temperature`
+    with the T² scale, `chunk_size`, `backend`), except that `teacher_logits` must be dense
+    (..., V) logits: against a top-k teacher the reverse KL is infinite wherever the student has
+    mass outside the k tokens, so it is refused. Returns a scalar fp32 loss.
     """
     return _divergence(
         "reverse_kl", student_logits, teacher_logits, beta=1.0, mask=mask,
@@ -172,9 +160,13 @@ def jsd(
 ) -> torch.Tensor:
     """Temperature-scaled generalized JSD between teacher and student, mean over valid tokens.
 
-    `beta` is the teacher's weight in the mixture, in [0, 1]: 0 is `forward_kl`, 1 `reverse_kl`
-    (then a `TopK` teacher is refused). The other arguments are `forward_kl`'s. Returns a scalar
-    fp32 loss.
+    ``T² Σ_n w_n [β KL(p_n || m_n) + (1-β) KL(q_n || m_n)]`` with ``m = β p + (1-β) q``: GKD's
+    generalized JSD (arXiv 2306.13649) in TRL's and Liger-Kernel's convention. `beta` is the
+    teacher's weight in the mixture, in [0, 1]: 0 is `forward_kl`, 1 `reverse_kl` (where the
+    mixture formula would give 0; then a `TopK` teacher is refused), 0.5 the symmetric JSD,
+    bounded by ``log 2``. With ``β < 1`` a top-k teacher (renormalised over its k tokens) keeps
+    the loss finite (``m >= (1-β) q``) and runs on the chunked path. The other arguments are
+    `forward_kl`'s. Returns a scalar fp32 loss.
     """
     check_loss("jsd", beta, top_k=isinstance(teacher, tuple))
     kw: dict[str, Any] = {

@@ -1,18 +1,12 @@
 """Intermediate hidden-state distillation loss (Minitron arXiv 2407.14679, Sec. 3, Tables 17-18).
 
-Student layer ``i`` is matched to teacher layer ``j`` through their outputs,
-``hidden_states[i + 1]`` and ``hidden_states[j + 1]`` as transformers returns them with
-``output_hidden_states=True`` (index 0 is the embedding output). Every state is compared after its
-model's final norm, Minitron's "post-LN" states: transformers already applies it to the last
-layer's entry, and it is applied here to the others, so a last layer can be matched to an inner
-one (e.g. the kept layers of a depth-pruned student). When the hidden
-sizes differ (width pruning) the student states go through one learned linear map
-``W: d_student -> d_teacher`` (no bias) shared by all matched layers, as in Minitron; it is trained
-together with the student.
-
-Per token the loss is ``1 - cos(W h_s, h_t)`` (``"cosine"``, the best in Minitron's Table 17) or
-the mean squared difference of the two states after a parameter-free layer norm (``"mse"``); it is
-averaged over the non-padding tokens and then over the matched pairs. Math runs in fp32.
+Student layer ``i`` is matched to teacher layer ``j`` through ``hidden_states[i + 1]`` and
+``hidden_states[j + 1]`` (``output_hidden_states=True``), each compared after its model's final
+norm (Minitron's "post-LN" states; transformers already normed the last one), so a last layer can
+match an inner one. When widths differ, one learned ``W: d_student -> d_teacher`` (no bias),
+trained with the student, maps the student states. Per token the loss is ``1 - cos(W h_s, h_t)``
+(``"cosine"``, best in Minitron's Table 17) or the MSE after a parameter-free layer norm
+(``"mse"``), averaged over non-padding tokens and then over pairs; math in fp32.
 """
 
 from __future__ import annotations

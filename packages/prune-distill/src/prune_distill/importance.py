@@ -1,22 +1,11 @@
 """Minitron activation-based importance, collected with forward hooks (no gradients).
 
-Scores follow Minitron (arXiv 2407.14679, Sec. 2.2) with its chosen aggregation, **mean over the
-sequence, then L2 over the batch** (Table 11); the other reductions of its ablation are options
-(`prune_distill.aggregate`):
-
-* attention heads: the L2 norm of each head's attention output (the input of the output
-  projection, before it mixes heads), per token, then aggregated (the paper's order); or, with
-  ``head_order="modelopt"``, each output channel's magnitude aggregated first and the head scored
-  by the L2 norm of its channels' scores (NVIDIA Model Optimizer's ``mcore_minitron`` order);
-* MLP neurons: the magnitude of the activation entering the down projection (post activation /
-  gating, as NVIDIA's code does);
-* hidden channels: the magnitude of every norm layer's output, per norm, summed over all norms into
-  one model-wide ranking (the final norm optionally left out);
-* layers: Block Importance ``1 - cos(input, output)`` averaged over tokens (ShortGPT), and the
-  increase of the LM loss when the layer is skipped.
-
-Padding positions (``attention_mask == 0``) are excluded from every statistic; accumulation is fp64
-for the width scores, fp32 results.
+Scores follow Minitron (arXiv 2407.14679, Sec. 2.2) with its chosen aggregation, mean over the
+sequence then L2 over the batch (Table 11; other reductions in `prune_distill.aggregate`): heads
+by the L2 norm of their attention output (or NVIDIA Model Optimizer's channel-first order), MLP
+neurons by the activation entering the down projection, hidden channels by every norm's output
+summed into one ranking, layers by Block Importance (ShortGPT) and the LM-loss increase when
+skipped. Padding is excluded everywhere; width scores accumulate in fp64.
 """
 
 from __future__ import annotations
@@ -51,9 +40,11 @@ class ImportanceScores:
     hidden: torch.Tensor
     """(hidden_size,): one score per residual channel, summed over all norm layers."""
     heads: torch.Tensor
-    """(num_layers, num_attention_heads): per query head."""
+    """(num_layers, num_attention_heads): per query head, from its attention output (the input
+    of the output projection, before it mixes heads)."""
     neurons: torch.Tensor
-    """(num_layers, intermediate_size): per MLP neuron."""
+    """(num_layers, intermediate_size): per MLP neuron, from the activation entering the down
+    projection (after activation / gating, as NVIDIA's code does)."""
     block_importance: torch.Tensor
     """(num_layers,): ``1 - mean cos(layer input, layer output)`` over tokens."""
     lm_loss_increase: torch.Tensor | None

@@ -1,23 +1,11 @@
 """Forward KL between teacher and student logits, plain and memory-lean (chunked).
 
-``loss = T^2 * sum_n w_n * KL(softmax(t_n / T) || softmax(s_n / T))`` over token rows ``n`` with
-weights ``w`` (by default ``1 / number of valid tokens``), i.e. Hinton et al.'s temperature-scaled
-KD loss as Minitron uses it (forward KL, T = 1 by default). With ``top_k`` the teacher distribution
-is renormalised over its top-k logits and the student's log-probabilities are read at those
-indices; with ``k = vocab size`` this is the full loss.
-
-The chunked path computes the loss and the gradient w.r.t. the student logits together, one chunk
-of rows at a time, in fp32: ``dL/ds_n = w_n * T * (softmax(s_n / T) - q_n)`` where ``q_n`` is the
-(possibly top-k, scattered) teacher distribution. It never holds the log-softmax of both full
-(N, V) tensors, only one chunk of each plus the gradient (in the logits' dtype).
-
-Backends (`forward_kl(..., backend=)`): ``"torch"`` is the chunked path above (``chunk_size=None``:
-plain autograd, the reference); ``"triton"`` is the fused kernel in `_kl_kernels` (log-softmax of
-both, KL and the student gradient in one kernel, no fp32 (N, V) temporaries; dense teacher only,
-CUDA, or CPU under ``TRITON_INTERPRET=1``); ``"auto"`` picks Triton for dense-teacher CUDA logits
-when Triton is installed and the chunked path otherwise (top-k teachers always run chunked). Both
-memory-lean paths save only the gradient for backward and scale it in place there, so their
-backward can run once per forward (no ``retain_graph`` double backward).
+``loss = T² Σ_n w_n KL(softmax(t_n / T) || softmax(s_n / T))`` over token rows with weights ``w``
+(``1 / number of valid tokens`` by default): Hinton et al.'s KD loss as Minitron uses it. With a
+top-k teacher its distribution is renormalised over its k logits. The chunked path computes the
+loss and ``dL/ds_n = w_n T (softmax(s_n / T) - q_n)`` one chunk of rows at a time in fp32, so it
+never holds the log-softmax of both full (N, V) tensors; it and the fused kernel (`_kl_kernels`)
+save only the gradient for backward, scaled in place, so their backward runs once per forward.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """`ArchSpec`: what pruning needs to know about a family (module paths, parameter axes, config).
 
-Every prunable tensor is described by the axis each of its dimensions indexes:
-
-* ``"hidden"``: the residual stream (embedding width), one global index set for the model;
-* ``"q"``: the query heads' inner width (and the input of the attention output projection),
-  ``num_attention_heads * head_dim`` channels, head-major;
-* ``"kv"``: the key/value width, ``num_key_value_heads * head_dim`` channels;
-* ``"qkv"``: a fused ``[q | k | v]`` projection output (GPT-2 ``c_attn``, Phi-3 ``qkv_proj``);
-* ``"qkv_heads"``: a fused projection laid out per head, ``[q_h | k_h | v_h]`` for every head
-  (GPT-NeoX ``query_key_value``; multi-head attention only);
-* ``"ffn"``: the MLP inner width (neurons);
-* ``"ffn2"``: a fused ``[gate | up]`` MLP input projection (Phi-3 ``gate_up_proj``);
-* ``None``: a dimension that is never pruned (vocabulary, positions, a per-head norm).
-
-A parameter the spec does not list makes pruning fail loudly instead of leaving a stale tensor.
-Most families are written as differences from the Llama-style spec (`arch.llama.llama_style`).
+Every prunable tensor is described by the `Axis` each of its dimensions indexes (hidden, heads,
+key/value heads, fused projections, MLP neurons, or never pruned), so one slicing routine serves
+every family. A parameter the spec does not list makes pruning fail loudly instead of leaving a
+stale tensor. Most families are written as differences from the Llama-style spec
+(`arch.llama.llama_style`).
 """
 
 from __future__ import annotations
@@ -27,6 +17,19 @@ from typing import Any, Literal
 import torch
 
 Axis = Literal["hidden", "q", "kv", "qkv", "qkv_heads", "ffn", "ffn2"] | None
+"""What one dimension of a parameter indexes:
+
+* ``"hidden"``: the residual stream (embedding width), one global index set for the model;
+* ``"q"``: the query heads' inner width (and the input of the attention output projection),
+  ``num_attention_heads * head_dim`` channels, head-major;
+* ``"kv"``: the key/value width, ``num_key_value_heads * head_dim`` channels;
+* ``"qkv"``: a fused ``[q | k | v]`` projection output (GPT-2 ``c_attn``, Phi-3 ``qkv_proj``);
+* ``"qkv_heads"``: a fused projection laid out per head, ``[q_h | k_h | v_h]`` for every head
+  (GPT-NeoX ``query_key_value``; multi-head attention only);
+* ``"ffn"``: the MLP inner width (neurons);
+* ``"ffn2"``: a fused ``[gate | up]`` MLP input projection (Phi-3 ``gate_up_proj``);
+* ``None``: a dimension that is never pruned (vocabulary, positions, a per-head norm).
+"""
 ParamAxes = Mapping[str, tuple[Axis, ...]]
 
 

@@ -1,14 +1,11 @@
 """Gemma 2 and Gemma 3 (text-only ``Gemma3ForCausalLM``): the Llama-style spec with four norms.
 
 Pre- and post-norms around both sublayers (RMSNorm scaling by ``1 + weight``); Gemma 3 adds
-per-head q/k norms over ``head_dim`` (never sliced). ``query_pre_attn_scalar``, the logit
-soft-capping values and the sliding-window ``layer_types`` are config constants (the list is
-sliced on depth pruning).
-
-The embedding output is multiplied by ``sqrt(hidden_size)``, which changes when hidden channels
-are pruned. `_rescale` multiplies the embedding matrix by ``sqrt(old / new)`` so every kept
-channel enters the first layer with the value it had; tied, that matrix is also the LM head, so
-the final norm's ``1 + w`` is divided by the same factor and the kept logits stay unchanged.
+per-head q/k norms over ``head_dim`` (never sliced). The embedding output is multiplied by
+``sqrt(hidden_size)``, which changes when hidden channels are pruned: `_rescale` multiplies the
+embedding by ``sqrt(old / new)`` so kept channels enter the first layer unchanged, and, as the
+tied LM head, divides the final norm's ``1 + w`` by the same factor so the logits stay equal.
+Soft-capping and ``query_pre_attn_scalar`` are constants; depth pruning slices ``layer_types``.
 """
 
 from __future__ import annotations
