@@ -23,37 +23,19 @@ Two numbers per mode and method:
 from __future__ import annotations
 
 import argparse
-import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakIdKeyDictionary
 
 from leanlm_testing import bench
+from leanlm_testing.memory import LiveBytes
+from leanlm_testing.models import llama3_8b_config
 
 GIB = 2**30
 MIB = 2**20
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def llama3_8b_config(layers: int = 32) -> Any:
-    """The Llama-3-8B architecture (no weights)."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-    )
 
 
 def in_features(config: Any) -> list[int]:
@@ -66,37 +48,6 @@ def formula_bytes(config: Any, *, hessian: bool) -> tuple[int, int]:
     """(one layer's, all layers') statistics bytes: Σ in² · 4 (+ in · 4 for the sumsq)."""
     one = sum(4 * n * n * hessian + 4 * n for n in in_features(config))
     return one, one * config.num_hidden_layers
-
-
-class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Live and peak bytes of the tensor storages that ops create (plus those `add`ed)."""
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.live = 0
-        self.peak = 0
-
-    def add(self, tensor: torch.Tensor) -> None:
-        """Count `tensor`'s storage as live until it is freed (once per storage)."""
-        storage = tensor.untyped_storage()
-        if storage in self.seen:
-            return
-        nbytes = storage.nbytes()
-        self.seen[storage] = nbytes
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, nbytes)
-
-    def _free(self, nbytes: int) -> None:
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.add(t)
-        return out
 
 
 def measure(
