@@ -74,7 +74,7 @@ def default() -> RunConfig:
     return RunConfig(
         name="default",
         stages=ALL_STAGES,
-        # fp32: bf16 autocast measured ~35x slower per step on this 2-core CPU with torch 2.13.
+        # fp32: on CPU, bf16 autocast is much slower per step than fp32
         data=DataConfig(seq_len=256, eval_windows=64),
         tokenizer=TokenizerConfig(vocab_size=8192),
         model=ModelConfig(

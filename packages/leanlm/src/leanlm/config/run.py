@@ -1,14 +1,11 @@
 """`RunConfig`: the whole run, its TOML form and the rules between its sections.
 
 A TOML file mirrors the dataclasses: top-level keys of `RunConfig`, one table per section
-(`[data]`, `[tokenizer]`, `[model]` from `leanlm.config.sections`; `[eval]` and `[logging]` from
-`leanlm.config.extra_sections`), the run-level `[optim]` and `[parallel]` that load resolves into
-the training stages (`leanlm.config.shared_sections`) and one per stage (`[pretrain]`, ... from
-`leanlm.config.stage_sections` and `leanlm.config.prune_section`). Unknown keys, wrong types and
-impossible values raise `ConfigError` (a `ValueError`) naming the dotted key, before any work
-starts. The stages a run can list are `STAGE_NAMES`, the stage fields of `RunConfig` in pipeline
-order; `leanlm.stages.STAGES` holds the stage of each name. This package imports no other part
-of leanlm (and no torch).
+(`leanlm.config.sections`, `extra_sections`), the run-level `[optim]` and `[parallel]` that load
+resolves into the training stages (`shared_sections`), and one per stage (`stage_sections`,
+`prune_section`; `STAGE_NAMES` in pipeline order). Unknown keys, wrong types and impossible
+values raise `ConfigError` naming the dotted key before any work starts. This package imports no
+other part of leanlm (and no torch), so checking a config is fast.
 """
 
 from __future__ import annotations

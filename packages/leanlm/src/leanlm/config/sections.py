@@ -195,8 +195,8 @@ class TrainConfig:
     """`torch.compile` each decoder layer of the trained model (its `forward`, in place, before
     the engine wraps or shards it, as torchtitan compiles per block before FSDP; the engine's
     hooks stay outside the compiled code). The first step (and the first evaluation) pays the
-    compile time: on this repo's 2-core CPU about 30 s for the tests' tiny model and 62 s for
-    the smoke preset's without inductor's on-disk cache, a few seconds with it."""
+    compile time, about a minute for the smoke preset on a 2-core CPU without inductor's on-disk
+    cache (benchmarks/RESULTS.md)."""
     steps: int = 200
     """Optimizer steps."""
     micro_batch_size: int = 8

@@ -1,17 +1,11 @@
 """`[data] packing`: several documents in one window, attention never crossing between them.
 
-Documents are joined with EOS and cut into `seq_len` windows (a document longer than what is
-left of a window continues in the next one, where it starts again at position 0). Inside a
-window each document gets its own position ids, restarting at 0 after every EOS. Given such
-position ids and no attention mask, transformers 5.x
-(`masking_utils.find_packed_sequence_indices`) builds a block-diagonal causal mask, for the
-`sdpa` and `eager` attention alike (tested on CPU in `tests/test_packing.py`), so a token
-attends only to earlier tokens of its own document. The label after each EOS (the next
-document's first token, which the previous document cannot predict) is set to -100, so it is
-not trained on.
-
-`install` adds both to a model's forward through a keyword pre-hook: the loss functions keep
-calling `model(input_ids=..., labels=...)` unchanged.
+Documents are joined with EOS and cut into `seq_len` windows; each document gets position ids
+restarting at 0 after every EOS. Given such position ids and no attention mask, transformers 5.x
+(`masking_utils.find_packed_sequence_indices`) builds a block-diagonal causal mask for `sdpa`
+and `eager` alike, so a token attends only to its own document; the label after each EOS is
+-100. `install` adds both through a forward pre-hook, so the loss functions call the model
+unchanged.
 """
 
 from __future__ import annotations
@@ -49,6 +43,10 @@ def boundary_labels(labels: torch.Tensor, input_ids: torch.Tensor, eos_id: int) 
 
 def install(model: torch.nn.Module, eos_id: int) -> RemovableHandle:
     """Make `model(input_ids=..., labels=...)` a packed forward (see the module docstring).
+
+    A document longer than what is left of a window continues in the next one, where it starts
+    again at position 0. The label after an EOS (the next document's first token, which the
+    previous document cannot predict) is not trained on.
 
     A call that brings its own `position_ids` or `attention_mask` is left alone.
 

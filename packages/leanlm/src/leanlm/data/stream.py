@@ -1,16 +1,12 @@
 """Training batches: drawn from the in-memory blocks, or cut from a text stream on the fly.
 
-`[data] streaming = true` reads the training split as a `datasets.IterableDataset`, tokenizes one
-document at a time (EOS after each, as `data.tokenize_corpus` does) and cuts the concatenation
-into `seq_len` windows, in stream order: the windows are exactly `data.blocks` of the same text,
-without ever holding its token ids. The global batch of step s is windows `[s G, (s + 1) G)`
-(G = the global batch), the same on every process; process r keeps its slice of it, as with
-blocks. At the end of the stream the next epoch starts it again.
-
-The position after a step is small: the `datasets` state before the document being cut
-(`IterableDataset.state_dict`) and the token offset inside that document. A checkpoint stores it
-(`BatchSource.state`) and a resumed run continues with the very windows an uninterrupted run
-would have taken next.
+`[data] streaming = true` reads the training split as a `datasets.IterableDataset`, tokenizes a
+document at a time and cuts the concatenation into `seq_len` windows: exactly `data.blocks` of
+the same text, without holding its token ids. Step s takes windows `[s G, (s + 1) G)` of the
+global batch G, process r its slice. The position after a step (the dataset's state before the
+current document, and the offset in it) is small and checkpointed (`BatchSource.state`), so a
+resume continues with the very windows an uninterrupted run would take. The stream restarts
+at its end (the next epoch).
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """Downstream evaluation: lm-evaluation-harness tasks on every stage's model (`[eval]`).
 
-After each stage the pipeline loads the stage's model folder (local: nothing is downloaded),
-wraps that model and its tokenizer in lm-eval's `HFLM` and runs `lm_eval.simple_evaluate` on
-`eval.lm_eval_tasks`. The main process scores the tasks while the others wait; each task's
-`eval.lm_eval_metric` (with its standard error and document count) goes into the stage's
-`result.json` as `metrics["lm_eval"]`, the full lm-eval results into `<stage>/lm_eval.json`, and
-the report gets a column per task. A stage whose stored result already holds every task (a
-`--resume`) is not scored again. Needs the optional dependency `leanlm[eval]`.
+After each stage the main process wraps the stage's local model folder and tokenizer in lm-eval's
+`HFLM` and runs `lm_eval.simple_evaluate` on `eval.lm_eval_tasks` while the others wait. Each
+task's `eval.lm_eval_metric` (with standard error and document count) goes into the stage's
+`result.json` as `metrics["lm_eval"]` and a report column, the full results into
+`<stage>/lm_eval.json`; a resumed stage that already holds every task is not scored again.
+Needs the optional dependency `leanlm[eval]`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Stopping a run cleanly on SIGTERM / SIGINT (the worker side).
 
 Inside `handling_signals()` both signals request a stop. In the training loop
-(`at_step_boundaries`) the request only sets a flag: the loop finishes its step, the processes
-agree on it in the step's all-reduce, write a checkpoint when one is due and raise
-`Interrupted`. Anywhere else the handler raises `Interrupted` at once, so a run stopped while
-loading data or evaluating also ends within seconds. A second signal always raises at once.
-
-Under `leanlm`'s own launcher (`LAUNCHER_ENV` set) the launcher forwards the user's signal as
-SIGINT; a SIGTERM then comes from torchrun's agent shutting the others down after one process
-failed, and ends the process quietly (the failing process reports the error).
+(`at_step_boundaries`) the request only sets a flag: the processes agree on it in the step's
+all-reduce, checkpoint when one is due and raise `Interrupted`. Elsewhere (loading data,
+evaluating) the handler raises at once, as does a second signal. Under leanlm's launcher
+(`LAUNCHER_ENV`) a SIGTERM comes from torchrun shutting the others down after one failed, and
+ends the process quietly: the failing process reports the error.
 """
 
 from __future__ import annotations

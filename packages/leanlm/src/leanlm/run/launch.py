@@ -1,16 +1,11 @@
 """Starting several processes under torchrun, and stopping all of them.
 
-`relaunch` runs torchrun (through `python -m leanlm.launch`, which calls torchrun's `run` without
-its error-file dump) in a session of its own, so a terminal's Ctrl-C reaches only the launcher.
-The launcher forwards SIGTERM / SIGINT to every worker as SIGINT (the workers stop at a step
-boundary, see `leanlm.run.interrupt`), and SIGKILLs whatever is left after `GRACE_S` seconds or on a
-second signal. torchrun gets SIGTERM if the launcher itself dies (`PR_SET_PDEATHSIG`), and its
-agent then stops the workers.
-
-When a worker fails, torchrun stops the others. The launcher watches the workers' status files
-(`leanlm.run.status`): it ends at once a worker that stopped answering (frozen, or stopped by
-SIGSTOP) after another failed, and reports a worker that died without reporting its own
-error: rank, PID, exit code or signal, stage and step, peak memory, and the command that resumes.
+`relaunch` runs torchrun (`python -m leanlm.launch`) in a session of its own, so a terminal's
+Ctrl-C reaches only the launcher, which forwards SIGTERM / SIGINT to every worker as SIGINT
+(they stop at a step boundary) and SIGKILLs what is left after `GRACE_S` seconds or a second
+signal; torchrun gets SIGTERM if the launcher dies. The launcher also watches the workers'
+status files (`leanlm.run.status`): after a failure it ends at once a worker that stopped
+answering, and reports a worker that died without reporting its own error.
 """
 
 from __future__ import annotations

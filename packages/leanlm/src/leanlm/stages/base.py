@@ -1,15 +1,10 @@
 """The stage interface: what every pipeline stage is, receives, returns and writes.
 
-A stage is a `Stage` subclass listed in `leanlm.stages.STAGES`. Its `name` is its config section in
-`RunConfig`, its TOML table and its folder in the run directory; its `config` is the class of that
-section (in `leanlm.config`, with the rules that involve other sections: which stages must come
-before it, sizes it must not exceed, ...); `run(ctx)` does the work. A stage reads the previous
-stage's Hugging Face model folder (`ctx.input_dir`, `None` for the first stage), gets its own
-section as `ctx.section`, writes its model under `ctx.model_dir` (`save_pretrained` + tokenizer) and
-returns a `StageResult` with everything the report shows. Stages never import each other: what one
-leaves for another (the prune lineage) goes through a neutral module (`leanlm.stages.lineage`). The
-pipeline stores each result with a hash of everything the stage depends on, so a finished stage is
-skipped on `--resume` unless its inputs changed. `docs/development.md` walks through adding a stage.
+A stage is a `Stage` subclass listed in `leanlm.stages.STAGES`; `docs/development.md` walks
+through adding one. Stages never import each other: what one leaves for another (the prune
+lineage) goes through a neutral module (`leanlm.stages.lineage`), so each can change alone. The
+pipeline stores each result with a hash of everything the stage depends on, so a finished stage
+is skipped on `--resume` unless its inputs changed.
 """
 
 from __future__ import annotations
@@ -126,7 +121,14 @@ class StageResult:
 
 
 class Stage:
-    """A pipeline stage (see the module docstring); subclasses set `name` and `config`."""
+    """A pipeline stage; subclasses set `name` and `config` and implement `run`.
+
+    `config` is the class of the stage's section (in `leanlm.config`, with the rules that involve
+    other sections: which stages must come before it, sizes it must not exceed, ...). `run(ctx)`
+    reads the previous stage's Hugging Face model folder (`ctx.input_dir`, `None` for the first
+    stage), gets its section as `ctx.section`, writes its model under `ctx.model_dir`
+    (`save_pretrained` + tokenizer) and returns a `StageResult` with everything the report shows.
+    """
 
     name: ClassVar[str]
     """The stage's name: its `RunConfig` field, TOML table and run-directory folder."""

@@ -1,15 +1,11 @@
 """Stage `distill`: train the previous stage's (pruned) model to match a teacher's logits.
 
-The loss is `(1 - w) * D(teacher, student) at temperature T (x T^2) + w * next-token CE`, with
-the divergence `D` chosen by `loss` (forward KL(teacher || student) by default, reverse KL or the
-generalized JSD with `beta`) from `prune_distill.divergence` (chunked fp32 on CPU, the fused
-Triton kernels on CUDA; optionally on the teacher's top-k logits), plus `hidden_loss_weight`
-times prune-distill's `HiddenStateLoss` between matched layer outputs when that weight is > 0.
-With `teacher_correction_steps` > 0 a copy of the teacher is first fine-tuned on the
-distillation batches (`prune_distill.correct_teacher`). The training
-loop, schedule, checkpoints and evaluation are `leanlm.train.trainer`'s; the loss function, the
-student wrapped with its hidden-state loss and the teacher correction are in
-`leanlm.train.distill` (imported when the stage runs: loading a config does not load torch).
+The loss is `(1 - w) * D(teacher, student) at temperature T (x T^2) + w * next-token CE`, `D`
+chosen by `loss` from `prune_distill.divergence` (forward KL by default, reverse KL, or the
+generalized JSD with `beta`), plus `hidden_loss_weight` times prune-distill's `HiddenStateLoss`;
+`teacher_correction_steps` > 0 first fine-tunes a copy of the teacher. The loop is
+`leanlm.train.trainer`'s; the loss and teacher correction live in `leanlm.train.distill`,
+imported when the stage runs, so loading a config does not load torch.
 """
 
 from __future__ import annotations

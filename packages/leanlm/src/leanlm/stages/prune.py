@@ -1,15 +1,11 @@
 """Stage `prune`: Minitron-style structured pruning of the previous stage's model.
 
-Importance comes from forward passes over calibration sequences drawn (seeded) from the training
-split; `prune_distill.prune` then returns a smaller model of the same transformers class, which this
-stage scores on the validation windows and saves. Next to the model it writes the lineage record of
-`leanlm.stages.lineage` (the source model folder and the source layer each kept layer was cut from),
-which `distill` uses to match layers in its hidden-state loss.
-
-With `search = true` the target shape is not given but searched (Minitron's architecture search,
-`prune_distill.search`): every shape of the `search_*` choices within the parameter budget is
-pruned, distilled briefly from the input model and ranked by validation loss; the best shape is
-then pruned from the same scores and saved (undistilled: the `distill` stage trains it).
+Importance comes from forward passes over seeded calibration sequences of the training split;
+`prune_distill.prune` returns a smaller model of the same transformers class, scored on the
+validation windows and saved with the lineage record (`leanlm.stages.lineage`) that `distill`
+uses to match layers. With `search = true` the target shape is searched (`prune_distill.search`):
+every shape of the `search_*` choices within the budget is pruned, briefly distilled and ranked
+by validation loss; the best is pruned from the same scores and saved undistilled.
 """
 
 from __future__ import annotations
@@ -66,8 +62,12 @@ class Prune(Stage):
         student = prune(model, scores, target)
         layer_map = pruned_layer_map(model, scores, target)
         scoring_time = time.perf_counter() - start
+        # at the calibration batch size: the input model is still held (`leanlm plan` plans it)
         evaluation = evaluate_perplexity(
-            student, ctx.resources.validation_windows, autocast=acc.autocast
+            student,
+            ctx.resources.validation_windows,
+            batch_size=cfg.calibration_batch_size,
+            autocast=acc.autocast,
         )
         acc.print(
             f"[prune] {count_parameters(model):,} -> {count_parameters(student):,} params, "

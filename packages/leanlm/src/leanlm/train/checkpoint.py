@@ -1,20 +1,11 @@
 """Atomic training checkpoints and atomic model folders.
 
-A training checkpoint is `accelerator.save_state` (model, optimizer, RNG state of every process)
-plus the scheduler and a `trainer_state.json` (step, tokens, elapsed time, config hash). It is
-written into a hidden temporary folder and renamed to `step-XXXXXXXX` only when complete, so a
-run killed at any moment leaves either a whole checkpoint or none; resuming picks the newest
-whole one. Every checkpoint lists the SHA-256 of each of its files (`checksums.json`, written
-last before the rename); `latest` verifies them, moves a damaged checkpoint aside
-(`.damaged-step-XXXXXXXX`, named in the log) and falls back to the newest intact one. The batch
-of a step is a pure function of the step (`data.global_batch_indices`),
-so the step number is the whole data position; with `[data] streaming` the trainer state also
-holds the stream's position (`leanlm.data.stream.BatchSource.state`).
-
-A model sharded by shard-zero or FSDP2 is not known to accelerate: its checkpoint adds the
-engine's own folder (`zero/`: `shard_zero.save_checkpoint`; `fsdp2/`: a
-`torch.distributed.checkpoint` folder, one file per rank, reshardable, CAME and Adafactor
-state included), next to the RNG states.
+A training checkpoint (`accelerator.save_state`, the scheduler, `trainer_state.json`) is written
+into a hidden temporary folder and renamed to `step-XXXXXXXX` only when complete, so a run killed
+at any moment leaves a whole checkpoint or none. Each lists the SHA-256 of its files
+(`checksums.json`); `latest` moves a damaged one aside and falls back to the newest intact one.
+The step number is the whole data position (a step's batch is a function of the step; a stream
+saves its position too). Engines accelerate does not know add their own folder (`zero/`, `fsdp2/`).
 """
 
 from __future__ import annotations
@@ -95,7 +86,8 @@ class Checkpointer:
         """The newest intact checkpoint (written under `config_hash`, if given), or `None`.
 
         Damaged checkpoints met on the way (a file missing, truncated or changed since it was
-        written) are named and moved aside by the main process. Every process must call this.
+        written) are named in the log and moved aside (`.damaged-step-XXXXXXXX`) by the main
+        process. Every process must call this.
         """
         found = None
         for path in reversed(self.complete()):

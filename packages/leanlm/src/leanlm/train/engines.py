@@ -1,19 +1,11 @@
 """How a training stage's model and optimizer are spread over processes (`engine`).
 
-- `"ddp"`: accelerate's DDP replicates them (and the only choice with one process).
-- `"zero"`: shard-zero shards optimizer state (`zero_stage` 1), + gradients (2), + parameters (3)
-  as row-sharded fp32 masters, exact for CAME and Adafactor.
-- `"fsdp2"`: PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`) shards parameters and
-  gradients as `DTensor`s (dim 0), and so the optimizer state: each decoder layer (the model's
-  `_no_split_modules`) is one unit, gathered for its forward and backward, and the root holds
-  the rest (embeddings, final norm, head). Its checkpoints are `torch.distributed.checkpoint`
-  folders (one file per process), reshardable: they load at any number of processes. CAME and
-  Adafactor step each shard's rows with their row statistics and keep that state as plain local
-  tensors; it is saved as `DTensor`s over the parameters' mesh (`sharded_state.Fsdp2State`).
-
-Each is a small `Engine` class (`ENGINES` by name): how it wraps the model and optimizer, skips
-the gradient reduction, clips, gathers the final weights, counts its memory, and its checkpoint
-format. The training loop (`leanlm.train.trainer`) calls `Parallel`, the same whichever runs.
+Each engine is a small `Engine` class (`ENGINES` by name): how it wraps the model and optimizer,
+skips the gradient reduction, clips, gathers the final weights, counts its memory, and its
+checkpoint format. `"ddp"` (accelerate's DDP) replicates everything; `"zero"` (shard-zero) shards
+optimizer state, gradients and parameters by `zero_stage`; `"fsdp2"` (`fully_shard`) shards
+parameters, gradients and so the optimizer state as `DTensor`s. The training loop
+(`leanlm.train.trainer`) calls `Parallel`, the same whichever runs.
 """
 
 from __future__ import annotations
@@ -127,7 +119,10 @@ class Engine(abc.ABC):
 
 
 class DdpEngine(Engine):
-    """accelerate's DDP: every process holds the whole model and optimizer."""
+    """accelerate's DDP: every process holds the whole model and optimizer.
+
+    The only choice with one process.
+    """
 
     def wrap(self, model: torch.nn.Module, make_optimizer: MakeOptimizer) -> None:
         """Wrap (or shard) the model and build its optimizer."""
@@ -148,7 +143,10 @@ class DdpEngine(Engine):
 
 
 class ZeroEngine(Engine):
-    """shard-zero at `zero_stage` (row-sharded fp32 masters)."""
+    """shard-zero at `zero_stage`: optimizer state (1), + gradients (2), + parameters (3).
+
+    Parameters are row-sharded fp32 masters, so CAME and Adafactor stay exact.
+    """
 
     state = ZeroState
 
@@ -193,7 +191,14 @@ class ZeroEngine(Engine):
 
 
 class Fsdp2Engine(Engine):
-    """PyTorch's FSDP2: each decoder layer one `fully_shard` unit, the root the rest."""
+    """PyTorch's FSDP2: each decoder layer one `fully_shard` unit, the root the rest.
+
+    Parameters and gradients are `DTensor`s sharded on dim 0; each layer (the model's
+    `_no_split_modules`) is gathered for its forward and backward, the root holds embeddings,
+    final norm and head. CAME and Adafactor step each shard's rows and keep plain local state,
+    saved as `DTensor`s over the mesh (`sharded_state.Fsdp2State`) in a reshardable
+    `torch.distributed.checkpoint` folder (loads at any number of processes).
+    """
 
     state = Fsdp2State
     lockstep = True  # every forward gathers each layer's parameters from all processes
@@ -251,7 +256,7 @@ ENGINES: dict[str, type[Engine]] = {"ddp": DdpEngine, "zero": ZeroEngine, "fsdp2
 
 
 class Parallel:
-    """The engine a training stage runs, set up as its config says (see the module docstring)."""
+    """The engine a training stage runs, set up as its config says (`ENGINES`)."""
 
     def __init__(self, ctx: StageContext, model: torch.nn.Module, cfg: TrainConfig) -> None:
         acc = ctx.accelerator

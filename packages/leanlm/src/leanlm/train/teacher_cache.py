@@ -1,17 +1,11 @@
 """The `distill` stage's offline teacher (`teacher = "cached"`): top-k logits written once.
 
 Before training, the main process runs the teacher over every micro-batch the stage will train
-on (steps x processes x `grad_accum_steps`, in training order) and writes its top-`top_k`
-logits with `prune_distill.cache_teacher_topk`, one file per micro-batch, into
-`<stage>/teacher-cache`. The other processes wait, then every process trains the student from
-the files with no teacher in memory. The folder is written under a temporary name, every file
-fsynced, and renamed into place (`leanlm.train.checkpoint.save_atomically`); its manifest records
-the run settings it was made for and each file's size, so a resume reuses a complete cache for
-the same settings and rewrites a stale or damaged one, never reading a half-written one.
-
-A micro-batch finds its teacher logits by the content of its sequences (a hash of each row's
-token ids, checked against the stored ids), so a lookup never depends on where in the run the
-trainer is.
+on and writes its top-`top_k` logits (`prune_distill.cache_teacher_topk`) into
+`<stage>/teacher-cache`; then every process trains the student from the files with no teacher in
+memory. The folder is written atomically with a manifest of the settings and file sizes, so a
+resume reuses a complete cache and rewrites a stale or damaged one. A micro-batch finds its
+logits by a hash of its sequences' token ids, so lookups do not depend on the trainer's position.
 """
 
 from __future__ import annotations

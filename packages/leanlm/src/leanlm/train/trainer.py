@@ -1,17 +1,11 @@
 """The training loop shared by the stages that train (`pretrain`, `distill`).
 
-One optimizer step consumes a global batch of `micro_batch_size x grad_accum_steps x processes`
-sequences chosen by `data.global_batch_indices(step)` (or the next windows of the stream with
-`[data] streaming`, `leanlm.data.stream`); process r takes the r-th contiguous slice.
-Every micro-batch has the same number of tokens (fixed-length blocks, no padding), so the mean of
-micro-batch losses, averaged over processes by DDP, is exactly the loss of the global batch: one
-process with `grad_accum_steps = k` and k processes with 1 optimise the same objective.
-
-Data parallelism is accelerate's DDP by default; with `zero_stage` 1-3 and several processes the
-model and optimizer are sharded by shard-zero instead (row-sharded fp32 masters, exact for CAME
-and Adafactor), with the same batches and the same loop. A step whose loss (or gradient norm) is
-not finite on any process is skipped and counted; past `max_bad_steps` skips the run writes a
-checkpoint and stops with `TrainingDivergedError`.
+A step consumes a global batch of `micro_batch_size x grad_accum_steps x processes` sequences
+(`data.global_batch_indices(step)`, or the stream's next windows); process r takes the r-th
+slice. Every micro-batch has the same number of tokens, so the mean of micro-batch losses is the
+global batch's loss: one process with `grad_accum_steps = k` and k processes with 1 optimise the
+same objective, whichever engine (`train.engines`) runs. A step with a non-finite loss or
+gradient norm is skipped; past `max_bad_steps` the run checkpoints and raises.
 """
 
 from __future__ import annotations
