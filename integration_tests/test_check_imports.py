@@ -1,10 +1,10 @@
 """tools/check_imports.py: workspace imports in tests/, benchmarks/ and experiments/."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from leanlm_testing.scripts import loaded_script
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "check_imports.py"
@@ -12,11 +12,8 @@ TOOL = ROOT / "tools" / "check_imports.py"
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("check_imports_under_test", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    with loaded_script(TOOL, "check_imports_under_test") as module:
+        yield module
 
 
 def make_package(root: Path, name: str, deps=(), test_group=()) -> Path:

@@ -1,6 +1,5 @@
 """tools/gpu_compile.py: the gate flags what it should, on records and on real sm_80/90 compiles."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,17 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from leanlm_testing.scripts import loaded_script
+
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "gpu_compile.py"
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("gpu_compile_under_test", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    with loaded_script(TOOL, "gpu_compile_under_test") as module:
+        yield module
 
 
 def _record(**kw):

@@ -1,25 +1,19 @@
 """tools/gen_results.py: the docs' Results page from the packages' benchmarks/RESULTS.md."""
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
+
+from leanlm_testing.scripts import loaded_script
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "gen_results.py"
 
 
 @pytest.fixture(scope="module")
 def gen():
-    # tools/ is not a package: load the script by path. Dataclasses look their module up in
-    # sys.modules, so it is registered there while the tests run.
-    spec = importlib.util.spec_from_file_location("gen_results_under_test", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with loaded_script(TOOL, "gen_results_under_test") as module:  # tools/ is no package
+        yield module
 
 
 ALPHA = """\
