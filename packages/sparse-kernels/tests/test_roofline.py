@@ -9,14 +9,13 @@ re-measured, the data must be updated.
 """
 
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from leanlm_testing import roofline as R
+from leanlm_testing.scripts import loaded_script
 
 HERE = Path(__file__).resolve().parent
 DATA = json.loads((HERE / "data" / "h100_measured.json").read_text())
@@ -26,11 +25,8 @@ BAND = (0.7, 1.4)  # predicted / measured
 @pytest.fixture(scope="module")
 def model():
     path = HERE.parent / "benchmarks" / "roofline.py"
-    spec = importlib.util.spec_from_file_location("sparse_roofline_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    with loaded_script(path, "sparse_roofline_under_test") as module:
+        yield module
 
 
 def _cases():
