@@ -3,11 +3,11 @@
 """`@triton.jit` helpers shared by every kernel module of optim-adafactor and optim-came.
 
 Tiles of the per-tensor (batch, row-block) grid (`row_tile`, `col_tile`) and of the
-multi-tensor row and column items (`span`, `tile`), the vector loads and EMA of the unfactored
-second moment (`vector_load`, `vector_ema`), the parameter store that ends every apply kernel
-(`store_update`, `momentum_store`) and its stochastic rounding (`stochastic_round_bf16`,
-`tensor_seed`). They are inlined into the kernels that call them; the public names are
-re-exported by `optim_adafactor.factored` and `optim_adafactor.multi_tensor`.
+multi-tensor row and column items (`span`, `tile`, `row_item`), the vector loads and EMA of the
+unfactored second moment (`vector_load`, `vector_ema`), the parameter store that ends every
+apply kernel (`store_update`, `momentum_store`) and its stochastic rounding
+(`stochastic_round_bf16`, `tensor_seed`). They are inlined into the kernels that call them; the
+public names are re-exported by `optim_adafactor.factored` and `optim_adafactor.multi_tensor`.
 """
 
 from __future__ import annotations
@@ -73,6 +73,21 @@ if HAS_TRITON:
         """`(idx, idx < end)` for `idx = start + arange(BLOCK)`: a masked run of rows or columns."""
         idx = start + tl.arange(0, BLOCK)
         return idx, idx < end
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def row_item(items, geo, GEO: tl.constexpr):  # type: ignore[no-untyped-def]
+        """`(mat, r0, r1, m, cf_off)` of this program's row item (5 int64 per item in `items`).
+
+        The item's matrix, its rows `[r0, r1)`, and from the matrix's `geo` row (GEO int64
+        each) its columns and the offset of its column factors: an apply kernel's prologue.
+        """
+        pid = tl.program_id(0)
+        mat = tl.load(items + pid * 5)
+        r0 = tl.load(items + pid * 5 + 1)
+        r1 = tl.load(items + pid * 5 + 2)
+        m = tl.load(geo + mat * GEO + 1)
+        cf_off = tl.load(geo + mat * GEO + 2)
+        return mat, r0, r1, m, cf_off
 
     @triton.jit
     def tile(rows, row_mask, cols, col_mask, m):  # type: ignore[no-untyped-def]

@@ -64,7 +64,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor._jit_helpers import span, store_update, tile
+    from optim_adafactor._jit_helpers import row_item, span, store_update, tile
     from optim_adafactor._multi_stats_kernels import (
         _GEO,
         _MOM,
@@ -89,12 +89,7 @@ if HAS_TRITON:
         `rs_i = scale / √(r_i / mean(r))`. The decay is `p - wd·lr_t·p` (HF's form). With SR
         the bf16 store is stochastically rounded, seeded as `FactoredOptimizer._kernel_seed`.
         """
-        pid = tl.program_id(0)
-        mat = tl.load(items + pid * 5)
-        r0 = tl.load(items + pid * 5 + 1)
-        r1 = tl.load(items + pid * 5 + 2)
-        m = tl.load(geo + mat * _GEO + 1)
-        cf_off = tl.load(geo + mat * _GEO + 2)
+        mat, r0, r1, m, cf_off = row_item(items, geo, _GEO)
         g_ptr = tl.load(gaddr + mat).to(g0.dtype)
         p_ptr = tl.load(addr + mat * _NADDR + _P).to(p0.dtype)
         m_ptr = tl.load(addr + mat * _NADDR + _MOM).to(tl.pointer_type(tl.float32))

@@ -75,6 +75,7 @@ __all__ = [
 
 if HAS_TRITON:
     from optim_adafactor._jit_helpers import (
+        row_item,
         span,
         store_update,
         tensor_seed,
@@ -87,4 +88,4 @@ if HAS_TRITON:
     from optim_adafactor._multi_stats_kernels import apply_scalars
 
     __all__ += ["apply_scalars", "cols_launch_config", "stats_kernel", "store_update"]
-    __all__ += ["span", "tensor_seed", "tile", "vector_ema", "vector_load"]
+    __all__ += ["row_item", "span", "tensor_seed", "tile", "vector_ema", "vector_load"]
