@@ -35,6 +35,7 @@ if HAS_TRITON:
 
     from optim_adafactor.multi_tensor import (
         apply_scalars,
+        row_item,
         span,
         store_update,
         tensor_seed,
@@ -154,12 +155,7 @@ if HAS_TRITON:
         (scal[mat] = (mean(R), lr, wd·lr, lr)); the decay is came-pytorch's
         `p.add_(p, alpha=-wd·lr)`.
         """
-        pid = tl.program_id(0)
-        mat = tl.load(items + pid * 5)
-        r0 = tl.load(items + pid * 5 + 1)
-        r1 = tl.load(items + pid * 5 + 2)
-        m = tl.load(geo + mat * _GEO + 1)
-        cf_off = tl.load(geo + mat * _GEO + 2)
+        mat, r0, r1, m, cf_off = row_item(items, geo, _GEO)
         p_ptr = tl.load(addr + mat * NADDR + 0).to(p0.dtype)
         m_ptr = tl.load(addr + mat * NADDR + 1).to(m0.dtype)
         res_ptr = tl.load(addr + mat * NADDR + 4).to(tl.pointer_type(tl.float32))
