@@ -30,6 +30,7 @@ also shows torch's default for-loop AdamW).
 from __future__ import annotations
 
 import argparse
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -86,6 +87,12 @@ def copy_bandwidth(device: str, repeats: int, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / bench.median_seconds(lambda: dst.copy_(src), repeats, sync=sync)
 
 
+ANCHORS = (  # (case name, module with a `CAME` class, what to print when it is not installed)
+    ("came_pytorch.CAME 0.1.3", "came_pytorch", "came_pytorch not installed: no anchor"),
+    ("pytorch_optimizer.CAME", "pytorch_optimizer", "pytorch_optimizer not installed"),
+)
+
+
 def build_cases(cfg: Config, device: str, dtypes: list[str], *, anchors: bool) -> list[Case]:
     """The cases of the run: fp32 (with came-pytorch/pytorch_optimizer anchors) and/or bf16."""
     lr, wd = 2e-4, 1e-2
@@ -113,31 +120,13 @@ def build_cases(cfg: Config, device: str, dtypes: list[str], *, anchors: bool) -
     for label in dtypes:
         dtype = DTYPES[label]
         suffix = "" if dtype == fp32 else ", bf16 params/grads"
-        if dtype == fp32 and anchors:
+        for name, module, missing in ANCHORS if dtype == fp32 and anchors else ():
             try:
-                import came_pytorch
-
-                add(
-                    "came_pytorch.CAME 0.1.3",
-                    "came",
-                    fp32,
-                    fp32,
-                    lambda p: came_pytorch.CAME(p, lr=lr, weight_decay=wd),
-                )
+                anchor_cls = importlib.import_module(module).CAME
             except ImportError:
-                print("came_pytorch not installed: no anchor")
-            try:
-                import pytorch_optimizer
-
-                add(
-                    "pytorch_optimizer.CAME",
-                    "came",
-                    fp32,
-                    fp32,
-                    lambda p: pytorch_optimizer.CAME(p, lr=lr, weight_decay=wd),
-                )
-            except ImportError:
-                print("pytorch_optimizer not installed")
+                print(missing)
+                continue
+            add(name, "came", fp32, fp32, lambda p, c=anchor_cls: c(p, lr=lr, weight_decay=wd))
         add(
             f"optim_came.CAME{suffix}",
             "came",

@@ -93,17 +93,31 @@ def grad_factors(w: Work) -> None:
 
     From the (reduced) sums of phase 1; `cf` times `sqrt(1-β2^t)` with bias correction.
     """
-    if not w.factored:
-        return
-    assert w.colsum is not None
-    assert w.rowema_sum is not None
-    o, st = w.opts, w.state
-    row, col = st["exp_avg_sq_row"], st["exp_avg_sq_col"]
-    ema_(col, w.colsum.div_(w.rows), o.beta2, o.eps1)
-    w.rf, w.cf = factors(row, col, w.rowema_sum.div(w.rows).unsqueeze(-1))
-    correction = o.second_moment_correction(w.step)
-    if correction != 1.0:  # rsqrt(c / (1-β2^t)); r's correction cancels in r / mean(r)
-        w.cf.mul_(math.sqrt(correction))
+    if w.factored:
+        o = w.opts
+        correction = o.second_moment_correction(w.step)
+        w.rf, w.cf = _col_ema_factors(
+            w, "exp_avg_sq", w.colsum, w.rowema_sum, beta=o.beta2, eps=o.eps1, correction=correction
+        )
+
+
+def _col_ema_factors(
+    w: Work, key: str, colsum: Tensor | None, rowema_sum: Tensor | None, *, beta: float, eps: float,
+    correction: float,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Column EMA of `key`'s factored state from `colsum`, then its row and column factors.
+
+    `rf = rsqrt(r / mean(r))`, `cf = rsqrt(c)` times `sqrt(correction)` where that is not 1
+    (bias correction `1-β^t`: `rsqrt(c / (1-β^t))`; r's cancels in `r / mean(r)`).
+    """
+    assert colsum is not None
+    assert rowema_sum is not None
+    row, col = w.state[f"{key}_row"], w.state[f"{key}_col"]
+    ema_(col, colsum.div_(w.rows), beta, eps)
+    rf, cf = factors(row, col, rowema_sum.div(w.rows).unsqueeze(-1))
+    if correction != 1.0:
+        cf.mul_(math.sqrt(correction))
+    return rf, cf
 
 
 def _vector_update(w: Work, buf: Tensor) -> Tensor:
@@ -174,17 +188,13 @@ def instability_factors(w: Work) -> None:
     `res_rf = rsqrt(R / mean(R))`, `res_cf = rsqrt(C)`, from the (reduced) sums of phase 4;
     `res_cf` times `sqrt(1-β3^t)` with bias correction.
     """
-    if not w.factored:
-        return
-    assert w.res_colsum is not None
-    assert w.res_rowema_sum is not None
-    o, st = w.opts, w.state
-    row, col = st["exp_avg_res_row"], st["exp_avg_res_col"]
-    ema_(col, w.res_colsum.div_(w.rows), o.beta3, o.eps2)
-    w.res_rf, w.res_cf = factors(row, col, w.res_rowema_sum.div(w.rows).unsqueeze(-1))
-    correction = o.instability_correction(w.step)
-    if correction != 1.0:
-        w.res_cf.mul_(math.sqrt(correction))
+    if w.factored:
+        o = w.opts
+        correction = o.instability_correction(w.step)
+        w.res_rf, w.res_cf = _col_ema_factors(
+            w, "exp_avg_res", w.res_colsum, w.res_rowema_sum, beta=o.beta3, eps=o.eps2,
+            correction=correction,
+        )  # fmt: skip
 
 
 def apply(w: Work, buf: Tensor) -> None:
