@@ -90,7 +90,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _convert(value: Any, tp: Any, key: str) -> Any:
+def convert_value(value: Any, tp: Any, key: str) -> Any:
     """Check `value` against the annotation `tp` and convert TOML lists / tables."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -102,22 +102,24 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _convert(value, inner[0], key)
+        return convert_value(value, inner[0], key)
     if origin is tuple:
         if not isinstance(value, list | tuple):
             raise ConfigError(key, f"must be a list, got {type(value).__name__} {value!r}")
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+            return tuple(convert_value(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
         if len(value) != len(args):
             raise ConfigError(key, f"must have {len(args)} items, got {len(value)}: {value!r}")
         return tuple(
-            _convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True))
+            convert_value(v, a, f"{key}[{i}]")
+            for i, (v, a) in enumerate(zip(value, args, strict=True))
         )
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(key, f"must be a table, got {type(value).__name__} {value!r}")
         return {
-            _convert(k, args[0], key): _convert(v, args[1], f"{key}.{k}") for k, v in value.items()
+            convert_value(k, args[0], key): convert_value(v, args[1], f"{key}.{k}")
+            for k, v in value.items()
         }
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
@@ -145,7 +147,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
             hint = f"; did you mean `{close[0]}`?" if close else ""
             hint += f"; valid keys: {sorted(fields)}"
             raise ConfigError(dotted(key), f"unknown key{hint}")
-    kwargs = {key: _convert(value, hints[key], dotted(key)) for key, value in data.items()}
+    kwargs = {key: convert_value(value, hints[key], dotted(key)) for key, value in data.items()}
     try:
         return cls(**kwargs)
     except ConfigError as err:
@@ -209,13 +211,13 @@ def parse_override(item: str) -> dict[str, Any]:
     return nested
 
 
-def _merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+def merge_tables(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
     """`base` with `update` laid over it: tables merge key by key, other values replace."""
     merged = dict(base)
     for key, value in update.items():
         old = merged.get(key)
         both = isinstance(old, Mapping) and isinstance(value, Mapping)
-        merged[key] = _merge(old, value) if both else value  # type: ignore[arg-type]
+        merged[key] = merge_tables(old, value) if both else value  # type: ignore[arg-type]
     return merged
 
 
@@ -227,5 +229,5 @@ def with_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
     """
     merged = dict(data)
     for item in overrides:
-        merged = _merge(merged, parse_override(item))
+        merged = merge_tables(merged, parse_override(item))
     return merged

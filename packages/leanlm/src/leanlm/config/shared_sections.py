@@ -13,7 +13,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from leanlm.config.configio import ConfigError, _convert, _merge, with_overrides
+from leanlm.config.configio import ConfigError, convert_value, merge_tables, with_overrides
 from leanlm.config.sections import TrainConfig
 
 SHARED_KEYS: dict[str, tuple[str, ...]] = {
@@ -53,7 +53,7 @@ def _checked(section: str, table: Any) -> dict[str, Any]:
             close = difflib.get_close_matches(key, valid, n=1)
             hint = f"; did you mean `{close[0]}`?" if close else ""
             raise ConfigError(f"{section}.{key}", f"unknown key{hint}; valid keys: {list(valid)}")
-    return {k: _convert(v, hints[k], f"{section}.{k}") for k, v in table.items()}
+    return {k: convert_value(v, hints[k], f"{section}.{k}") for k, v in table.items()}
 
 
 def resolve_shared(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -95,7 +95,7 @@ def resolve_with_overrides(
         stage, name = key.split(".")
         if name in update.get(stage, {}):
             del sources[key]
-    return _merge(resolved, update), {**sources, **from_update}
+    return merge_tables(resolved, update), {**sources, **from_update}
 
 
 def named_from_shared(err: ConfigError, sources: Mapping[str, str]) -> ConfigError:
