@@ -26,43 +26,35 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from prune_distill._kl_kernels import online_lse
+    from prune_distill._kl_kernels import online_lse, row_starts, scaled_block
+
+    @triton.jit
+    def log_mixture(log_p, log_q, log_beta, log_1m_beta):  # type: ignore[no-untyped-def]
+        """``log m`` of the JSD's mixture: ``logaddexp(log β + log p, log(1-β) + log q)``."""
+        x = log_p + log_beta
+        y = log_q + log_1m_beta
+        hi = tl.maximum(x, y)
+        return hi + tl.log(tl.exp(x - hi) + tl.exp(y - hi))
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _reverse_kl_kernel(  # type: ignore[no-untyped-def]
-        s_ptr,
-        t_ptr,
-        w_ptr,
-        grad_ptr,
-        loss_ptr,
-        n_cols,
-        stride_s,
-        stride_t,
-        stride_g,
-        inv_temp,
-        temp,
-        HAS_GRAD: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-    ):
+        s_ptr, t_ptr, w_ptr, grad_ptr, loss_ptr, n_cols, stride_s, stride_t, stride_g, inv_temp,
+        temp, HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):  # fmt: skip
         """Row ``pid``: ``loss = T²·w·KL(q || p)``, ``grad = w·T·q·(log q - log p - KL)``.
 
         ``KL(q || p) = Σ_v q_v (a_v - b_v) - lse(a) + lse(b)``: sweep 1 keeps online (max, Σexp)
         for ``a`` and ``b`` and ``Σ exp(a - m_a)(a - b)`` rescaled with ``a``'s running max (the
         forward kernel with the roles swapped); sweep 2 writes the gradient.
         """
-        row = tl.program_id(0).to(tl.int64)
-        s_row = s_ptr + row * stride_s
-        t_row = t_ptr + row * stride_t
+        row, s_row, t_row = row_starts(s_ptr, t_ptr, stride_s, stride_t)
         m_s = float("-inf")  # running max of a = s/T
         d_s = 0.0  # Σ exp(a - m_s)
         m_t = float("-inf")  # running max of b = t/T
         d_t = 0.0  # Σ exp(b - m_t)
         acc = 0.0  # Σ exp(a - m_s) · (a - b)
         for start in range(0, n_cols, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            valid = cols < n_cols
-            a = tl.load(s_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
-            b = tl.load(t_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+            cols, valid, a, b = scaled_block(s_row, t_row, start, n_cols, inv_temp, BLOCK_V)
             a_x = tl.where(valid, a, float("-inf"))
             b_x = tl.where(valid, b, float("-inf"))
             # e_s is 0 on padding lanes, where a - b = 0 - 0 as well
@@ -78,33 +70,16 @@ if HAS_TRITON:
             g_row = grad_ptr + row * stride_g
             scale = w * temp
             for start in range(0, n_cols, BLOCK_V):
-                cols = start + tl.arange(0, BLOCK_V)
-                valid = cols < n_cols
-                a = tl.load(s_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
-                b = tl.load(t_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+                cols, valid, a, b = scaled_block(s_row, t_row, start, n_cols, inv_temp, BLOCK_V)
                 log_q = a - lse_s
                 g = tl.exp(log_q) * (log_q - (b - lse_t) - kl) * scale
                 tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=valid)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _jsd_kernel(  # type: ignore[no-untyped-def]
-        s_ptr,
-        t_ptr,
-        w_ptr,
-        grad_ptr,
-        loss_ptr,
-        n_cols,
-        stride_s,
-        stride_t,
-        stride_g,
-        inv_temp,
-        temp,
-        beta,
-        log_beta,
-        log_1m_beta,
-        HAS_GRAD: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-    ):
+        s_ptr, t_ptr, w_ptr, grad_ptr, loss_ptr, n_cols, stride_s, stride_t, stride_g, inv_temp,
+        temp, beta, log_beta, log_1m_beta, HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):  # fmt: skip
         """Row ``pid``: ``loss = T²·w·(β KL(p||m) + (1-β) KL(q||m))`` and its student gradient.
 
         ``grad = w·T·(1-β)·q ⊙ (log q - log m - KL(q||m))``: ``∂JSD/∂q_v = (1-β) log(q_v/m_v)``
@@ -115,9 +90,7 @@ if HAS_TRITON:
         of ``p (log p - log m)`` over log-probabilities (no ``lse(a) - lse(b)`` cancellation),
         and padding lanes have probability 0 with finite log terms, so they add nothing.
         """
-        row = tl.program_id(0).to(tl.int64)
-        s_row = s_ptr + row * stride_s
-        t_row = t_ptr + row * stride_t
+        row, s_row, t_row = row_starts(s_ptr, t_ptr, stride_s, stride_t)
         m_s = float("-inf")
         d_s = 0.0
         m_t = float("-inf")
@@ -134,15 +107,11 @@ if HAS_TRITON:
         kl_pm = 0.0  # Σ p (log p - log m)
         kl_qm = 0.0  # Σ q (log q - log m)
         for start in range(0, n_cols, BLOCK_V):  # sweep 2: both KL terms to the mixture
-            cols = start + tl.arange(0, BLOCK_V)
-            valid = cols < n_cols
+            cols, valid, a, b = scaled_block(s_row, t_row, start, n_cols, inv_temp, BLOCK_V)
             # padding lanes: finite log-probs (logits 0) but probability 0, so they add 0
-            log_q = tl.load(s_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp - lse_s
-            log_p = tl.load(t_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp - lse_t
-            x = log_p + log_beta
-            y = log_q + log_1m_beta
-            hi = tl.maximum(x, y)
-            log_m = hi + tl.log(tl.exp(x - hi) + tl.exp(y - hi))
+            log_q = a - lse_s
+            log_p = b - lse_t
+            log_m = log_mixture(log_p, log_q, log_beta, log_1m_beta)
             p = tl.where(valid, tl.exp(log_p), 0.0)
             q = tl.where(valid, tl.exp(log_q), 0.0)
             kl_pm += tl.sum(p * (log_p - log_m), axis=0)
@@ -153,15 +122,9 @@ if HAS_TRITON:
             g_row = grad_ptr + row * stride_g
             scale = w * temp * (1.0 - beta)
             for start in range(0, n_cols, BLOCK_V):
-                cols = start + tl.arange(0, BLOCK_V)
-                valid = cols < n_cols
-                a = tl.load(s_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
-                b = tl.load(t_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+                cols, valid, a, b = scaled_block(s_row, t_row, start, n_cols, inv_temp, BLOCK_V)
                 log_q = a - lse_s
-                x = b - lse_t + log_beta
-                y = log_q + log_1m_beta
-                hi = tl.maximum(x, y)
-                log_m = hi + tl.log(tl.exp(x - hi) + tl.exp(y - hi))
+                log_m = log_mixture(b - lse_t, log_q, log_beta, log_1m_beta)
                 g = tl.exp(log_q) * (log_q - log_m - kl_qm) * scale
                 tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=valid)
 

@@ -53,22 +53,29 @@ if HAS_TRITON:
         e = tl.exp(x - new_m)
         return new_m, d * alpha + tl.sum(e, axis=0), alpha, e
 
+    @triton.jit
+    def row_starts(s_ptr, t_ptr, stride_s, stride_t):  # type: ignore[no-untyped-def]
+        """`(row, s_row, t_row)`: this program's row (int64) and its student and teacher rows."""
+        row = tl.program_id(0).to(tl.int64)
+        return row, s_ptr + row * stride_s, t_ptr + row * stride_t
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def scaled_block(s_row, t_row, start, n_cols, inv_temp, BLOCK_V: tl.constexpr):  # type: ignore[no-untyped-def]
+        """`(cols, valid, a, b)`: the block at `start` of both rows in fp32, times ``1/T``.
+
+        Padding lanes (``cols >= n_cols``) read 0 and are not `valid`.
+        """
+        cols = start + tl.arange(0, BLOCK_V)
+        valid = cols < n_cols
+        a = tl.load(s_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+        b = tl.load(t_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+        return cols, valid, a, b
+
     @triton.jit  # type: ignore[untyped-decorator]
     def _forward_kl_kernel(  # type: ignore[no-untyped-def]
-        s_ptr,
-        t_ptr,
-        w_ptr,
-        grad_ptr,
-        loss_ptr,
-        n_cols,
-        stride_s,
-        stride_t,
-        stride_g,
-        inv_temp,
-        temp,
-        HAS_GRAD: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-    ):
+        s_ptr, t_ptr, w_ptr, grad_ptr, loss_ptr, n_cols, stride_s, stride_t, stride_g, inv_temp,
+        temp, HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):  # fmt: skip
         """Row ``pid``: ``loss = T²·w·KL(softmax(t/T) || softmax(s/T))``, ``grad = w·T·(q - p)``.
 
         Sweep 1 keeps an online (max, Σexp) for ``a`` and ``b`` plus ``Σ exp(b - m_b)(b - a)``
@@ -78,19 +85,14 @@ if HAS_TRITON:
         max <= 0``, so ±1e4 logits cannot overflow; padding lanes read ``-inf`` (``exp`` gives 0)
         and 0 for ``b - a``, so they add nothing.
         """
-        row = tl.program_id(0).to(tl.int64)
-        s_row = s_ptr + row * stride_s
-        t_row = t_ptr + row * stride_t
+        row, s_row, t_row = row_starts(s_ptr, t_ptr, stride_s, stride_t)
         m_s = float("-inf")  # running max of a = s/T
         d_s = 0.0  # Σ exp(a - m_s)
         m_t = float("-inf")  # running max of b = t/T
         d_t = 0.0  # Σ exp(b - m_t)
         acc = 0.0  # Σ exp(b - m_t) · (b - a)
         for start in range(0, n_cols, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            valid = cols < n_cols
-            a = tl.load(s_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
-            b = tl.load(t_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+            cols, valid, a, b = scaled_block(s_row, t_row, start, n_cols, inv_temp, BLOCK_V)
             a_x = tl.where(valid, a, float("-inf"))
             b_x = tl.where(valid, b, float("-inf"))
             m_s, d_s, _, _ = online_lse(m_s, d_s, a_x)
@@ -106,10 +108,7 @@ if HAS_TRITON:
             g_row = grad_ptr + row * stride_g
             scale = w * temp
             for start in range(0, n_cols, BLOCK_V):
-                cols = start + tl.arange(0, BLOCK_V)
-                valid = cols < n_cols
-                a = tl.load(s_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
-                b = tl.load(t_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+                cols, valid, a, b = scaled_block(s_row, t_row, start, n_cols, inv_temp, BLOCK_V)
                 g = (tl.exp(a - lse_s) - tl.exp(b - lse_t)) * scale
                 tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=valid)
 
