@@ -81,13 +81,12 @@ if HAS_TRITON:
         The item's matrix, its rows `[r0, r1)`, and from the matrix's `geo` row (GEO int64
         each) its columns and the offset of its column factors: an apply kernel's prologue.
         """
-        pid = tl.program_id(0)
-        mat = tl.load(items + pid * 5)
-        r0 = tl.load(items + pid * 5 + 1)
-        r1 = tl.load(items + pid * 5 + 2)
-        m = tl.load(geo + mat * GEO + 1)
-        cf_off = tl.load(geo + mat * GEO + 2)
-        return mat, r0, r1, m, cf_off
+        item = items + tl.program_id(0) * 5
+        mat = tl.load(item)
+        r0 = tl.load(item + 1)
+        r1 = tl.load(item + 2)
+        row = geo + mat * GEO
+        return mat, r0, r1, tl.load(row + 1), tl.load(row + 2)
 
     @triton.jit
     def tile(rows, row_mask, cols, col_mask, m):  # type: ignore[no-untyped-def]
