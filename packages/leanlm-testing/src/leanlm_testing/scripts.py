@@ -8,6 +8,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+import pytest
 
 
 @contextlib.contextmanager
@@ -27,3 +30,18 @@ def loaded_script(path: Path, name: str) -> Iterator[ModuleType]:
         yield module
     finally:
         sys.modules.pop(name, None)
+
+
+def script_fixture(path: Path, name: str) -> Any:
+    """A module-scoped fixture of the script at `path` (`loaded_script`), named as assigned.
+
+    ``tool = script_fixture(ROOT / "tools" / "x.py", "x_under_test")`` in a test module gives
+    its tests a `tool` fixture.
+    """
+
+    @pytest.fixture(scope="module")
+    def _script() -> Iterator[ModuleType]:
+        with loaded_script(path, name) as module:
+            yield module
+
+    return _script
