@@ -4,16 +4,13 @@ from pathlib import Path
 
 import pytest
 
-from leanlm_testing.scripts import loaded_script
+from leanlm_testing.scripts import script_fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "check_imports.py"
 
 
-@pytest.fixture(scope="module")
-def tool():
-    with loaded_script(TOOL, "check_imports_under_test") as module:
-        yield module
+tool = script_fixture(TOOL, "check_imports_under_test")
 
 
 def make_package(root: Path, name: str, deps=(), test_group=()) -> Path:

@@ -9,16 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from leanlm_testing.scripts import loaded_script
+from leanlm_testing.scripts import script_fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "gpu_compile.py"
 
 
-@pytest.fixture(scope="module")
-def tool():
-    with loaded_script(TOOL, "gpu_compile_under_test") as module:
-        yield module
+tool = script_fixture(TOOL, "gpu_compile_under_test")
 
 
 def _record(**kw):

@@ -5,15 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from leanlm_testing.scripts import loaded_script
+from leanlm_testing.scripts import script_fixture
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "gen_results.py"
 
 
-@pytest.fixture(scope="module")
-def gen():
-    with loaded_script(TOOL, "gen_results_under_test") as module:  # tools/ is no package
-        yield module
+gen = script_fixture(TOOL, "gen_results_under_test")
 
 
 ALPHA = """\
