@@ -15,18 +15,14 @@ from pathlib import Path
 import pytest
 
 from leanlm_testing import roofline as R
-from leanlm_testing.scripts import loaded_script
+from leanlm_testing.scripts import script_fixture
 
 HERE = Path(__file__).resolve().parent
 DATA = json.loads((HERE / "data" / "h100_measured.json").read_text())
 BAND = (0.7, 1.4)  # predicted / measured
 
 
-@pytest.fixture(scope="module")
-def model():
-    path = HERE.parent / "benchmarks" / "roofline.py"
-    with loaded_script(path, "sparse_roofline_under_test") as module:
-        yield module
+model = script_fixture(HERE.parent / "benchmarks" / "roofline.py", "sparse_roofline_under_test")
 
 
 def _cases():
