@@ -24,6 +24,7 @@ from prune_distill.losses import (
     flatten_inputs,
     forward_kl,
     resolve_path,
+    student_chunks,
 )
 
 
@@ -41,23 +42,13 @@ def _teacher_logp(
 class _ChunkedDivergence(torch.autograd.Function):
     @staticmethod
     def forward(  # noqa: PLR0917 (autograd passes inputs positionally)
-        ctx: Any,
-        student: torch.Tensor,
-        teacher: Any,
-        weights: torch.Tensor,
-        temperature: float,
-        chunk_size: int,
-        kind: str,
-        beta: float,
-    ) -> torch.Tensor:
-        n, vocab = student.shape
+        ctx: Any, student: torch.Tensor, teacher: Any, weights: torch.Tensor, temperature: float,
+        chunk_size: int, kind: str, beta: float,
+    ) -> torch.Tensor:  # fmt: skip
         total = torch.zeros((), dtype=torch.float32, device=student.device)
         grad = torch.empty_like(student) if ctx.needs_input_grad[0] else None
-        for start in range(0, n, chunk_size):
-            rows = slice(start, min(start + chunk_size, n))
-            w = weights[rows].float()
-            log_q = F.log_softmax(student[rows].float() / temperature, dim=-1)
-            log_p = _teacher_logp(teacher, rows, temperature, vocab)
+        for rows, w, log_q in student_chunks(student, weights, temperature, chunk_size):
+            log_p = _teacher_logp(teacher, rows, temperature, student.shape[-1])
             div, grad_a = divergence_rows(kind, log_q, log_p, beta, need_grad=grad is not None)
             total += (div * w).sum()
             if grad is not None and grad_a is not None:  # d/ds = (1/T) d/da, times T²

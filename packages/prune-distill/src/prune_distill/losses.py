@@ -10,6 +10,7 @@ save only the gradient for backward, scaled in place, so their backward runs onc
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,21 +43,13 @@ def _kl_rows(
 class _ChunkedKL(torch.autograd.Function):
     @staticmethod
     def forward(  # noqa: PLR0917 (autograd passes inputs positionally)
-        ctx: Any,
-        student: torch.Tensor,
-        teacher: Any,
-        weights: torch.Tensor,
-        temperature: float,
+        ctx: Any, student: torch.Tensor, teacher: Any, weights: torch.Tensor, temperature: float,
         chunk_size: int,
-    ) -> torch.Tensor:
-        n = student.shape[0]
+    ) -> torch.Tensor:  # fmt: skip
         total = torch.zeros((), dtype=torch.float32, device=student.device)
         grad = torch.empty_like(student) if ctx.needs_input_grad[0] else None
         scale = temperature * temperature
-        for start in range(0, n, chunk_size):
-            rows = slice(start, min(start + chunk_size, n))
-            w = weights[rows].float()
-            logp_s = F.log_softmax(student[rows].float() / temperature, dim=-1)
+        for rows, w, logp_s in student_chunks(student, weights, temperature, chunk_size):
             logp_t, indices = _target_logprobs(teacher, rows, temperature)
             total += (_kl_rows(logp_s, logp_t, indices) * w).sum()
             if grad is not None:
@@ -95,6 +88,17 @@ class _FusedKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
         return consume_grad(ctx, grad_out), None, None, None
+
+
+def student_chunks(
+    student: torch.Tensor, weights: torch.Tensor, temperature: float, chunk_size: int
+) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """Per chunk of `chunk_size` rows: the rows, their fp32 weights and student log-probs at T."""
+    n = student.shape[0]
+    for start in range(0, n, chunk_size):
+        rows = slice(start, min(start + chunk_size, n))
+        w = weights[rows].float()
+        yield rows, w, F.log_softmax(student[rows].float() / temperature, dim=-1)
 
 
 def consume_grad(ctx: Any, grad_out: torch.Tensor) -> torch.Tensor | None:
