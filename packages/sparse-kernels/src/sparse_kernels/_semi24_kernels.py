@@ -49,14 +49,7 @@ if HAS_TRITON:
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _compress_kernel(  # type: ignore[no-untyped-def]
-        w_ptr,
-        v_ptr,
-        meta_ptr,
-        rows,
-        cols,
-        n_words,
-        BLOCK_R: tl.constexpr,
-        BLOCK_W: tl.constexpr,
+        w_ptr, v_ptr, meta_ptr, rows, cols, n_words, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr
     ):
         """values[r, 2g + j] = w[r, 4g + idx_j]; meta word = Σ_q code_q << 4q."""
         r, words, r_mask = _tile(rows, BLOCK_R, BLOCK_W)
@@ -95,14 +88,7 @@ if HAS_TRITON:
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _decompress_kernel(  # type: ignore[no-untyped-def]
-        v_ptr,
-        meta_ptr,
-        w_ptr,
-        rows,
-        cols,
-        n_words,
-        BLOCK_R: tl.constexpr,
-        BLOCK_W: tl.constexpr,
+        v_ptr, meta_ptr, w_ptr, rows, cols, n_words, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr
     ):
         """w[r, 4g + idx_j] = values[r, 2g + j]; zeros elsewhere."""
         r, words, r_mask = _tile(rows, BLOCK_R, BLOCK_W)
@@ -147,6 +133,14 @@ def _check_device(t: Tensor) -> None:
         raise ValueError(f"the Triton 2:4 kernels need CUDA or TRITON_INTERPRET=1 (got {t.device})")
 
 
+def _launch(kernel: Any, tensors: tuple[Tensor, ...], rows: int, cols: int, n_words: int) -> None:
+    """`kernel` over the (row, metadata word) tiles of a rows x cols matrix (none when empty)."""
+    if rows and cols:
+        grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(n_words, BLOCK_W))
+        kernel[grid](*tensors, rows, cols, n_words, BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W,
+                     num_warps=NUM_WARPS)  # fmt: skip
+
+
 def compress_24_triton(weight: Tensor) -> tuple[Tensor, Tensor]:
     """Row-major (values, meta) of a 2:4 `weight` (validated by the caller) with Triton."""
     _check_device(weight)
@@ -155,12 +149,7 @@ def compress_24_triton(weight: Tensor) -> tuple[Tensor, Tensor]:
     n_words = -(-cols // 16)
     values = torch.empty(rows, cols // 2, device=weight.device, dtype=weight.dtype)
     meta = torch.empty(rows, n_words, device=weight.device, dtype=torch.int16)
-    if rows and cols:
-        grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(n_words, BLOCK_W))
-        _compress_kernel[grid](
-            weight, values, meta, rows, cols, n_words,
-            BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W, num_warps=NUM_WARPS,
-        )  # fmt: skip
+    _launch(_compress_kernel, (weight, values, meta), rows, cols, n_words)
     return values, meta
 
 
@@ -172,10 +161,5 @@ def decompress_24_triton(values: Tensor, meta: Tensor, cols: int) -> Tensor:
     rows = values.shape[0]
     n_words = meta.shape[1]
     dense = torch.empty(rows, cols, device=values.device, dtype=values.dtype)
-    if rows and cols:
-        grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(n_words, BLOCK_W))
-        _decompress_kernel[grid](
-            values, meta, dense, rows, cols, n_words,
-            BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W, num_warps=NUM_WARPS,
-        )  # fmt: skip
+    _launch(_decompress_kernel, (values, meta, dense), rows, cols, n_words)
     return dense
