@@ -198,6 +198,25 @@ def test_torch_preset_matches_torch_optim(combo: str, shape_name: str, foreach: 
     )
 
 
+@pytest.mark.parametrize("combo", ["default", "weight_decay", "maximize"])
+def test_torch_preset_foreach_path_matches_torch_optim(combo: str, foreach_batches) -> None:
+    """Every shape (and a non-contiguous one) in one batch of the multi-tensor path (on CPU)."""
+    kw = dict(TORCH_COMBOS[combo])
+    maximize = kw.pop("maximize", False)
+    truth_kw = {**kw, "eps": (torch.finfo(torch.float32).eps, 1e-3)}
+    params = [p for name in SHAPE_NAMES if name != "scalar" for p in _params(name)]
+    run_against_float64(
+        lambda ps: torch.optim.Adafactor(ps, **kw, foreach=True, maximize=maximize),
+        lambda ps: Adafactor.from_torch_args(ps, **kw, maximize=maximize),
+        params,
+        make_truth=lambda ps: torch.optim.Adafactor(
+            ps, **truth_kw, foreach=True, maximize=maximize
+        ),
+        check_state=False,
+    )
+    assert foreach_batches == [len(params)] * STEPS
+
+
 def t2t_reference_step(p, g, state, *, scale_parameter, beta1, clip):
     """Tensor2Tensor's `_resource_apply_dense`, written from the paper / T2T equations.
 

@@ -94,7 +94,8 @@ class FactoredOptimizer(LosslessState):
     _kernels_module: ClassVar[str]
     #: Module of the multi-tensor fused step (`eligible`, `batch_key`, `step_batch`), or None.
     _multi_module: ClassVar[str | None] = None
-    #: Batch the fused steps of 2-D matrices into multi-tensor launches (False: per tensor).
+    #: Batch the fused steps of 2-D matrices into multi-tensor launches, and (`Adafactor`) the
+    #: PyTorch steps of torch semantics into `torch._foreach_*` ops (False: per tensor).
     multi_tensor: bool = True
 
     def __init__(
@@ -162,6 +163,15 @@ class FactoredOptimizer(LosslessState):
         for batch in batches.values():
             assert multi is not None
             multi.step_batch(self, batch, self._multi_cache)
+
+    def _batches_locally(self, w: Any) -> bool:
+        """Whether unsharded, unfused `w` waits for `_step_local_batch` (default: never)."""
+        return False
+
+    def _step_local_batch(self, works: list[Any]) -> None:
+        """Step the unsharded, unfused works that `_batches_locally` held back, together."""
+        for w in works:
+            self._step_local(w)
 
     def _fused_supported(self, p: Tensor, opts: Any) -> bool:
         """Whether the kernels implement this parameter's step (beyond dim/layout/dtype)."""
@@ -377,6 +387,7 @@ class FactoredOptimizer(LosslessState):
         self.last_step_collectives = 0
         sharded: list[StepWork] = []
         fused: list[StepWork] = []
+        batched: list[StepWork] = []
         index = 0
         for group in self.param_groups:
             opts = self._parse_group(group)
@@ -389,8 +400,12 @@ class FactoredOptimizer(LosslessState):
                     sharded.append(w)
                 elif w.fused and p.numel() > 0:
                     fused.append(w)
+                elif p.numel() > 0 and self._batches_locally(w):
+                    batched.append(w)
                 elif p.numel() > 0:
                     self._step_local(w)
+        if batched:
+            self._step_local_batch(batched)
         if fused:
             self._step_fused(fused)
         if sharded:

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from optim_adafactor import _torch_path
+from optim_adafactor import _foreach_path, _torch_path
 from optim_adafactor._options import GroupOptions, Semantics, parse_group
 from optim_adafactor._torch_path import Work
 from optim_adafactor.base import Backend, FactoredOptimizer, StepWork, stat_dtype
@@ -137,6 +137,20 @@ class Adafactor(FactoredOptimizer):
 
     def _fused_supported(self, p: Tensor, opts: GroupOptions) -> bool:
         return opts.semantics != "torch"
+
+    def _batches_locally(self, w: Work) -> bool:
+        """Torch semantics step unsharded tensors as `_foreach_path` batches (`multi_tensor`)."""
+        return self.multi_tensor and w.opts.semantics == "torch" and _foreach_path.wanted(w)
+
+    def _step_local_batch(self, works: list[Work]) -> None:
+        batches: dict[tuple[object, ...], list[Work]] = {}
+        for w in works:
+            batches.setdefault(_foreach_path.batch_key(w), []).append(w)
+        for batch in batches.values():
+            stepped, lr_ts = _foreach_path.step(batch)
+            for w, lr_t in zip(stepped, lr_ts, strict=True):
+                self._step_sizes[w.param] = lr_t
+                self._write_back(w)
 
     def _init_state(self, p: Tensor, state: dict[str, Any], opts: GroupOptions) -> None:
         kw: dict[str, Any] = {"dtype": stat_dtype(p), "device": p.device}

@@ -1,0 +1,120 @@
+"""The multi-tensor PyTorch step of torch semantics (`torch.optim.Adafactor`'s algorithm).
+
+`step` runs `_torch_path`'s four phases of an unsharded parameter over a batch of them at once,
+with the same operations in the same order (so on the CPU every result is bit for bit the
+per-tensor path's): element-wise ops as `torch._foreach_*` over the batch, the per-tensor
+scalars (RMS(p), Σu², the step sizes) as `torch._foreach_*` over lists of 0-dim tensors. On
+CUDA a list op is a few launches where its tensors allow (same shape at each index); one op per
+tensor stay the reductions over a dimension (row and column sums of g², the row-EMA sum),
+the broadcast ones (`r ⊗ c / max(mean(r), ε1)`) and `p += -scale·u` with a 0-dim `scale`.
+Unlike torch's `_multi_tensor_adafactor` nothing reads a value back to the host: the step sizes
+stay on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from optim_adafactor._torch_path import Work
+
+#: Whether CPU tensors take this path. No: on the CPU a list op is a loop over the tensors anyway,
+#: and the per-tensor path, whose ops on one tensor stay in cache and reuse one workspace, was
+#: faster (bench_adafactor.py, CPU, 1 thread, loaded: 154 ms per step against 188 ms). Tests set it.
+ON_CPU = False
+
+
+def wanted(w: Work) -> bool:
+    """Whether `w` (torch semantics, unsharded, not fused) takes this path (see `ON_CPU`)."""
+    return ON_CPU or w.grad.device.type != "cpu"
+
+
+def batch_key(w: Work) -> tuple[object, ...]:
+    """The works that `step` takes together: the same group options, step, device and dtype."""
+    return (id(w.opts), w.step, w.grad.device, w.grad.dtype, w.eps1)
+
+
+def step(works: list[Work]) -> tuple[list[Work], list[Tensor]]:
+    """One step of `works` (all of one `batch_key`, torch semantics, unsharded, not fused).
+
+    Updates `w.p32` and the state of every work; the caller writes bf16/fp16 parameters back.
+    Returns the works (reordered: factored first) and each one's step size
+    `lr_t = max(ε2, RMS(p)) · min(lr, 1/√t)`, a 0-dim tensor.
+    """
+    o, t, eps1 = works[0].opts, works[0].step, works[0].eps1
+    assert o.clip_threshold is not None
+    weight = 1.0 - o.beta2(t)
+    mats = [w for w in works if w.factored]
+    works = mats + [w for w in works if not w.factored]  # the order of `updates`
+    params = [w.p32 for w in works]
+    numels = [w.numel for w in works]
+    # phases 1-2, scalars: lr_t = clamp(sqrt(Σp² / N), ε2) · rho_t (before the weight decay)
+    lr_ts = list(torch._foreach_norm(params))
+    torch._foreach_mul_(lr_ts, lr_ts)
+    torch._foreach_div_(lr_ts, numels)
+    torch._foreach_sqrt_(lr_ts)
+    torch._foreach_clamp_min_(lr_ts, o.eps2)
+    torch._foreach_mul_(lr_ts, o.relative_step_size(t))
+    updates = _matrix_updates(mats, weight, eps1) + _vector_updates(
+        works[len(mats) :], weight, eps1
+    )
+    # phase 3: 1 / max(1, RMS(u) / d) · lr_t, negated to descend
+    scales = torch._foreach_norm(updates)
+    torch._foreach_mul_(scales, scales)
+    torch._foreach_div_(scales, numels)
+    torch._foreach_sqrt_(scales)
+    torch._foreach_div_(scales, o.clip_threshold)
+    torch._foreach_clamp_min_(scales, 1.0)
+    torch._foreach_reciprocal_(scales)
+    torch._foreach_mul_(scales, lr_ts)
+    if not o.maximize:  # `_torch_path.apply` adds -scale·u, scale negated once to maximize
+        torch._foreach_neg_(scales)
+    # phase 4: p *= 1 - lr·wd (torch's form), then p += -scale·u
+    if o.weight_decay != 0:
+        assert o.lr is not None
+        if isinstance(o.lr, Tensor):
+            torch._foreach_mul_(params, o.lr.mul(-o.weight_decay).add_(1.0))
+        else:
+            torch._foreach_mul_(params, 1.0 - o.lr * o.weight_decay)
+    torch._foreach_addcmul_(params, updates, scales)
+    return works, lr_ts
+
+
+def _matrix_updates(works: list[Work], weight: float, eps1: float) -> list[Tensor]:
+    """Row/column EMAs of mean g² lerped in; `u = g · rsqrt(clamp(r⊗c / max(mean r, ε1), ε1²))`."""
+    if not works:
+        return []
+    grads = [w.grad for w in works]
+    rows = [w.state["exp_avg_sq_row"] for w in works]
+    cols = [w.state["exp_avg_sq_col"] for w in works]
+    gsq = list(torch._foreach_mul(grads, grads))  # becomes u (the same shapes)
+    row_in = [x.sum(dim=-1) for x in gsq]
+    torch._foreach_div_(row_in, [g.shape[-1] for g in grads])
+    torch._foreach_lerp_(rows, row_in, weight)
+    col_in = [x.sum(dim=-2) for x in gsq]
+    torch._foreach_div_(col_in, [w.rows for w in works])
+    torch._foreach_lerp_(cols, col_in, weight)
+    norms = [r.sum(dim=-1) for r in rows]
+    torch._foreach_div_(norms, [w.rows for w in works])
+    torch._foreach_clamp_min_(norms, eps1)
+    for u, r, c, norm in zip(gsq, rows, cols, norms, strict=True):
+        torch.mul(r.unsqueeze(-1), c.unsqueeze(-2), out=u)
+        u.div_(norm.unsqueeze(-1).unsqueeze(-1))
+    torch._foreach_clamp_min_(gsq, eps1 * eps1)
+    torch._foreach_rsqrt_(gsq)
+    torch._foreach_mul_(gsq, grads)
+    return gsq
+
+
+def _vector_updates(works: list[Work], weight: float, eps1: float) -> list[Tensor]:
+    """The full second moment `v` lerped to g²; `u = g · rsqrt(clamp(v, ε1²))`."""
+    if not works:
+        return []
+    grads = [w.grad for w in works]
+    variances = [w.state["exp_avg_sq"] for w in works]
+    gsq = torch._foreach_mul(grads, grads)
+    torch._foreach_lerp_(variances, gsq, weight)
+    updates = list(torch._foreach_clamp_min(variances, eps1 * eps1))
+    torch._foreach_rsqrt_(updates)
+    torch._foreach_mul_(updates, grads)
+    return updates

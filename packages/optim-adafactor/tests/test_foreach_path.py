@@ -1,0 +1,58 @@
+"""The multi-tensor PyTorch step of torch semantics (`_foreach_path`) against the per-tensor one.
+
+On the CPU both run the same operations in the same order, so every parameter, state tensor and
+reported step size must be equal bit for bit (torch's own parity: test_parity.py).
+"""
+
+import pytest
+import torch
+
+from optim_adafactor import Adafactor, _foreach_path
+
+# odd, one row, one column, 3-D and 4-D (factored over the last two dims), a vector, a scalar
+SHAPES = [(13, 7), (1, 40), (40, 1), (3, 5, 7), (2, 3, 4, 5), (33,), (), (16, 16)]
+COMBOS = {
+    "default": {},
+    "weight_decay_maximize": {"weight_decay": 0.1, "maximize": True},
+    "tensor_lr_d": {"lr": torch.tensor(2e-3), "d": 1.5},
+    "eps": {"eps": (1e-20, 1e-2)},
+}
+
+
+def _run(multi: bool, dtype: torch.dtype, kw: dict) -> tuple[list[torch.Tensor], Adafactor]:
+    """20 steps over two groups (the second with its own lr), fresh seeded gradients."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+    groups = [{"params": params[:5]}, {"params": params[5:], "lr": 3e-3}]
+    opt = Adafactor.from_torch_args(groups, **kw)
+    opt.multi_tensor = multi
+    for _ in range(20):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("combo", list(COMBOS))
+def test_equals_per_tensor_path(combo: str, dtype: torch.dtype, foreach_batches) -> None:
+    ours, opt = _run(True, dtype, COMBOS[combo])
+    assert foreach_batches == [5, 3] * 20  # one batch per group and step
+    ref, ref_opt = _run(False, dtype, COMBOS[combo])
+    assert len(foreach_batches) == 40  # multi_tensor=False: the per-tensor path
+    for a, b in zip(ours, ref, strict=True):
+        assert torch.equal(a, b), tuple(a.shape)
+        assert opt.state[a].keys() == ref_opt.state[b].keys()
+        for key, value in ref_opt.state[b].items():
+            got = opt.state[a][key]
+            assert torch.equal(got, value) if key != "step" else got == value, (a.shape, key)
+    for group, ref_group in zip(opt.param_groups, ref_opt.param_groups, strict=True):
+        state, ref_state = opt.state[group["params"][0]], ref_opt.state[ref_group["params"][0]]
+        assert opt._get_lr(group, state) == ref_opt._get_lr(ref_group, ref_state)
+
+
+def test_cpu_tensors_take_the_per_tensor_path_by_default(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(_foreach_path, "step", calls.append)
+    _run(True, torch.float32, {})
+    assert calls == []
