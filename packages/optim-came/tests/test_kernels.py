@@ -21,15 +21,19 @@ def _as_3d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-2], t.shape[-1])
 
 
+def _random_3d(shape_name: str, dtype: torch.dtype):
+    """(device, an N(0, 1) (b, n, m) tensor of `SHAPES[shape_name]`, its shape, row blocks)."""
+    dev = device_or_skip(_kernels)
+    t3 = _as_3d(torch.randn(SHAPES[shape_name], device=dev).to(dtype))
+    return dev, t3, t3.shape, -(-t3.shape[1] // _kernels.BLOCK_N)
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("m_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 def test_momentum_kernel_matches_reference(shape_name, dtype, m_dtype) -> None:
-    dev = device_or_skip(_kernels)
-    g3 = _as_3d(torch.randn(SHAPES[shape_name], device=dev).to(dtype))
-    b, n, m = g3.shape
-    blocks = -(-n // _kernels.BLOCK_N)
+    dev, g3, (b, n, m), blocks = _random_3d(shape_name, dtype)
     mom = torch.randn(b, n, m, device=dev).to(m_dtype)
     rs, cf = torch.rand(b, n, device=dev) + 0.5, torch.rand(b, m, device=dev) + 0.5
     ref_m = mom.clone()
@@ -52,10 +56,7 @@ def test_momentum_kernel_matches_reference(shape_name, dtype, m_dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 def test_apply_kernel_matches_reference(shape_name, dtype, wd_lr) -> None:
-    dev = device_or_skip(_kernels)
-    p3 = _as_3d(torch.randn(SHAPES[shape_name], device=dev).to(dtype))
-    b, n, m = p3.shape
-    blocks = -(-n // _kernels.BLOCK_N)
+    dev, p3, (b, n, m), blocks = _random_3d(shape_name, dtype)
     mom = torch.randn(b, n, m, device=dev)
     rrs, cr = torch.randn(b, n, device=dev) * 1e-2, torch.rand(b, m, device=dev) + 0.5
     ref = p3.clone()
