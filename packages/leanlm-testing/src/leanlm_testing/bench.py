@@ -165,6 +165,13 @@ def header(
     return f"# {name}  " + ", ".join(f"{k} {v}" for k, v in env.items())
 
 
+def start(name: str) -> str:
+    """The default device ("cuda" when available, else "cpu"), after printing `header` for it."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(header(name, device))
+    return device
+
+
 def synchronizer(device: str | torch.device) -> Callable[[], None]:
     """A function that waits for `device`'s queued work (a no-op on CPU)."""
     dev = torch.device(device)

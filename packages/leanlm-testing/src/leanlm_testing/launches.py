@@ -115,3 +115,27 @@ def step_counts(
         with count_launches(modules, execute=device == "cuda") as seen:
             opt.step()
     return len(seen.launches), len(seen.ops)
+
+
+def path_counts(
+    optimizer: Callable[..., Any],
+    shapes: Sequence[tuple[int, ...]],
+    modules: Sequence[ModuleType],
+    path: str,
+    *,
+    gpu_tiles: Sequence[str],
+    plan: Callable[[], Sequence[object]],
+) -> tuple[int, int]:
+    """`step_counts` of `path`, with the multi-tensor path ("multi") counted as on a GPU.
+
+    Its torch ops are counted with the shipped GPU tiles of the modules named in `gpu_tiles`
+    (`kernels.shipped_launch_configs`: the host code depends on the tiles), and its launches
+    are those of `plan()` (the launch plan at full size, as the benchmark states it).
+    """
+    if path != "multi":
+        return step_counts(optimizer, shapes, modules, path)
+    from leanlm_testing.kernels import shipped_launch_configs
+
+    with shipped_launch_configs(gpu_tiles):
+        _, ops = step_counts(optimizer, shapes, modules, path)
+    return len(plan()), ops
