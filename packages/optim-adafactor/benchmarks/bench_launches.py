@@ -26,7 +26,7 @@ from bench_adafactor import Config
 
 from leanlm_testing import bench, roofline
 from leanlm_testing.kernels import shipped_launch_configs
-from leanlm_testing.launches import step_counts
+from leanlm_testing.launches import path_counts
 from optim_adafactor import (
     Adafactor,
     _kernels,
@@ -122,8 +122,7 @@ def traffic(
 
 
 def main() -> None:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(bench.header("bench_launches (optim-adafactor)", device))
+    device = bench.start("bench_launches (optim-adafactor)")
     print(
         "# bf16 parameters and gradients, fp32 state; counts: third step; "
         + ("full sizes" if device == "cuda" else "kernels recorded, not executed; dims <= 64")
@@ -139,12 +138,10 @@ def main() -> None:
             momentum, scale = "beta1" in kw, kw.get("scale_parameter", True) is not False
             floor = 2 + 2 * 2 + (8 if momentum else 0)  # read g, read/write p (and m)
             for path in ("torch", "per-tensor", "multi"):
-                if path == "multi":  # host ops at the GPU's tiles; launches at full size
-                    with shipped_launch_configs(GPU_TILES):
-                        _, ops = step_counts(partial(Adafactor, **kw), shape_list, MODULES, path)
-                    launches = len(plan(shape_list, kw))
-                else:
-                    launches, ops = step_counts(partial(Adafactor, **kw), shape_list, MODULES, path)
+                launches, ops = path_counts(
+                    partial(Adafactor, **kw), shape_list, MODULES, path, gpu_tiles=GPU_TILES,
+                    plan=partial(plan, shape_list, kw),
+                )  # fmt: skip
                 cells = ["-"] * 5
                 if path != "torch":
                     bpe, times = roofline.predict_on_gpus(
