@@ -24,7 +24,7 @@ from bench_came import Config
 
 from leanlm_testing import bench, roofline
 from leanlm_testing.kernels import shipped_launch_configs
-from leanlm_testing.launches import step_counts
+from leanlm_testing.launches import path_counts
 from optim_adafactor import _kernels as af_kernels
 from optim_adafactor import _multi_kernels as af_multi
 from optim_adafactor import _multi_stats_kernels as af_stats
@@ -95,8 +95,7 @@ def traffic(
 
 
 def main() -> None:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(bench.header("bench_launches (optim-came)", device))
+    device = bench.start("bench_launches (optim-came)")
     print(
         "# bf16 parameters and gradients, fp32 state; lr 1e-4, weight decay 0.01; counts: "
         "third step; "
@@ -111,12 +110,10 @@ def main() -> None:
     for model in MODELS:
         shape_list = shapes(model)
         for path in ("torch", "per-tensor", "multi"):
-            if path == "multi":  # host ops at the GPU's tiles; launches at full size
-                with shipped_launch_configs(GPU_TILES):
-                    _, ops = step_counts(OPTIMIZER, shape_list, MODULES, path)
-                launches = len(plan(shape_list))
-            else:
-                launches, ops = step_counts(OPTIMIZER, shape_list, MODULES, path)
+            launches, ops = path_counts(
+                OPTIMIZER, shape_list, MODULES, path, gpu_tiles=GPU_TILES,
+                plan=partial(plan, shape_list),
+            )  # fmt: skip
             cells = ["-"] * 4
             if path != "torch":
                 bpe, times = roofline.predict_on_gpus(
