@@ -56,3 +56,43 @@ def test_cpu_tensors_take_the_per_tensor_path_by_default(monkeypatch) -> None:
     monkeypatch.setattr(_foreach_path, "step", calls.append)
     _run(True, torch.float32, {})
     assert calls == []
+
+
+def _cuda_pair(shapes, **kw) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Adafactor]]:
+    """Two copies of seeded CUDA params under `from_torch_args(**kw)`: batched, per tensor."""
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    batched = [torch.nn.Parameter(t.cuda()) for t in init]
+    per_tensor = [torch.nn.Parameter(t.cuda()) for t in init]
+    opts = [Adafactor.from_torch_args(ps, **kw) for ps in (batched, per_tensor)]
+    opts[1].multi_tensor = False
+    return batched, per_tensor, opts
+
+
+@pytest.mark.gpu
+def test_cuda_batched_step_matches_per_tensor_path() -> None:
+    """On CUDA the list ops round as the per-tensor ones up to fp32 reduction order."""
+    shapes = [(4096, 1024), (1024, 4096), (8, 1000, 24), (32000, 512), (4096,), (7, 13)]
+    batched, per_tensor, opts = _cuda_pair(shapes, lr=5e-3, weight_decay=0.1)
+    for _ in range(5):
+        for a, b in zip(batched, per_tensor, strict=True):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        for opt in opts:
+            opt.step()
+    for a, b in zip(batched, per_tensor, strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), tuple(a.shape)
+
+
+@pytest.mark.gpu
+def test_cuda_batched_step_makes_no_host_sync() -> None:
+    batched, _, (opt, _) = _cuda_pair([(512, 384), (384,), (3, 64, 32)], weight_decay=0.1)
+    for p in batched:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
