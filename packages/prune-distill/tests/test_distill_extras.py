@@ -106,30 +106,28 @@ def test_projection_is_trained_with_the_student(make, data):
     assert proj.weight.grad is None  # gradients cleared at the end
 
 
-def test_seeded_projection_does_not_depend_on_the_global_rng():
-    def projection(global_seed: int, seed: int | None) -> torch.Tensor:
-        torch.manual_seed(global_seed)
-        loss = HiddenStateLoss(
-            {0: 0},
-            student_layers=1,
-            teacher_layers=1,
-            student_hidden_size=48,
-            teacher_hidden_size=64,
-            seed=seed,
-        )
-        assert loss.projection is not None
-        return loss.projection.weight.detach().clone()
-
-    torch.manual_seed(11)
-    rng = torch.get_rng_state()
-    a = HiddenStateLoss(
+def _projected_loss(seed: int | None) -> HiddenStateLoss:
+    """One layer pair, student width 48 projected to the teacher's 64 (seeded with `seed`)."""
+    return HiddenStateLoss(
         {0: 0},
         student_layers=1,
         teacher_layers=1,
         student_hidden_size=48,
         teacher_hidden_size=64,
-        seed=3,
-    ).projection
+        seed=seed,
+    )
+
+
+def test_seeded_projection_does_not_depend_on_the_global_rng():
+    def projection(global_seed: int, seed: int | None) -> torch.Tensor:
+        torch.manual_seed(global_seed)
+        loss = _projected_loss(seed)
+        assert loss.projection is not None
+        return loss.projection.weight.detach().clone()
+
+    torch.manual_seed(11)
+    rng = torch.get_rng_state()
+    a = _projected_loss(3).projection
     assert torch.equal(torch.get_rng_state(), rng)  # the global RNG neither read nor advanced
     assert a is not None
     assert torch.equal(projection(0, 3), a.weight)
