@@ -36,13 +36,8 @@ def smoke() -> RunConfig:
         stages=ALL_STAGES,
         data=DataConfig(max_bytes=1_500_000, seq_len=128, eval_windows=32),
         tokenizer=TokenizerConfig(vocab_size=2048),
-        model=ModelConfig(
-            hidden_size=64,
-            intermediate_size=172,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
+        model=ModelConfig(  # 4 query and 2 KV heads (the defaults)
+            hidden_size=64, intermediate_size=172, num_hidden_layers=2, max_position_embeddings=256
         ),
         pretrain=PretrainConfig(
             steps=200, lr=3e-3, warmup_steps=20, eval_every=50, checkpoint_every=50, **train
@@ -77,14 +72,7 @@ def default() -> RunConfig:
         # fp32: on CPU, bf16 autocast is much slower per step than fp32
         data=DataConfig(seq_len=256, eval_windows=64),
         tokenizer=TokenizerConfig(vocab_size=8192),
-        model=ModelConfig(
-            hidden_size=256,
-            intermediate_size=688,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=1024,
-        ),
+        model=ModelConfig(),  # the defaults: 4 layers of width 256, 4 query and 2 KV heads
         pretrain=PretrainConfig(
             steps=DEFAULT_STEPS["pretrain"],
             lr=2e-3,
