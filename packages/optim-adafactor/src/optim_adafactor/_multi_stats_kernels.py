@@ -59,21 +59,27 @@ if HAS_TRITON:
             g_ptr = tl.multiple_of(g_ptr, 16)
             p_ptr = tl.multiple_of(p_ptr, 16)
         m_f = m.to(tl.float32)
+        # Sums accumulate elementwise in [SUB, BLOCK_M] fp32 registers and are reduced once,
+        # after their loop: a `tl.sum` per tile is shuffles, and across warps shared-memory
+        # stores, loads and barriers on every iteration (the L1-bound profile of issue 23).
+        # The order is fixed (each lane sums its tiles in order, then one reduction tree):
+        # deterministic, though not the same rounding as summing tile by tile.
         acc_r = tl.zeros([SUB], dtype=tl.float32)
-        acc_p = tl.zeros([SUB], dtype=tl.float32)
+        acc_p = tl.zeros([SUB, BLOCK_M], dtype=tl.float32)
         for s in range(r0, r1, SUB):  # sweep 1: row sums, whole rows (g from DRAM)
             rows, row_mask = span(s, r1, SUB)
-            rsum = tl.zeros([SUB], dtype=tl.float32)
+            racc = tl.zeros([SUB, BLOCK_M], dtype=tl.float32)
             for c0 in tl.range(0, m, BLOCK_M, num_stages=STAGES):
                 cols, col_mask = span(c0, m, BLOCK_M)
                 mask, offs = tile(rows, row_mask, cols, col_mask, m)
                 g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
                 g = g.to(tl.float32)  # upcast first
-                rsum += tl.sum(g * g, axis=1)
+                racc += g * g
                 if HAS_P:
                     p = tl.load(p_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
                     p = p.to(tl.float32)
-                    acc_p += tl.sum(p * p, axis=1)
+                    acc_p += p * p
+            rsum = tl.sum(racc, axis=1)
             r_old = tl.load(row_ptr + rows, mask=row_mask, other=1.0)
             r_new = beta2 * r_old + (1.0 - beta2) * (rsum / m_f + eps1)
             tl.store(row_ptr + rows, r_new, mask=row_mask)
@@ -81,21 +87,21 @@ if HAS_TRITON:
         tl.debug_barrier()  # sweep 2 reads r back, maybe from other threads
         for c0 in range(0, m, BLOCK_M):  # sweep 2: column partials, written once per item
             cols, col_mask = span(c0, m, BLOCK_M)
-            cpart = tl.zeros([BLOCK_M], dtype=tl.float32)
-            wsum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            cacc = tl.zeros([SUB, BLOCK_M], dtype=tl.float32)
+            wacc = tl.zeros([SUB, BLOCK_M], dtype=tl.float32)
             for s in tl.range(r0, r1, SUB, num_stages=STAGES):
                 rows, row_mask = span(s, r1, SUB)
                 inv_r = 1.0 / tl.load(row_ptr + rows, mask=row_mask, other=1.0)
                 mask, offs = tile(rows, row_mask, cols, col_mask, m)
                 g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
                 g2 = g.to(tl.float32) * g.to(tl.float32)
-                cpart += tl.sum(g2, axis=0)
-                wsum += tl.sum(g2 * inv_r[:, None], axis=0)
-            tl.store(colpart + poff + cols, cpart, mask=col_mask)
-            tl.store(wpart + poff + cols, wsum, mask=col_mask)
+                cacc += g2
+                wacc += g2 * inv_r[:, None]
+            tl.store(colpart + poff + cols, tl.sum(cacc, axis=0), mask=col_mask)
+            tl.store(wpart + poff + cols, tl.sum(wacc, axis=0), mask=col_mask)
         tl.store(rpart + pid, tl.sum(acc_r, axis=0))
         if HAS_P:
-            tl.store(ppart + pid, tl.sum(acc_p, axis=0))
+            tl.store(ppart + pid, tl.sum(tl.sum(acc_p, axis=1), axis=0))
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _mt_cols_kernel(  # type: ignore[no-untyped-def]

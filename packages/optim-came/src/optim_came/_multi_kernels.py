@@ -69,7 +69,9 @@ if HAS_TRITON:
         """`d = m - g·rs_i·cf_j`, `m ← m - (1-β1)·d`; instability row EMA and column partials.
 
         One row item per program, column tile by column tile (m is read and written once):
-        the column partials of d² stay in registers and are written once per item; each row
+        the column partials of d² accumulate elementwise in [SUB, BLOCK_M] registers over the
+        row loop and are reduced over rows once per column tile, after it (a reduction per
+        row block crosses warps through shared memory), and written once per item; each row
         block's sum over a tile goes to `rowpart` (one float per row and tile), and after the
         sweep the row EMA `R = β3 R + (1-β3)(β1² mean_j d² + ε2)` (in place) sums them in tile
         order. `rs_i = clip / √(r_i / mean(r))` (scal[mat] = (mean(r), clip)); the column
@@ -101,7 +103,7 @@ if HAS_TRITON:
         for c0 in range(0, m, BLOCK_M):
             cols, col_mask = span(c0, m, BLOCK_M)
             cf = tl.load(cfbuf + cf_off + cols, mask=col_mask, other=0.0)
-            cpart = tl.zeros([BLOCK_M], dtype=tl.float32)
+            cacc = tl.zeros([SUB, BLOCK_M], dtype=tl.float32)  # reduced once, after the loop
             for s in tl.range(r0, r1, SUB, num_stages=STAGES):
                 rows, row_mask = span(s, r1, SUB)
                 rs = clip / tl.sqrt(tl.load(row_ptr + rows, mask=row_mask, other=1.0) / mean_r)
@@ -120,10 +122,10 @@ if HAS_TRITON:
                 else:
                     tl.store(m_ptr + offs, mom.to(m_ptr.dtype.element_ty), mask=mask)
                 d2 = d * d  # masked lanes: g = m = 0, so d = 0
-                cpart += tl.sum(d2, axis=0)
+                cacc += d2
                 tl.store(rowpart + roff + (rows - r0) * tiles + c0 // BLOCK_M,
                          tl.sum(d2, axis=1), mask=row_mask)  # fmt: skip
-            tl.store(colpart + poff + cols, cpart, mask=col_mask)
+            tl.store(colpart + poff + cols, tl.sum(cacc, axis=0), mask=col_mask)
         tl.debug_barrier()  # the row partials are read back, maybe by other threads
         row_coef = beta1 * beta1 / m.to(tl.float32)
         acc_r = tl.zeros([SUB], dtype=tl.float32)
@@ -197,7 +199,7 @@ if HAS_TRITON:
         for dtype in (torch.bfloat16, torch.float16, f32):
             for aligned in (True, False):
                 sub, bm, warps = launch_config(aligned, stats=True)
-                opts = {"num_warps": warps}
+                opts: dict[str, Any] = {"num_warps": warps}
                 tile = {"ALIGNED": aligned, "SUB": sub, "BLOCK_M": bm, "STAGES": mt.stages(aligned)}
                 for naddr in (NADDR, NADDR + 1):
                     args = {"addr": i64, "geo": i64, "gaddr": i64, "items": i64, "colpart": f32,
@@ -219,8 +221,9 @@ if HAS_TRITON:
                             "eps2": 1e-16, "BLOCK_T": BLOCK_T, **tile, "SUB": q_sub,
                             "BLOCK_M": q_bm, "seed_base": 12345 if quant else 0,
                             "NADDR": NADDR + quant, "QUANT": quant, "QSR": qsr}  # fmt: skip
-                    launches.append({"kernel": _mt_momentum_kernel, "args": args,
-                                     "options": {"num_warps": q_warps}})  # fmt: skip
+                    cap = momentum_maxnreg(dtype, m_dtype, aligned=aligned)
+                    opts = {"num_warps": q_warps, "maxnreg": cap}
+                    launches.append({"kernel": _mt_momentum_kernel, "args": args, "options": opts})
                 for m_dtype in (f32, torch.bfloat16, i8):
                     quant = m_dtype == i8
                     a_sub, a_bm, a_warps = quant_tile(*launch_config(aligned), quant=quant)
@@ -245,6 +248,22 @@ if HAS_TRITON:
 def quant_tile(sub: int, bm: int, warps: int, *, quant: bool) -> tuple[int, int, int]:
     """(SUB, BLOCK_M, num_warps) of a launch; int8 `exp_avg`: 8 x 128 on 4 warps (whole blocks)."""
     return (8, 128, 4) if quant and bm != 256 else (sub, bm, warps)
+
+
+def momentum_maxnreg(g_dtype: torch.dtype, m_dtype: torch.dtype, *, aligned: bool) -> int | None:
+    """Register cap (`maxnreg`) of a `_mt_momentum_kernel` launch; None: ptxas's own choice.
+
+    With the column sums in [SUB, BLOCK_M] accumulators, ptxas's own choice spills on sm_90
+    (tools/gpu_compile.py, triton 3.7.1's ptxas) in two configurations: 16-bit g with fp32 m
+    on aligned rows (96 registers, 24 bytes spilled) and int8 m on unaligned rows (168, 48
+    bytes). A cap makes ptxas use more registers instead: 112 (108-110 used, the occupancy of
+    the kernel before the change) and 216. Every other configuration keeps ptxas's choice.
+    """
+    if m_dtype == torch.int8:
+        return None if aligned else 216
+    if aligned and m_dtype == torch.float32 and g_dtype != torch.float32:
+        return 112
+    return None
 
 
 def fuse_vector(p: Tensor) -> bool:
@@ -327,6 +346,7 @@ def step_batch(opt: CAME, works: list[Work], cache: dict[tuple[object, ...], Any
                 ALIGNED=is_aligned, SUB=m_sub, BLOCK_M=m_bm, BLOCK_T=BLOCK_T,
                 STAGES=mt.stages(is_aligned), seed_base=seed_base, NADDR=naddr, QUANT=quant,
                 QSR=quant and o.stochastic_rounding, num_warps=m_warps,
+                maxnreg=momentum_maxnreg(g0.dtype, m0.dtype, aligned=is_aligned),
             )  # fmt: skip
         mt.launch_cols(tables, group, beta2=o.beta3, eps1=o.eps2, col_mult=o.beta1 * o.beta1,
                        cf_scale=corr3, naddr=naddr, col=RES_COL, has_w=False)  # fmt: skip
