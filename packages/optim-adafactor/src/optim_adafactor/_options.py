@@ -13,7 +13,13 @@ from typing import Any, Literal, get_args
 
 from torch import Tensor
 
-from optim_adafactor.checks import Scalar, check_bool, check_lr, check_number
+from optim_adafactor.checks import (
+    Scalar,
+    check_bool,
+    check_lr,
+    check_non_negative,
+    check_number,
+)
 
 Semantics = Literal["hf", "t2t", "torch"]
 SEMANTICS: tuple[str, ...] = get_args(Semantics)
@@ -122,9 +128,7 @@ def parse_group(group: Mapping[str, Any], *, first: bool = False) -> GroupOption
         if not 0.0 <= beta1 < 1.0:
             raise ValueError(f"`beta1` ({beta1}) must be in [0, 1), or None for no momentum")
 
-    weight_decay = check_number("weight_decay", group["weight_decay"])
-    if weight_decay < 0:
-        raise ValueError(f"`weight_decay` ({weight_decay}) must be >= 0")
+    weight_decay = check_non_negative("weight_decay", group["weight_decay"])
 
     lr = group["lr"]
     if lr is not None:

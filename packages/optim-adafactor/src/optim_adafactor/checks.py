@@ -30,6 +30,14 @@ def check_number(name: str, value: object) -> float:
     return number
 
 
+def check_non_negative(name: str, value: object) -> float:
+    """`check_number(name, value)`, and a `ValueError` naming `name` if it is negative."""
+    number = check_number(name, value)
+    if number < 0:
+        raise ValueError(f"`{name}` ({number}) must be >= 0")
+    return number
+
+
 def check_lr(value: object, *, check_value: bool) -> Scalar:
     """A learning rate: a non-negative real number or a one-element floating-point tensor.
 
