@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-from optim_adafactor.checks import Scalar, check_bool, check_lr, check_number
+from optim_adafactor.checks import (
+    Scalar,
+    check_bool,
+    check_lr,
+    check_non_negative,
+    check_number,
+)
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
@@ -85,13 +91,8 @@ def parse_group(group: Mapping[str, Any], *, first: bool = False) -> GroupOption
             raise ValueError(f"`betas[{i}]` ({b}) must be in [0, 1)")
         checked.append(b)
 
-    weight_decay = check_number("weight_decay", group["weight_decay"])
-    if weight_decay < 0:
-        raise ValueError(f"`weight_decay` ({weight_decay}) must be >= 0")
-
-    instability_init = check_number("instability_init", group["instability_init"])
-    if instability_init < 0:
-        raise ValueError(f"`instability_init` ({instability_init}) must be >= 0")
+    weight_decay = check_non_negative("weight_decay", group["weight_decay"])
+    instability_init = check_non_negative("instability_init", group["instability_init"])
 
     state_dtype = group["state_dtype"]
     if state_dtype not in STATE_DTYPES:
