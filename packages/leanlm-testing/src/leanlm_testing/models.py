@@ -41,6 +41,20 @@ def llama3_8b_config(layers: int = 32) -> Any:
     )
 
 
+def tinyllama_1b_config() -> Any:
+    """The TinyLlama-1.1B shapes (no weights; `LlamaConfig`'s other defaults): 22 layers of 2048."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+    )
+
+
 def tiny_llama(seed: int = 0, **overrides: Any) -> Any:
     """A freshly initialised `LlamaForCausalLM` from `tiny_llama_config(**overrides)`."""
     from transformers import LlamaForCausalLM
