@@ -40,27 +40,17 @@ GiB = 2**30
 
 
 def _model(device: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from leanlm_testing.models import tiny_llama_config, tinyllama_1b_config
 
     if device == "cuda":
-        cfg = LlamaConfig(
-            hidden_size=2048,
-            intermediate_size=5632,
-            num_hidden_layers=22,
-            num_attention_heads=32,
-            num_key_value_heads=4,
-            vocab_size=32000,
-        )
-        shape = (4, 1024)
-    else:
-        cfg = LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=512,
-        )
+        cfg, shape = tinyllama_1b_config(), (4, 1024)
+    else:  # untied, LlamaConfig's 2048 positions: as the 1.1B shape
+        cfg = tiny_llama_config(
+            vocab_size=512, intermediate_size=128, max_position_embeddings=2048,
+            tie_word_embeddings=False,
+        )  # fmt: skip
         shape = (2, 32)
     torch.manual_seed(0)
     with torch.device(device):
