@@ -6,7 +6,8 @@ What runs where: on this CPU machine the kernels themselves run through the Trit
 outside the tensor, as TMA does), at odd shapes and at the tiles they ship with (forward/dX:
 256 tokens x 64 or 128 features, BK 64 / 32; dW: 64 / 32-token steps). The interpreter says
 nothing about TMA, wgmma or pipelining on a GPU: that is compile evidence
-(integration_tests/test_gpu_compile.py) and the `gpu` tests below, which have not run yet.
+(integration_tests/test_gpu_compile.py) and the `gpu` tests below (the real-size ones passed
+on an H100 at f823ada; the no-host-sync one is newer and has not run yet).
 Tolerances as test_block_sparse.py: vs the fp32 dense product of the same inputs, fp32
 (1e-4, 1e-5) for sums of up to 2 · block products (dW: 4x atol, sums over all tokens), bf16
 (1e-2, 1.6e-2).
@@ -20,6 +21,7 @@ from sparse_kernels import BlockSparseLinear
 from sparse_kernels import _bsr_hopper as H
 from sparse_kernels import _bsr_hopper_dw as HW
 from sparse_kernels import _bsr_kernels as K
+from sparse_kernels import _bsr_plan as P
 from sparse_kernels import _bsr_torch as T
 from sparse_kernels.layout import BlockLayout, dense_to_blocks
 
@@ -71,7 +73,7 @@ def test_sm90_kernel_matches_dense_reference_at_shipped_tiles(name, dtype):
     ref = T.dsdt_dense_reference(dy, values, layout)
     assert_verbose_allclose(dx, ref, atol=atol, rtol=rtol, name="dX")
     ref = T.sdd_dense_reference(dy, x, layout)
-    starts = HW.pair_starts(layout.row_ptr)
+    starts = P.pair_starts(layout.row_ptr)
     assert (starts[1:] - starts[:-1]).tolist().count(1) >= 1 or name == "pow2"  # a lone tile
     for splits in (1, 3):  # dvalues written directly; fp32 partials summed in split order
         dv = HW.sdd_sm90(dy, x, layout, values, splits=splits, programs=3)
@@ -123,9 +125,9 @@ def test_sm90_kernel_runs_the_longest_first_persistent_schedule(programs):
 
 def test_dw_pairs_are_consecutive_tiles_of_one_block_row():
     # rows of 3, 0, 2 and 1 tiles: pairs {0, 1} {2} | {3, 4} | {5}
-    starts = HW.pair_starts(torch.tensor([0, 3, 3, 5, 6], dtype=torch.int32))
+    starts = P.pair_starts(torch.tensor([0, 3, 3, 5, 6], dtype=torch.int32))
     assert starts.tolist() == [0, 2, 3, 5, 6]
-    assert HW.pair_starts(torch.zeros(3, dtype=torch.int32)).tolist() == [0]
+    assert P.pair_starts(torch.zeros(3, dtype=torch.int32)).tolist() == [0]
 
 
 def test_schedule_orders_blocks_longest_first_and_strides_over_programs():
@@ -134,19 +136,28 @@ def test_schedule_orders_blocks_longest_first_and_strides_over_programs():
 
 
 def test_use_sm90_selection_and_forcing(monkeypatch):
-    cpu = torch.device("cpu")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.delenv(H.ENV, raising=False)
-    assert not H.use_sm90(cpu, 64, torch.bfloat16)  # auto: only on an sm_90 CUDA device
+    assert not H.use_sm90(cpu, 64, torch.bfloat16, 4096)  # auto: only on an sm_90 CUDA device
     monkeypatch.setenv(H.ENV, "0")
-    assert not H.use_sm90(cpu, 64, torch.bfloat16)
-    monkeypatch.setenv(H.ENV, "1")
-    assert H.use_sm90(cpu, 128, torch.float32) == K.HAS_TRITON
+    assert not H.use_sm90(cpu, 64, torch.bfloat16, 4096)
+    monkeypatch.setenv(H.ENV, "1")  # forced: any token count, also 1
+    assert H.use_sm90(cpu, 128, torch.float32, 1) == K.HAS_TRITON
     if K.HAS_TRITON:
         with pytest.raises(ValueError, match="needs `block_size` in"):
-            H.use_sm90(cpu, 32, torch.float32)
+            H.use_sm90(cpu, 32, torch.float32, 4096)
     monkeypatch.setenv(H.ENV, "yes")
     with pytest.raises(ValueError, match="must be 'auto', '0' or '1'"):
-        H.use_sm90(cpu, 64, torch.float32)
+        H.use_sm90(cpu, 64, torch.float32, 4096)
+    # auto on an sm_90 device (capability faked): from one full token tile on, else sm_80
+    monkeypatch.setenv(H.ENV, "auto")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert H.sm90_config(128, torch.bfloat16)["BLOCK_M"] == H.SM90_MIN_TOKENS
+    assert H.use_sm90(cuda, 128, torch.bfloat16, H.SM90_MIN_TOKENS) == K.HAS_TRITON
+    assert not H.use_sm90(cuda, 128, torch.bfloat16, H.SM90_MIN_TOKENS - 1)
+    assert not H.use_sm90(cuda, 32, torch.bfloat16, 4096)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not H.use_sm90(cuda, 128, torch.bfloat16, 4096)
     with pytest.raises(ValueError, match="must be in"):
         H.sm90_config(32, torch.bfloat16)
 
@@ -204,3 +215,95 @@ def test_sm90_kernel_real_sizes_gpu(tokens, block, dtype, gpu_case):
     ref = T.sdd_dense_reference(dy, x, layout)
     assert_verbose_allclose(HW.sdd_sm90(dy, x, layout, values), ref, atol=atol * 8, rtol=rtol,
                             name="dW tiles")  # fmt: skip
+
+
+def _spy_plan_builds(monkeypatch):
+    builds = []
+    real = P.build_sm90_plan
+
+    def spy(layout):
+        builds.append(layout)
+        return real(layout)
+
+    monkeypatch.setattr(P, "build_sm90_plan", spy)
+    return builds
+
+
+@pytest.mark.interpreter
+def test_sm90_plan_is_built_once_per_layout_and_again_after_a_mask_update(monkeypatch):
+    """Two fwd+bwd calls build the launch plan (orders, dW pairs) once; loading another mask
+    of the same tile count in place rebuilds it, and the results follow the new mask (a stale
+    pair table would give wrong dW tiles: the rows' tile counts differ between the masks)."""
+    _skip_without_kernel()
+    builds = _spy_plan_builds(monkeypatch)
+    monkeypatch.setenv(H.ENV, "1")
+    mask_a = torch.tensor([[1, 1, 1], [0, 0, 1], [1, 0, 0]], dtype=torch.bool)  # rows 3, 1, 1
+    mask_b = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=torch.bool)  # rows 1, 2, 2
+    layer, other = (BlockSparseLinear(150, 140, block_mask=m, block_size=64, backend="triton")
+                    for m in (mask_a, mask_b))  # fmt: skip
+    ref_b = BlockSparseLinear(150, 140, block_mask=mask_b, block_size=64, backend="torch")
+    x = torch.randn(5, 150)
+
+    def run(module):
+        xi = x.clone().requires_grad_()
+        y = module(xi)
+        grads = torch.autograd.grad(y.square().sum(), (xi, module.values))
+        return y, *grads
+
+    run(layer)
+    run(layer)
+    assert len(builds) == 1
+    assert layer.layout is layer.layout
+    layer.load_state_dict(other.state_dict())  # a sparsity schedule's mask update, in place
+    ref_b.load_state_dict(other.state_dict())
+    got, ref = run(layer), run(ref_b)
+    assert len(builds) == 2
+    for name, g, r in zip(("y", "dX", "dW"), got, ref, strict=True):
+        assert_verbose_allclose(g, r, atol=1e-3, rtol=1e-5, name=name)
+    layer.col_idx = layer.col_idx.clone()  # buffers replaced: a new layout object, a new plan
+    run(layer)
+    assert len(builds) == 3
+
+
+def test_plan_cache_sees_in_place_index_changes(monkeypatch):
+    builds = _spy_plan_builds(monkeypatch)
+    mask = torch.tensor([[1, 1], [0, 1]], dtype=torch.bool)
+    layout = BlockLayout.from_block_mask(mask, out_features=128, in_features=128, block_size=64)
+    plan = P.sm90_plan(layout)
+    assert P.sm90_plan(layout) is plan
+    assert len(builds) == 1
+    assert plan.row_order.tolist() == [0, 1]
+    assert plan.col_order.tolist() == [1, 0]
+    assert plan.pair_starts.tolist() == [0, 2, 3]
+    assert plan.n_pairs == 2
+    new = BlockLayout.from_block_mask(~mask | mask.T, out_features=128, in_features=128,
+                                      block_size=64)  # fmt: skip  # rows 1, 2: same nnzb
+    for name in ("row_ptr", "col_idx", "row_idx", "col_ptr", "t_perm"):
+        getattr(layout, name).copy_(getattr(new, name))
+    plan = P.sm90_plan(layout)
+    assert len(builds) == 2
+    assert plan.row_order.tolist() == [1, 0]
+    assert plan.pair_starts.tolist() == [0, 1, 3]
+
+
+@pytest.mark.gpu
+def test_sm90_steady_state_call_has_no_host_sync_gpu(monkeypatch):
+    """After the first call (which builds the plan), forward + dX + dW issue no device -> host
+    synchronization: torch's sync debug mode raises on any."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    monkeypatch.setenv(H.ENV, "1")
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.rand(32, 32, generator=gen) < 0.5
+    layer = BlockSparseLinear(4096, 4096, block_mask=mask, block_size=128, backend="triton",
+                              device="cuda", dtype=torch.bfloat16)  # fmt: skip
+    x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.autograd.grad(layer(x), (x, layer.values, layer.bias), dy)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.autograd.grad(layer(x), (x, layer.values, layer.bias), dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

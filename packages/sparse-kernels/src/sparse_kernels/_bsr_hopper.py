@@ -20,12 +20,19 @@ from torch import Tensor
 
 from sparse_kernels._bsr_kernels import _check
 from sparse_kernels._bsr_launch import aligned, dot_precision, sm_count
+from sparse_kernels._bsr_plan import sm90_plan
 from sparse_kernels._triton import HAS_TRITON, INTERPRET
 from sparse_kernels.layout import BlockLayout
 
 SM90_BLOCK_SIZES = (64, 128)
 """Tile edges the Hopper kernel takes (16/32 stay on the sm_80 kernels)."""
 ENV = "SPARSE_KERNELS_SM90"
+SM90_MIN_TOKENS = 256
+"""Fewest tokens for which "auto" picks the Hopper kernels: one full token tile (`BLOCK_M`).
+
+Fewer tokens fill part of the one 256-row tile (the rest is zero-filled work) and give the
+persistent grid one item per output block; at 1 token the sm_80 path ran 2.1-9.9x faster on an
+H100 (benchmarks/RESULTS.md). Counts between 1 and 4096 tokens have not been measured."""
 
 
 def sm90_config(block_size: int, dtype: torch.dtype) -> dict[str, int]:
@@ -42,12 +49,13 @@ def sm90_config(block_size: int, dtype: torch.dtype) -> dict[str, int]:
             "num_stages": 3 if wide else 4}  # fmt: skip
 
 
-def use_sm90(device: torch.device, block_size: int, dtype: torch.dtype) -> bool:
+def use_sm90(device: torch.device, block_size: int, dtype: torch.dtype, tokens: int) -> bool:
     """Whether the Triton path runs the Hopper kernels (forward, dX and dW) for this call.
 
     `SPARSE_KERNELS_SM90` unset or "auto": on an sm_90 CUDA device, for block sizes in
-    `SM90_BLOCK_SIZES`, unless fp32 is asked to be IEEE (no tensor cores: the sm_80 kernels).
-    "1": always (an unsupported block size raises); "0": never.
+    `SM90_BLOCK_SIZES` and at least `SM90_MIN_TOKENS` tokens, unless fp32 is asked to be IEEE
+    (no tensor cores: the sm_80 kernels). "1": always (an unsupported block size raises);
+    "0": never.
     """
     mode = os.environ.get(ENV, "auto")
     if mode not in ("auto", "0", "1"):
@@ -65,6 +73,7 @@ def use_sm90(device: torch.device, block_size: int, dtype: torch.dtype) -> bool:
         device.type == "cuda"
         and torch.cuda.get_device_capability(device) == (9, 0)
         and block_size in SM90_BLOCK_SIZES
+        and tokens >= SM90_MIN_TOKENS
         and dot_precision(dtype) != "ieee"
     )
 
@@ -167,7 +176,7 @@ if HAS_TRITON:
         a: Tensor,
         values: Tensor,
         out: Tensor,
-        segments: tuple[Tensor, Tensor | None, Tensor],
+        segments: tuple[Tensor, Tensor | None, Tensor, Tensor],
         bias: Tensor | None,
         *,
         trans_w: bool,
@@ -175,7 +184,7 @@ if HAS_TRITON:
         programs: int | None,
         trace: Tensor | None,
     ) -> None:
-        seg_ptr, perm, idx = segments
+        seg_ptr, perm, idx, order = segments  # order: the plan's longest-first blocks
         if a.shape[0] == 0:
             return
         if values.shape[0] == 0:  # no stored tile (TMA boxes need a non-empty tensor)
@@ -191,8 +200,6 @@ if HAS_TRITON:
         a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
         w_desc = TensorDescriptor.from_tensor(w2, [bk, b] if trans_w else [b, bk])
         n_blocks = seg_ptr.numel() - 1
-        lengths = seg_ptr[1:] - seg_ptr[:-1]
-        order = torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
         M = a.shape[0]
         items = n_blocks * triton.cdiv(M, bm)
         if programs is None:
@@ -225,7 +232,7 @@ if HAS_TRITON:
         """
         _check(x, values, layout, layout.in_features, "x")
         y = torch.empty(x.shape[0], layout.out_features, device=x.device, dtype=x.dtype)
-        segments = (layout.row_ptr, None, layout.col_idx)
+        segments = (layout.row_ptr, None, layout.col_idx, sm90_plan(layout).row_order)
         _launch(x, values, y, segments, bias, trans_w=False, config=config, programs=programs,
                 trace=trace)  # fmt: skip
         return y
@@ -242,7 +249,7 @@ if HAS_TRITON:
         """DX = dY·W with the Hopper kernel; dy (M, N) -> (M, K). Arguments as `dsd_sm90`."""
         _check(dy, values, layout, layout.out_features, "dy")
         dx = torch.empty(dy.shape[0], layout.in_features, device=dy.device, dtype=dy.dtype)
-        segments = (layout.col_ptr, layout.t_perm, layout.row_idx)
+        segments = (layout.col_ptr, layout.t_perm, layout.row_idx, sm90_plan(layout).col_order)
         _launch(dy, values, dx, segments, None, trans_w=True, config=config, programs=programs,
                 trace=trace)  # fmt: skip
         return dx

@@ -4,8 +4,9 @@
 
 The sampled product (SDD) of `_bsr_kernels._sdd_kernel` for sm_90: dY and X slices arrive as TMA
 boxes, the token loop is multi-buffered into wgmma dots, and a work item is a pair of consecutive
-tiles of one block row (`pair_starts`) and a token split, so one dY box feeds both tiles. Splits
-as `sdd_triton`; chosen with `_bsr_hopper` by `use_sm90`; design notes in benchmarks/RESULTS.md.
+tiles of one block row (`_bsr_plan.pair_starts`, built once per layout) and a token split, so one
+dY box feeds both tiles. Splits as `sdd_triton`; chosen with `_bsr_hopper` by `use_sm90`; design
+notes in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import Tensor
 from sparse_kernels._bsr_hopper import SM90_BLOCK_SIZES
 from sparse_kernels._bsr_kernels import _check_sdd_args, _sdd_out, _sdd_sum
 from sparse_kernels._bsr_launch import aligned, dot_precision, sdd_plan, sm_count
+from sparse_kernels._bsr_plan import sm90_plan
 from sparse_kernels._triton import HAS_TRITON, INTERPRET
 from sparse_kernels.layout import BlockLayout
 
@@ -32,19 +34,6 @@ def sm90_dw_config(block_size: int, dtype: torch.dtype) -> dict[str, int]:
     wide = dtype == torch.float32
     return {"BLOCK_M": 32 if wide else 64, "num_warps": 8 if block_size == 128 else 4,
             "num_stages": 4}  # fmt: skip
-
-
-def pair_starts(row_ptr: Tensor) -> Tensor:
-    """Start of each pair of consecutive tiles of one block row, and nnzb at the end (int32).
-
-    Pair g is tiles [starts[g], starts[g + 1]): two tiles, or one (the last of a row with an odd
-    count). `row_ptr` (row_blocks + 1) is the layout's CSR row pointer.
-    """
-    lengths = (row_ptr[1:] - row_ptr[:-1]).long()
-    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=row_ptr.device), lengths)
-    p = torch.arange(int(row_ptr[-1]), device=row_ptr.device)
-    first = (p - row_ptr[rows].long()) % 2 == 0
-    return torch.cat([p[first], row_ptr[-1:].long()]).to(torch.int32)
 
 
 if HAS_TRITON:
@@ -134,8 +123,8 @@ if HAS_TRITON:
         bm = cfg["BLOCK_M"]
         dy, x = aligned(dy), aligned(x)
         dy, x = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (dy, x))
-        starts = pair_starts(layout.row_ptr)
-        n_pairs = starts.numel() - 1
+        plan = sm90_plan(layout)  # built once per layout: no device -> host copy here
+        starts, n_pairs = plan.pair_starts, plan.n_pairs
         splits, per = sdd_plan(M, n_pairs, bm, splits, x.device)  # splits for the pairs
         out = _sdd_out(values, splits)
         sms = 4 if x.device.type == "cpu" else sm_count(x.device)

@@ -10,8 +10,9 @@ revived by any optimizer, and forward, dX and dW all cost `density x dense` FLOP
 
 * `"triton"`: the kernels in `_bsr_kernels` (CUDA; on CPU only under TRITON_INTERPRET=1); on an
   sm_90 GPU forward and dX run the TMA/wgmma persistent kernel of `_bsr_hopper` instead, dW
-  that of `_bsr_hopper_dw` (block sizes 64/128, not IEEE fp32; `SPARSE_KERNELS_SM90` = "1"/"0"
-  forces them on/off);
+  that of `_bsr_hopper_dw` (block sizes 64/128, not IEEE fp32, at least `SM90_MIN_TOKENS`
+  tokens; `SPARSE_KERNELS_SM90` = "1"/"0" forces them on/off), with a launch plan built once
+  per layout (`_bsr_plan`);
 * `"torch"`: PyTorch ops in `_bsr_torch` (CPU fp32: torch's BSR x dense; other dtypes: one GEMM
   per tile);
 * `"auto"`: Triton on CUDA when installed and block_size is 16, 32, 64 or 128, else torch.
@@ -33,7 +34,7 @@ from sparse_kernels import _bsr_kernels as K
 from sparse_kernels import _bsr_torch as T
 from sparse_kernels._bsr_launch import BLOCK_SIZES
 from sparse_kernels._triton import HAS_TRITON, available
-from sparse_kernels.layout import BlockLayout, blocks_to_dense, dense_to_blocks
+from sparse_kernels.layout import INDEX_FIELDS, BlockLayout, blocks_to_dense, dense_to_blocks
 from sparse_kernels.masks import block_scores
 
 Backend = Literal["auto", "torch", "triton"]
@@ -80,7 +81,7 @@ class _BlockSparseMM(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, values)
         if backend == "triton":
-            if H.use_sm90(x.device, layout.block_size, x.dtype):
+            if H.use_sm90(x.device, layout.block_size, x.dtype, x.shape[0]):
                 return H.dsd_sm90(x, values, layout, bias)
             return K.dsd_triton(x, values, layout, bias)
         return T.dsd_torch(x, values, layout, bias)
@@ -91,15 +92,18 @@ class _BlockSparseMM(torch.autograd.Function):
         layout: BlockLayout = ctx.layout
         dy = dy.contiguous()
         dx = dv = db = None
+        sm90 = ctx.backend == "triton" and H.use_sm90(
+            dy.device, layout.block_size, dy.dtype, dy.shape[0]
+        )
         if ctx.needs_input_grad[0]:
-            if ctx.backend == "triton" and H.use_sm90(dy.device, layout.block_size, dy.dtype):
+            if sm90:
                 dx = H.dsdt_sm90(dy, values, layout)
             elif ctx.backend == "triton":
                 dx = K.dsdt_triton(dy, values, layout)
             else:
                 dx = T.dsdt_torch(dy, values, layout)
         if ctx.needs_input_grad[1]:
-            if ctx.backend == "triton" and H.use_sm90(dy.device, layout.block_size, dy.dtype):
+            if sm90:
                 dv = HW.sdd_sm90(dy, x, layout, values)
             elif ctx.backend == "triton":
                 dv = K.sdd_triton(dy, x, layout, values)
@@ -183,7 +187,7 @@ class BlockSparseLinear(nn.Module):
             block_mask.cpu(), out_features=out_features, in_features=in_features,
             block_size=block_size,
         )  # fmt: skip
-        for name in ("row_ptr", "col_idx", "row_idx", "col_ptr", "t_perm"):
+        for name in INDEX_FIELDS:
             self.register_buffer(name, getattr(layout, name).to(device))
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.values = nn.Parameter(torch.empty(layout.nnzb, block_size, block_size, **factory))
@@ -207,17 +211,23 @@ class BlockSparseLinear(nn.Module):
 
     @property
     def layout(self) -> BlockLayout:
-        """The tile index (tensors on the module's device)."""
-        return BlockLayout(
-            out_features=self.out_features,
-            in_features=self.in_features,
-            block_size=self.block_size,
-            row_ptr=self.row_ptr,
-            col_idx=self.col_idx,
-            row_idx=self.row_idx,
-            col_ptr=self.col_ptr,
-            t_perm=self.t_perm,
-        )
+        """The tile index (tensors on the module's device).
+
+        The same object while the index buffers are the same tensors, so launch plans cached on
+        it (`BlockLayout.cached`) are built once; a new one after the buffers are replaced
+        (`.to()`, assignment). In-place changes (`load_state_dict`) are seen by the cache.
+        """
+        bufs = {name: self._buffers[name] for name in INDEX_FIELDS}
+        layout: BlockLayout | None = self.__dict__.get("_layout")
+        if layout is None or any(getattr(layout, n) is not t for n, t in bufs.items()):
+            layout = BlockLayout(
+                out_features=self.out_features,
+                in_features=self.in_features,
+                block_size=self.block_size,
+                **bufs,  # type: ignore[arg-type]
+            )
+            self.__dict__["_layout"] = layout
+        return layout
 
     @property
     def density(self) -> float:

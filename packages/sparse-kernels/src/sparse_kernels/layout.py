@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
+
+_T = TypeVar("_T")
+INDEX_FIELDS = ("row_ptr", "col_idx", "row_idx", "col_ptr", "t_perm")
+"""The index tensors of a `BlockLayout`, by field name."""
 
 
 @dataclass(frozen=True)
@@ -15,6 +21,9 @@ class BlockLayout:
     Tiles are numbered `p = 0..nnzb-1` in row-major order (block row, then block column); the
     stored values are `(nnzb, block_size, block_size)` with `values[p] = W[tile p]` (edge tiles
     of a shape that is not a multiple of `block_size` are zero-padded).
+
+    Launch plans derived from the index (`cached`) are kept on the object, so reuse one layout
+    object across calls (`BlockSparseLinear.layout` does) to build them once.
     """
 
     out_features: int
@@ -30,6 +39,27 @@ class BlockLayout:
     """(col_blocks + 1,) int32: CSC pointers over block columns (for dX = dY·W)."""
     t_perm: Tensor
     """(nnzb,) int32 tile ids ordered by (block column, block row)."""
+    _cache: dict[str, tuple[tuple[int, ...], Any]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def cached(self, key: str, build: Callable[[BlockLayout], _T]) -> _T:
+        """`build(self)`, computed once per `key` and reused while the index is unchanged.
+
+        The index tensors' version counters are part of the entry: an in-place change of any
+        of them (`copy_`, `load_state_dict`) rebuilds it on the next call. Index tensors made
+        under `torch.inference_mode()` have no version counter: then nothing is cached.
+        """
+        tensors = [getattr(self, name) for name in INDEX_FIELDS]
+        if any(t.is_inference() for t in tensors):
+            return build(self)
+        version = tuple(t._version for t in tensors)
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] == version:
+            return hit[1]  # type: ignore[no-any-return]
+        value = build(self)
+        self._cache[key] = (version, value)
+        return value
 
     @property
     def row_blocks(self) -> int:
