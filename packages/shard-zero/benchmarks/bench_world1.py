@@ -160,15 +160,21 @@ def child(args: argparse.Namespace) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
-    for _ in range(args.warmup + args.steps):
-        sync()
-        t0 = time.perf_counter()
+
+    def train_step() -> torch.Tensor:
+        """One forward, backward and optimizer step, then `sync`; returns the loss."""
         with ctx():
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()
+        return loss
+
+    for _ in range(args.warmup + args.steps):
+        sync()
+        t0 = time.perf_counter()
+        loss = train_step()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     out = {
@@ -190,12 +196,7 @@ def child(args: argparse.Namespace) -> dict:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            with ctx():
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sync()
+            train_step()
         out["profile"] = prof.key_averages().table(
             sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60
         )
