@@ -256,8 +256,10 @@ def momentum_maxnreg(g_dtype: torch.dtype, m_dtype: torch.dtype, *, aligned: boo
     With the column sums in [SUB, BLOCK_M] accumulators, ptxas's own choice spills on sm_90
     (tools/gpu_compile.py, triton 3.7.1's ptxas) in two configurations: 16-bit g with fp32 m
     on aligned rows (96 registers, 24 bytes spilled) and int8 m on unaligned rows (168, 48
-    bytes). A cap makes ptxas use more registers instead: 112 (108-110 used, the occupancy of
-    the kernel before the change) and 216. Every other configuration keeps ptxas's choice.
+    bytes). A cap makes ptxas use more registers instead: 112 (108 used; 4 blocks of 128 threads
+    per SM, as the 109 registers before the change) and 216 (214-216 used: 2 blocks per SM, 3
+    before with nearest codes; unaligned int8 rows are rare). Every other configuration keeps
+    ptxas's choice.
     """
     if m_dtype == torch.int8:
         return None if aligned else 216
