@@ -87,11 +87,10 @@ class Sparsify(Stage):
         start = time.perf_counter()
         from leanlm.train.model import TRAIN_DTYPE
 
-        model, batches = load_input_with_calibration(  # fp32: the masks and the fine-tune
-            ctx,
-            samples=cfg.calibration_samples,
-            batch_size=cfg.calibration_batch_size,
-            dtype=TRAIN_DTYPE,
+        # the checkpoint's dtype (bf16 stays bf16); sparse-kernels computes the statistics and
+        # SparseGPT's solve in fp32 whatever the weights' dtype
+        model, batches = load_input_with_calibration(
+            ctx, samples=cfg.calibration_samples, batch_size=cfg.calibration_batch_size
         )
         # Deterministic given the calibration batches: a resumed run rebuilds the same masks
         # before its checkpoint restores the fine-tuned weights.
@@ -106,7 +105,10 @@ class Sparsify(Stage):
         target = sum(model.get_submodule(n).weight.numel() for n in report)
         zeros = sum(frac * model.get_submodule(n).weight.numel() for n, frac in report.items())
         one_shot = evaluate_perplexity(
-            model, ctx.resources.validation_windows, autocast=acc.autocast
+            model,
+            ctx.resources.validation_windows,
+            batch_size=cfg.eval_batch_size,
+            autocast=acc.autocast,
         )
         acc.print(
             f"[sparsify] {cfg.pattern} {cfg.method}: {len(report)} Linears, "
@@ -114,7 +116,8 @@ class Sparsify(Stage):
             f"{one_shot.perplexity:.2f}"
         )
         metrics: dict[str, Any]
-        if cfg.steps:
+        if cfg.steps:  # the fine-tune keeps fp32 weights (the engines' masters), masks kept
+            model = model.to(TRAIN_DTYPE)
             metrics = train(ctx, model, cfg, causal_lm_loss, save=_save_sparse)
         else:
             metrics = _save_one_shot(ctx, model, one_shot)
