@@ -46,7 +46,9 @@ def _run(folder, *, seq_len, prune, teacher="cached", top_k=1024, micro_batch_si
         model=ModelConfig(max_position_embeddings=seq_len),
         prune=PruneConfig(calibration_batch_size=1, **prune),
         distill=DistillConfig(teacher_stage="init", teacher=teacher, top_k=top_k, **train),
-        sparsify=SparsifyConfig(**train),
+        sparsify=SparsifyConfig(
+            calibration_samples=4, calibration_batch_size=2, eval_batch_size=2, **train
+        ),
     )
 
 
@@ -80,10 +82,9 @@ def test_llama_3_8b_minitron_recipe_fits_one_80gb_gpu(tmp_path, capsys):
         assert all(stage[part] >= 0 for part in parts), (name, stage)
         assert sum(stage[part] for part in parts) == stage["peak_bytes_per_process"], name
         assert name in printed
-    prune = stages["prune"]
-    assert prune["model_params"] == 8_030_261_248
-    assert prune["weights"] == 2 * 8_030_261_248
-    assert prune["peak_bytes_per_process"] >= prune["weights"]
+    for stage in stages.values():  # the peak is the largest phase's (scoring or training)
+        peaks = [phase["peak_bytes_per_process"] for phase in stage["phases"].values()]
+        assert stage["peak_bytes_per_process"] == max(peaks)
     # the student: hidden 3072, MLP 9216, fp32 weights and gradients, no teacher in memory
     distill = stages["distill"]
     assert 4.4e9 < distill["model_params"] < 4.6e9
@@ -92,6 +93,27 @@ def test_llama_3_8b_minitron_recipe_fits_one_80gb_gpu(tmp_path, capsys):
     assert distill["teacher"] == 0
     assert distill["cache_buffers"] == 4096 * 64 * (4 + 8)  # fp32 values, int64 indices
     assert distill["peak_bytes_per_process"] > 3 * distill["weights"]  # + CAME's state
+    # importance scoring: the bf16 8B model and one calibration forward (logits and statistics);
+    # then the pruned model's validation pass with both models held
+    prune = stages["prune"]
+    assert prune["model_params"] == 8_030_261_248
+    scoring = prune["phases"]["scoring"]
+    assert scoring["weights"] == 2 * 8_030_261_248
+    logits = 4096 * 128256 * 2  # one sequence's bf16 logits
+    assert scoring["peak_bytes_per_process"] > scoring["weights"] + logits
+    assert prune["scoring_peak_bytes_per_process"] == scoring["peak_bytes_per_process"]
+    evaluate = prune["phases"]["evaluate"]
+    assert evaluate["weights"] == 2 * (8_030_261_248 + distill["model_params"])
+    # one-shot Wanda on the distilled (fp32) student, layer by layer: the weights, the hidden
+    # states of all 128 calibration sequences (fp32) and one layer's statistics
+    sparsify = stages["sparsify"]
+    scoring = sparsify["phases"]["scoring"]
+    assert scoring["weights"] == distill["weights"]
+    hidden = 128 * 4096 * 3072 * 4
+    assert scoring["peak_bytes_per_process"] > scoring["weights"] + hidden
+    assert sparsify["scoring_peak_bytes_per_process"] == scoring["peak_bytes_per_process"]
+    phases = {"scoring", "one_shot_evaluate", "forward", "backward", "optimizer", "evaluate"}
+    assert set(sparsify["phases"]) == phases
 
 
 @pytest.mark.parametrize("teacher", ["cached", "online"])

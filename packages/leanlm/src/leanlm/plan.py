@@ -9,15 +9,22 @@ the run's settings, while torch's `MemTracker` counts the live bytes by kind
 - `pretrain`, `control`: a training step of the model (fp32 parameters, `mixed_precision`
   autocast, the configured optimizer, `activation_checkpointing`), after a warm-up step so that
   the optimizer state exists;
-- `prune`: the model in its checkpoint dtype and one calibration forward pass without
-  gradients (prune-distill's importance statistics, a few vectors per layer, and a `search`
-  are not planned: `collect_importance` reads values on the host, which fake tensors lack);
+- `prune`: importance scoring, prune-distill's own `collect_importance` on one calibration
+  batch (its statistics are running sums) with the input model in the dtype it was saved in,
+  then the pruned model's validation pass with both models held (`leanlm.plan_scoring`; an
+  architecture `search` is not planned);
 - `distill`: a training step of the pruned student (the `[prune]` sizes when `prune` runs
   first) with the teacher in its checkpoint dtype (`teacher = "online"`) or one micro-batch of
   cached top-k logits (`"cached"`, no teacher);
-- `sparsify`: a fine-tune step of that model with its masks (made by magnitude: every method's
-  masks take the same bytes; the one-shot scoring pass is not planned).
+- `sparsify`: the one-shot pruning, sparse-kernels' own `sparsify_` with every calibration
+  batch (the layer-by-layer pass holds all their hidden states and one layer's statistics) in
+  the input model's dtype, and its validation pass (`leanlm.plan_scoring`); then, with
+  `steps`, a fine-tune step of the fp32 model with its masks (made by magnitude here: every
+  method's masks take the same bytes).
 
+A training stage also runs a validation pass at `eval_batch_size` with its optimizer state held.
+A stage's peak is the largest of its phases' (`scoring`, `evaluate`, `one_shot_evaluate`, and a
+training step's `forward`, `backward`, `optimizer`); each phase's peak and parts are kept too.
 One process is planned (several processes: `--processes` sets the global batch and data
 shards, but the engines' sharding is not simulated here; shard-zero's simulator does it).
 """
@@ -26,9 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,18 +63,31 @@ class StagePlan:
     """Parameters of the model the stage holds (the student for `distill`)."""
     note: str = ""
     peak_phase: str = ""
-    """Where in the step the peak falls (`forward`, `backward`, `optimizer`)."""
+    """Where the peak falls: `forward`, `backward`, `optimizer` (a training step), `scoring`
+    (importance scoring or one-shot pruning), `evaluate` (a validation pass; `one_shot_evaluate`:
+    sparsify's before its fine-tune)."""
     phases: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict, repr=False)
     """Each phase's own peak: `total` and the parts (what `plan_stage` extrapolates)."""
 
     def as_dict(self) -> dict[str, Any]:
-        """The JSON entry: the peak, its parts, the model's parameters and the note."""
+        """The JSON entry: the peak, its parts, the model's parameters and the note.
+
+        Also each phase's peak with its parts (`phases`) and, for `prune` and `sparsify`,
+        `scoring_peak_bytes_per_process`.
+        """
+        scoring = self.phases.get("scoring", {}).get("total")
         return {
             "peak_bytes_per_process": self.peak_bytes_per_process,
             **self.parts,
             "model_params": self.model_params,
             "peak_phase": self.peak_phase,
             "note": self.note,
+            **({} if scoring is None else {"scoring_peak_bytes_per_process": scoring}),
+            "phases": {
+                phase: {"peak_bytes_per_process": parts["total"]}
+                | {k: parts.get(k, 0) for k in PARTS}
+                for phase, parts in self.phases.items()
+            },
         }
 
 
@@ -123,9 +141,20 @@ def _nbytes(tensors: Any) -> int:
 
 @contextlib.contextmanager
 def _fake() -> Iterator[None]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    """Fake tensors; transformers' attention masks as for the real windows.
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    transformers checks on the host whether `position_ids` pack several sequences; on fake
+    tensors it cannot, assumes they may and builds a (batch, 1, seq, seq) mask. The plan's
+    windows are single sequences (0..seq-1), for which the real check says no and attention
+    runs without a mask (SDPA's causal kernel): the check gives that answer here.
+    """
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import masking_utils
+
+    single = mock.patch.object(masking_utils, "find_packed_sequence_indices", return_value=None)
+    with FakeTensorMode(allow_non_fake_inputs=True), single:
         yield
 
 
@@ -160,8 +189,15 @@ def _measure(step: Callable[[Any], None], tracked: list[Any]) -> dict[str, dict[
             self.phase = "forward"
             self.peaks: dict[str, dict[str, int]] = {}
 
+        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+            # a module called again in a forward (the calibration passes call each layer once
+            # per batch) starts its per-module stats afresh: only the totals are read here
+            if not self._mod_tracker.is_bw:
+                self.memory_tracking.pop(module, None)  # type: ignore[no-untyped-call]
+            super()._pre_fw_hook(module, inputs)
+
         def _update_peak_stats(self, peak_state: Any) -> None:
-            super()._update_peak_stats(peak_state)
+            # (not MemTracker's per-module peaks, which deep-copy snapshots: unused here)
             snap = next(iter(self._curr_mem_snap.values()), None)
             best = self.peaks.get(self.phase, {}).get("total", -1)
             if snap is not None and snap[_TOTAL_KEY] > best:
@@ -225,6 +261,11 @@ def _train_step(
         phase("optimizer")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if tracker is not None:  # a validation pass, the optimizer state held
+            from leanlm.plan_scoring import evaluate
+
+            phase("evaluate")
+            evaluate(run, model, cfg.eval_batch_size, vocab)
 
     step()  # warm-up: the optimizer state exists from now on
     return _measure(step, [model, optimizer, *extra])
@@ -251,29 +292,33 @@ def _stage_step(run: RunConfig, name: str, base: Any, layers: int | None) -> Sta
             cfg = getattr(run, name)
             phases = _train_step(run, cfg, model, _lm_loss, vocab=vocab, extra=[])
         elif name == "prune":
-            model = _build(teacher_cfg, _checkpoint_dtype(base)).eval()
-            shape = (run.prune.calibration_batch_size, run.data.seq_len)
-            ids = torch.randint(0, vocab, shape)
+            from leanlm.plan_scoring import input_dtype, prune_phases
 
-            def score(tracker: Any) -> None:
-                with torch.no_grad():  # the scoring forward; its loss reads fp32 logits
-                    model(input_ids=ids).logits.float()
-
-            phases = _measure(score, [model])
+            dtype = input_dtype(run, name, base)
+            phases, n_params = prune_phases(run, teacher_cfg, student, dtype)
             note = (
-                "one calibration forward (no gradients) in the checkpoint dtype; prune-distill's "
-                "importance statistics (a few vectors per layer) and a search are not planned"
+                f"importance scoring (prune-distill's collect_importance) and the pruned "
+                f"model's validation pass, in {str(dtype).removeprefix('torch.')}"
+                + ("; the architecture search is not planned" if run.prune.search else "")
             )
         elif name in ("distill", "sparsify"):
             model = _build(student, torch.float32)
             cfg = getattr(run, name)
             if name == "sparsify":
+                from leanlm.plan_scoring import input_dtype, sparsify_phases
                 from sparse_kernels import sparsify_
 
-                # magnitude masks: the same bytes as any method's, and no calibration data
-                sparsify_(model, dataclasses.replace(cfg.sparsity_config, method="magnitude"))
-                note = "the sparse fine-tune step (masks held); one-shot scoring not planned"
-                phases = _train_step(run, cfg, model, _lm_loss, vocab=vocab, extra=[])
+                dtype = input_dtype(run, name, base)
+                phases = sparsify_phases(run, student, dtype)
+                note = (
+                    f"one-shot {cfg.method} with {cfg.calibration_samples} calibration "
+                    f"sequences and its validation pass in {str(dtype).removeprefix('torch.')}"
+                )
+                if cfg.steps:
+                    # magnitude masks: the same bytes as any method's, no calibration data
+                    sparsify_(model, dataclasses.replace(cfg.sparsity_config, method="magnitude"))
+                    phases |= _train_step(run, cfg, model, _lm_loss, vocab=vocab, extra=[])
+                    note += "; the sparse fine-tune step (fp32, masks held)"
             elif cfg.teacher == "cached":
                 from leanlm.train.distill import cached_distillation_loss
 
@@ -285,9 +330,10 @@ def _stage_step(run: RunConfig, name: str, base: Any, layers: int | None) -> Sta
                 phases = _train_step(run, cfg, model, loss_fn, vocab=vocab, extra=[])
                 note = f"cached teacher: top-{k} logits of one micro-batch on the device"
             else:
+                from leanlm.plan_scoring import output_dtype
                 from leanlm.train.distill import distillation_loss
 
-                teacher = _build(teacher_cfg, _checkpoint_dtype(base))
+                teacher = _build(teacher_cfg, output_dtype(run, cfg.teacher_stage, base))
                 teacher = teacher.eval().requires_grad_(False)
                 extra["teacher"] = _nbytes(teacher.parameters())
                 loss_fn = distillation_loss(teacher, cfg)
@@ -295,13 +341,15 @@ def _stage_step(run: RunConfig, name: str, base: Any, layers: int | None) -> Sta
                 note = "online teacher in its checkpoint dtype"
         else:
             raise ValueError(f"`leanlm plan` does not know stage {name!r}")
-        n_params = sum(p.numel() for p in model.parameters())
-    for parts in phases.values():
+        if name != "prune":
+            n_params = sum(p.numel() for p in model.parameters())
+    for phase, parts in phases.items():
         # MemTracker counts the teacher's weights among the weights and the cache buffers (made
-        # in the loss, during the forward) among the activations: report them apart
+        # in the loss, held until its backward) among the activations: report them apart
+        buffers = extra["cache_buffers"] if phase in ("forward", "backward") else 0
         parts["weights"] -= extra["teacher"]
-        parts["activations"] -= extra["cache_buffers"]
-        parts.update(extra)
+        parts["activations"] -= buffers
+        parts.update(extra, cache_buffers=buffers)
     return _at_peak(phases, n_params, note)
 
 
@@ -357,21 +405,3 @@ def plan_stage(run: RunConfig, name: str, *, layers: tuple[int, int] | None = No
 def plan(run: RunConfig, *, layers: tuple[int, int] | None = None) -> dict[str, StagePlan]:
     """Every configured stage's plan, in run order."""
     return {name: plan_stage(run, name, layers=layers) for name in run.stages}
-
-
-def write_json(plans: dict[str, StagePlan], path: Path, *, processes: int) -> None:
-    """`{"processes": N, "stages": {name: {"peak_bytes_per_process": int, ...}}}`."""
-    data = {"processes": processes, "stages": {k: v.as_dict() for k, v in plans.items()}}
-    path.write_text(json.dumps(data, indent=2) + "\n")
-
-
-def table(plans: dict[str, StagePlan]) -> str:
-    """The plan as a text table in GiB."""
-    heads = ["stage", "peak", *PARTS, "params"]
-    rows = [heads]
-    for name, p in plans.items():
-        gib = [f"{v / 2**30:.2f}" for v in (p.peak_bytes_per_process, *p.parts.values())]
-        rows.append([name, *gib, f"{p.model_params / 1e9:.2f}B"])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(heads))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(["GiB per process:", *lines])

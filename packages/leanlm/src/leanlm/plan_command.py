@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from leanlm.plan import StagePlan
 
 
 def add_plan_parser(sub: Any) -> None:
@@ -60,7 +64,7 @@ def plan_command(args: argparse.Namespace) -> int:
             traceback.print_exception(err)
         print(f"leanlm: error: {err}", file=sys.stderr)
         return 2
-    from leanlm.plan import plan, table, write_json
+    from leanlm.plan import plan
 
     plans = plan(config, layers=layers)
     print(table(plans))
@@ -72,3 +76,23 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.json is not None:
         write_json(plans, args.json, processes=args.processes)
     return 0
+
+
+def write_json(plans: dict[str, StagePlan], path: Path, *, processes: int) -> None:
+    """`{"processes": N, "stages": {name: {"peak_bytes_per_process": int, ...}}}`."""
+    data = {"processes": processes, "stages": {k: v.as_dict() for k, v in plans.items()}}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def table(plans: dict[str, StagePlan]) -> str:
+    """The plan as a text table in GiB: each stage's peak, where it falls, its parts there."""
+    from leanlm.plan import PARTS
+
+    heads = ["stage", "peak", "at", *PARTS, "params"]
+    rows = [heads]
+    for name, p in plans.items():
+        gib = [f"{v / 2**30:.2f}" for v in (p.peak_bytes_per_process, *p.parts.values())]
+        rows.append([name, gib[0], p.peak_phase, *gib[1:], f"{p.model_params / 1e9:.2f}B"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(heads))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(["GiB per process:", *lines])

@@ -62,8 +62,12 @@ class Prune(Stage):
         student = prune(model, scores, target)
         layer_map = pruned_layer_map(model, scores, target)
         scoring_time = time.perf_counter() - start
+        # at the calibration batch size: the input model is still held (`leanlm plan` plans it)
         evaluation = evaluate_perplexity(
-            student, ctx.resources.validation_windows, autocast=acc.autocast
+            student,
+            ctx.resources.validation_windows,
+            batch_size=cfg.calibration_batch_size,
+            autocast=acc.autocast,
         )
         acc.print(
             f"[prune] {count_parameters(model):,} -> {count_parameters(student):,} params, "
