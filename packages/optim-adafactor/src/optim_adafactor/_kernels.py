@@ -75,20 +75,22 @@ if HAS_TRITON:
         """Row sums and partial column sums of g², partial Σ p²; fp32 accumulation."""
         pid_b, pid_r, rows, row_mask, base = row_tile(n_rows, n_cols, BLOCK_N)
         part = (pid_b * n_row_blocks + pid_r).to(tl.int64)
-        acc_row = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_p = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # row sums accumulate elementwise and are reduced once, after the loop (fixed order)
+        acc_row = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_p = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_M):
             cols, col_mask, mask, offs = col_tile(start, rows, row_mask, base, n_cols, BLOCK_M)
             g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # upcast first
             g2 = g * g
-            acc_row += tl.sum(g2, axis=1)
+            acc_row += g2
             tl.store(colpart_ptr + part * n_cols + cols, tl.sum(g2, axis=0), mask=col_mask)
             if HAS_P:
                 p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                acc_p += tl.sum(p * p, axis=1)
-        tl.store(rowsum_ptr + pid_b.to(tl.int64) * n_rows + rows, acc_row, mask=row_mask)
+                acc_p += p * p
+        row_sum = tl.sum(acc_row, axis=1)
+        tl.store(rowsum_ptr + pid_b.to(tl.int64) * n_rows + rows, row_sum, mask=row_mask)
         if HAS_P:
-            tl.store(ppart_ptr + part, tl.sum(acc_p, axis=0))
+            tl.store(ppart_ptr + part, tl.sum(tl.sum(acc_p, axis=1), axis=0))
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _sumsq_kernel(  # type: ignore[no-untyped-def]
@@ -105,14 +107,14 @@ if HAS_TRITON:
         """Partial Σ u² per row block, u = g · rf_i · cf_j (fp32)."""
         pid_b, pid_r, rows, row_mask, base = row_tile(n_rows, n_cols, BLOCK_N)
         rf = tl.load(rf_ptr + pid_b.to(tl.int64) * n_rows + rows, mask=row_mask, other=0.0)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # reduced once, after the loop
         for start in range(0, n_cols, BLOCK_M):
             cols, col_mask, mask, offs = col_tile(start, rows, row_mask, base, n_cols, BLOCK_M)
             g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             cf = tl.load(cf_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
             u = g * rf[:, None] * cf[None, :]
-            acc += tl.sum(u * u, axis=1)
-        tl.store(upart_ptr + pid_b * n_row_blocks + pid_r, tl.sum(acc, axis=0))
+            acc += u * u
+        tl.store(upart_ptr + pid_b * n_row_blocks + pid_r, tl.sum(tl.sum(acc, axis=1), axis=0))
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _apply_kernel(  # type: ignore[no-untyped-def]
