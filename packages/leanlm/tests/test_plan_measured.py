@@ -3,7 +3,7 @@ the plan's own accounting (torch's `MemTracker` on the real tensors), is within 
 
 The stage code runs unchanged; the test wraps the library calls the plan runs on fake tensors
 (importance scoring, one-shot pruning, validation passes) and the trainer's second step and
-measures each with `leanlm.plan._measure`, tracking what the stage holds at that moment.
+measures each with `leanlm.plan_tracking.measure`, tracking what the stage holds at that moment.
 """
 
 import dataclasses
@@ -13,7 +13,8 @@ import leanlm.train.evaluate as evaluate_module
 import prune_distill
 import sparse_kernels
 from leanlm.config import SparsifyConfig
-from leanlm.plan import _measure, plan
+from leanlm.plan import plan
+from leanlm.plan_tracking import measure as plan_measure
 from leanlm.run.pipeline import run_pipeline
 from leanlm.train.trainer import _Loop
 
@@ -36,7 +37,7 @@ def _measure_the_run(config, out, monkeypatch):
             tracker.phase = name
             result.append(fn())
 
-        measured[name] = _peak(_measure(step, list(tracked)))
+        measured[name] = _peak(plan_measure(step, list(tracked)))
         return result[0]
 
     originals = (

@@ -6,8 +6,8 @@ import torch
 from transformers import LlamaConfig
 
 from leanlm.config import DataConfig, DistillConfig, PruneConfig, RunConfig, SparsifyConfig
-from leanlm.plan import _fake
 from leanlm.plan_scoring import _one_shot, input_dtype, sparsify_phases
+from leanlm.plan_tracking import fake_tensors
 from leanlm_testing.models import tiny_llama_config
 
 TINY = tiny_llama_config()
@@ -20,7 +20,7 @@ def test_the_sequential_pass_is_linear_in_its_calibration_batches():
         method="sparsegpt", calibration_samples=13, calibration_batch_size=2, eval_batch_size=2
     )
     run = RunConfig(data=DataConfig(seq_len=16, eval_windows=8), sparsify=sparsify)
-    with _fake():
+    with fake_tensors():
         planned = sparsify_phases(run, TINY, torch.bfloat16)
         full = _one_shot(run, TINY, torch.bfloat16, [2] * 7)
         two = _one_shot(run, TINY, torch.bfloat16, [2] * 2)

@@ -31,14 +31,15 @@ shards, but the engines' sharding is not simulated here; shard-zero's simulator 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from leanlm.config import RunConfig, TrainConfig
+from leanlm.plan_scoring import evaluate, input_dtype, output_dtype, prune_phases, sparsify_phases
+from leanlm.plan_tracking import build, fake_tensors, measure, nbytes
 
 PARTS = (
     "weights",
@@ -123,101 +124,6 @@ def _with_layers(cfg: Any, layers: int) -> Any:
     return out
 
 
-def _build(cfg: Any, dtype: torch.dtype) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    cfg.use_cache = False
-    return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-
-
-def _checkpoint_dtype(cfg: Any) -> torch.dtype:
-    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
-
-
-def _nbytes(tensors: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-@contextlib.contextmanager
-def _fake() -> Iterator[None]:
-    """Fake tensors; transformers' attention masks as for the real windows.
-
-    transformers checks on the host whether `position_ids` pack several sequences; on fake
-    tensors it cannot, assumes they may and builds a (batch, 1, seq, seq) mask. The plan's
-    windows are single sequences (0..seq-1), for which the real check says no and attention
-    runs without a mask (SDPA's causal kernel): the check gives that answer here.
-    """
-    from unittest import mock
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import masking_utils
-
-    single = mock.patch.object(masking_utils, "find_packed_sequence_indices", return_value=None)
-    with FakeTensorMode(allow_non_fake_inputs=True), single:
-        yield
-
-
-class _NoHandle:
-    def remove(self) -> None:
-        pass
-
-
-_NO_HANDLE = _NoHandle()
-
-
-def _measure(step: Callable[[Any], None], tracked: list[Any]) -> dict[str, dict[str, int]]:
-    """Run `step(tracker)` under a `MemTracker`; each phase's peak bytes by kind.
-
-    `step` names the phase it is in with `tracker.phase = ...`.
-    """
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
-
-    kinds = {
-        "weights": (_MemRefType.PARAM,),
-        "gradients": (_MemRefType.GRAD,),
-        "optimizer_state": (_MemRefType.OPT,),
-        "activations": (_MemRefType.ACT, _MemRefType.TEMP),
-        "other": (_MemRefType.BUFFER, _MemRefType.OTH),
-    }
-
-    class PhaseTracker(MemTracker):  # type: ignore[no-untyped-call]
-        """Keeps the largest snapshot of every phase (called after every op)."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.phase = "forward"
-            self.peaks: dict[str, dict[str, int]] = {}
-
-        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
-            # a module called again in a forward (the calibration passes call each layer once
-            # per batch) starts its per-module stats afresh: only the totals are read here
-            if not self._mod_tracker.is_bw:
-                self.memory_tracking.pop(module, None)  # type: ignore[no-untyped-call]
-            super()._pre_fw_hook(module, inputs)
-
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            # (not MemTracker's per-module peaks, which deep-copy snapshots: unused here)
-            snap = next(iter(self._curr_mem_snap.values()), None)
-            best = self.peaks.get(self.phase, {}).get("total", -1)
-            if snap is not None and snap[_TOTAL_KEY] > best:
-                out = {name: sum(int(snap.get(k, 0)) for k in keys) for name, keys in kinds.items()}
-                self.peaks[self.phase] = out | {"total": int(snap[_TOTAL_KEY])}
-
-    tracker = PhaseTracker()
-    tracker.track_external(*tracked)
-    # MemTracker hooks every parameter's gradient; a frozen one (the teacher's) cannot take a
-    # hook: mark those as hooked already, with handles that remove nothing
-    for module in tracked:
-        if isinstance(module, torch.nn.Module):
-            for param in module.parameters():
-                if not param.requires_grad:
-                    tracker._param_to_grad_hook_handles[param] = (_NO_HANDLE, _NO_HANDLE)
-    with tracker:
-        step(tracker)
-    return tracker.peaks
-
-
 def _train_step(
     run: RunConfig,
     cfg: TrainConfig,
@@ -262,13 +168,11 @@ def _train_step(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if tracker is not None:  # a validation pass, the optimizer state held
-            from leanlm.plan_scoring import evaluate
-
             phase("evaluate")
             evaluate(run, model, cfg.eval_batch_size, vocab)
 
     step()  # warm-up: the optimizer state exists from now on
-    return _measure(step, [model, optimizer, *extra])
+    return measure(step, [model, optimizer, *extra])
 
 
 def _lm_loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -286,14 +190,12 @@ def _stage_step(run: RunConfig, name: str, base: Any, layers: int | None) -> Sta
     vocab = base.vocab_size
     extra: dict[str, int] = {"teacher": 0, "cache_buffers": 0}
     note = ""
-    with _fake():
+    with fake_tensors():
         if name in ("pretrain", "control"):
-            model = _build(_with_layers(base, layers) if layers else base, torch.float32)
+            model = build(_with_layers(base, layers) if layers else base, torch.float32)
             cfg = getattr(run, name)
             phases = _train_step(run, cfg, model, _lm_loss, vocab=vocab, extra=[])
         elif name == "prune":
-            from leanlm.plan_scoring import input_dtype, prune_phases
-
             dtype = input_dtype(run, name, base)
             phases, n_params = prune_phases(run, teacher_cfg, student, dtype)
             note = (
@@ -302,10 +204,9 @@ def _stage_step(run: RunConfig, name: str, base: Any, layers: int | None) -> Sta
                 + ("; the architecture search is not planned" if run.prune.search else "")
             )
         elif name in ("distill", "sparsify"):
-            model = _build(student, torch.float32)
+            model = build(student, torch.float32)
             cfg = getattr(run, name)
             if name == "sparsify":
-                from leanlm.plan_scoring import input_dtype, sparsify_phases
                 from sparse_kernels import sparsify_
 
                 dtype = input_dtype(run, name, base)
@@ -325,17 +226,16 @@ def _stage_step(run: RunConfig, name: str, base: Any, layers: int | None) -> Sta
                 k = min(cfg.top_k or vocab, vocab)
                 topk = (cfg.micro_batch_size, run.data.seq_len, k)
                 cache = _FakeCache(topk)
-                extra["cache_buffers"] = _nbytes(cache.lookup(torch.empty(0)))
+                extra["cache_buffers"] = nbytes(cache.lookup(torch.empty(0)))
                 loss_fn = cached_distillation_loss(cache, cfg)  # type: ignore[arg-type]
                 phases = _train_step(run, cfg, model, loss_fn, vocab=vocab, extra=[])
                 note = f"cached teacher: top-{k} logits of one micro-batch on the device"
             else:
-                from leanlm.plan_scoring import output_dtype
                 from leanlm.train.distill import distillation_loss
 
-                teacher = _build(teacher_cfg, output_dtype(run, cfg.teacher_stage, base))
+                teacher = build(teacher_cfg, output_dtype(run, cfg.teacher_stage, base))
                 teacher = teacher.eval().requires_grad_(False)
-                extra["teacher"] = _nbytes(teacher.parameters())
+                extra["teacher"] = nbytes(teacher.parameters())
                 loss_fn = distillation_loss(teacher, cfg)
                 phases = _train_step(run, cfg, model, loss_fn, vocab=vocab, extra=[teacher])
                 note = "online teacher in its checkpoint dtype"

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from leanlm.config import RunConfig
-from leanlm.plan import _build, _checkpoint_dtype, _measure
+from leanlm.plan_tracking import build, checkpoint_dtype, measure
 
 TRAINING = ("pretrain", "control", "distill")
 """Stages that save their model in the training dtype (fp32)."""
@@ -39,13 +39,13 @@ def output_dtype(run: RunConfig, stage: str, base: Any) -> torch.dtype:
         return torch.float32
     if stage in ("prune", "sparsify"):  # forward passes only: the input's dtype
         return input_dtype(run, stage, base)
-    return _checkpoint_dtype(base)
+    return checkpoint_dtype(base)
 
 
 def input_dtype(run: RunConfig, stage: str, base: Any) -> torch.dtype:
     """The dtype stage `stage` loads the previous stage's model in (its checkpoint dtype)."""
     before = run.stages[: run.stages.index(stage)]
-    return output_dtype(run, before[-1], base) if before else _checkpoint_dtype(base)
+    return output_dtype(run, before[-1], base) if before else checkpoint_dtype(base)
 
 
 def _autocast(run: RunConfig) -> Callable[[], Any]:
@@ -87,7 +87,7 @@ def prune_phases(
     from prune_distill import collect_importance
 
     cfg = run.prune
-    model = _build(source, dtype).eval()
+    model = build(source, dtype).eval()
     vocab = source.vocab_size
     rows = min(cfg.calibration_batch_size, cfg.calibration_samples)
     batch = {"input_ids": _ids(vocab, rows, run.data.seq_len)}
@@ -99,14 +99,14 @@ def prune_phases(
                 model, [batch], num_samples=None, layer_loss=cfg.layer_metric == "lm_loss"
             )
 
-    phases = _measure(score, [model])
-    pruned = _build(student, dtype).eval()
+    phases = measure(score, [model])
+    pruned = build(student, dtype).eval()
 
     def validate(tracker: Any) -> None:
         tracker.phase = "evaluate"
         evaluate(run, pruned, cfg.calibration_batch_size, vocab)
 
-    phases |= _measure(validate, [model, pruned])
+    phases |= measure(validate, [model, pruned])
     return phases, sum(p.numel() for p in model.parameters())
 
 
@@ -138,7 +138,7 @@ def _one_shot(
     from sparse_kernels import sparsify_
 
     cfg = run.sparsify
-    model = _build(config, dtype).eval()
+    model = build(config, dtype).eval()
     batches = [{"input_ids": _ids(config.vocab_size, n, run.data.seq_len)} for n in rows]
     sequential = cfg.sequential and cfg.method != "magnitude"
 
@@ -149,7 +149,7 @@ def _one_shot(
         tracker.phase = "one_shot_evaluate"
         evaluate(run, model, cfg.eval_batch_size, config.vocab_size)
 
-    return _measure(score, [model])
+    return measure(score, [model])
 
 
 def _sparsegpt_planned() -> Any:
