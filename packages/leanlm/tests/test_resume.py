@@ -59,7 +59,7 @@ def _assert_same_weights(a_dir, b_dir):
 
 
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_config):
-    config = tiny_config(pretrain={"steps": 160, "checkpoint_every": 10, "eval_every": 40})
+    config = tiny_config(pretrain={"steps": 60, "checkpoint_every": 10, "eval_every": 40})
     path = tmp_path / "run.toml"
     path.write_text(dumps_toml(config))
     full, killed = tmp_path / "full", tmp_path / "killed"
@@ -82,7 +82,7 @@ def test_sigkill_in_a_later_stage_then_resume_equals_uninterrupted(tmp_path, tin
     # The kill lands in `stage` (after the earlier stages finished): resuming skips the finished
     # stages (same hashes) and continues `stage` from its checkpoint; for `sparsify` the masks
     # are rebuilt from the same calibration batches before the checkpoint restores the weights.
-    train = {"steps": 160, "checkpoint_every": 10, "eval_every": 80, "micro_batch_size": 4}
+    train = {"steps": 60, "checkpoint_every": 10, "eval_every": 40, "micro_batch_size": 4}
     train |= {"warmup_steps": 4, "eval_batch_size": 4}
     config = tiny_config(
         stages=("pretrain", "prune", stage) if stage == "distill" else ("pretrain", stage),

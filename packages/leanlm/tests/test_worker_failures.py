@@ -122,7 +122,7 @@ def test_a_frozen_worker_is_named_after_the_collective_timeout(tmp_path, tiny_co
     # (the resume after it is the killed worker's: the launcher ends a frozen one by SIGKILL)
     config = _forty_steps_config(tiny_config)
     path, out = tmp_path / "run.toml", tmp_path / "run"
-    path.write_text(dumps_toml(dataclasses.replace(config, collective_timeout_s=20)))
+    path.write_text(dumps_toml(dataclasses.replace(config, collective_timeout_s=10)))
     launcher, tree, rank1 = _start(path, out)
     rank1.send_signal(signal.SIGSTOP)  # a wedged process: alive, never answering
     stderr = _wait_gone(launcher, tree, within=120)
@@ -131,7 +131,7 @@ def test_a_frozen_worker_is_named_after_the_collective_timeout(tmp_path, tiny_co
     assert waited.startswith(
         f"leanlm: error (process 0): process 1 (PID {rank1.pid}, last seen at pretrain step "
     ), stderr
-    assert "stopped answering: waited 20 s (`collective_timeout_s`) for it in a collective" in (
+    assert "stopped answering: waited 10 s (`collective_timeout_s`) for it in a collective" in (
         waited
     )
     assert ended == f"leanlm: ended process 1 (PID {rank1.pid}), which had stopped answering"
