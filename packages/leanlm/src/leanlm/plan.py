@@ -1,32 +1,12 @@
-"""`leanlm plan`: each configured stage's memory-heavy step at full size, without the memory.
+"""`leanlm plan`: each configured stage's peak memory per process, planned at full size on a CPU.
 
-Every model is built from `config.json` alone (`init_model`'s, or `[model]` with the
-`[tokenizer]` vocabulary) under `FakeTensorMode`: tensors carry shapes and dtypes, no data, so
-an 8B model "fits" on a laptop. Each stage then runs the step that needs the most memory, with
-the run's settings, while torch's `MemTracker` counts the live bytes by kind
-(`torch.distributed._tools.mem_tracker`; the recipe shard-zero's simulator uses):
-
-- `pretrain`, `control`: a training step of the model (fp32 parameters, `mixed_precision`
-  autocast, the configured optimizer, `activation_checkpointing`), after a warm-up step so that
-  the optimizer state exists;
-- `prune`: importance scoring, prune-distill's own `collect_importance` on one calibration
-  batch (its statistics are running sums) with the input model in the dtype it was saved in,
-  then the pruned model's validation pass with both models held (`leanlm.plan_scoring`; an
-  architecture `search` is not planned);
-- `distill`: a training step of the pruned student (the `[prune]` sizes when `prune` runs
-  first) with the teacher in its checkpoint dtype (`teacher = "online"`) or one micro-batch of
-  cached top-k logits (`"cached"`, no teacher);
-- `sparsify`: the one-shot pruning, sparse-kernels' own `sparsify_` with every calibration
-  batch (the layer-by-layer pass holds all their hidden states and one layer's statistics) in
-  the input model's dtype, and its validation pass (`leanlm.plan_scoring`); then, with
-  `steps`, a fine-tune step of the fp32 model with its masks (made by magnitude here: every
-  method's masks take the same bytes).
-
-A training stage also runs a validation pass at `eval_batch_size` with its optimizer state held.
-A stage's peak is the largest of its phases' (`scoring`, `evaluate`, `one_shot_evaluate`, and a
-training step's `forward`, `backward`, `optimizer`); each phase's peak and parts are kept too.
-One process is planned (several processes: `--processes` sets the global batch and data
-shards, but the engines' sharding is not simulated here; shard-zero's simulator does it).
+Why: a user learns whether a run fits before renting GPUs. Models are built from `config.json`
+alone under `FakeTensorMode` (shapes and dtypes, no data), and each stage runs its memory-heavy
+passes with the run's settings while torch's `MemTracker` counts live bytes by kind: training
+stages a warm step and a validation pass; `prune` importance scoring and the pruned model's
+validation; `sparsify` the one-shot pass (`leanlm.plan_scoring`) and its fine-tune step. A
+stage's peak is its largest phase. One process is planned: engines' sharding is shard-zero's
+simulator's job.
 """
 
 from __future__ import annotations
