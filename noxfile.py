@@ -129,12 +129,9 @@ def _pytest_env() -> dict[str, str]:
     return {"TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
-PARALLEL: dict[str, tuple[str, ...]] = {}
-"""Suites split over pytest-xdist workers, e.g. `{"leanlm": ("-n", "2", "--dist", "worksteal")}`
-(the package's test group must list pytest-xdist). Empty: leanlm's suite took 6:38 on 2 workers
-against ~9 min serially, but its killed-worker test (test_worker_failures.py) failed once that
-way, with a third `leanlm:` line in the launcher's report, and never serially: serial until that
-is understood."""
+PARALLEL: dict[str, tuple[str, ...]] = {"leanlm": ("-n", "2", "--dist", "worksteal")}
+"""Suites split over pytest-xdist workers (the package's test group must list pytest-xdist; its
+tests must not share ports, the working directory or files outside their tmp folders)."""
 
 
 @nox.session(venv_backend="none", tags=["ci"])
