@@ -254,7 +254,7 @@ def test_presets_have_the_published_parameter_counts() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
-    assert set(PRESETS) == {"llama-3-8b", "llama-3-70b", "qwen2-7b", "mistral-7b"}
+    assert set(PRESETS) == {"tinyllama-1.1b", "llama-3-8b", "llama-3-70b", "qwen2-7b", "mistral-7b"}
     for name, expected in PRESET_PARAMS.items():
         with FakeTensorMode():
             model = AutoModelForCausalLM.from_config(model_config(name))

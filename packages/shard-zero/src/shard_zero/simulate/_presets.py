@@ -12,6 +12,21 @@ from pathlib import Path
 from typing import Any
 
 PRESETS: dict[str, dict[str, Any]] = {
+    # TinyLlama/TinyLlama-1.1B (the shape of the world-1 GPU run, benchmarks/RESULTS.md §3):
+    # 1,100,048,384 parameters
+    "tinyllama-1.1b": {
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
     # meta-llama/Meta-Llama-3-8B: 8,030,261,248 parameters
     "llama-3-8b": {
         "model_type": "llama",
@@ -72,6 +87,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 PRESET_PARAMS = {
+    "tinyllama-1.1b": 1_100_048_384,
     "llama-3-8b": 8_030_261_248,
     "llama-3-70b": 70_553_706_496,
     "qwen2-7b": 7_615_616_512,

@@ -39,8 +39,8 @@ class SimConfig:
     """What to simulate.
 
     Attributes:
-        model: a preset (`llama-3-8b`, `llama-3-70b`, `qwen2-7b`, `mistral-7b`) or the path of a
-            Hugging Face `config.json`.
+        model: a preset (`tinyllama-1.1b`, `llama-3-8b`, `llama-3-70b`, `qwen2-7b`,
+            `mistral-7b`) or the path of a Hugging Face `config.json`.
         num_layers: keep only this many decoder layers (None: all).
         world_size: data-parallel ranks.
         stages: the shard-zero stages to run.
