@@ -1,4 +1,5 @@
 import dataclasses
+import hashlib
 import os
 import shutil
 from collections.abc import Callable
@@ -104,6 +105,29 @@ def shared_folder(tmp_path_factory):
                 build(folder)
                 done.touch()
         return folder
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_run(shared_folder):
+    """`reference_run(config)`: the folder of `leanlm run` of `config` on 1 process, run once
+    per test session for every test that asks for the same config (on any xdist worker): the
+    uninterrupted 1-process runs that multi-process runs are compared with. Shared: read it,
+    copy it to change it."""
+    from leanlm.config import dumps_toml
+    from leanlm_testing.cli_runs import run_leanlm
+
+    def get(config: RunConfig) -> Path:
+        toml = dumps_toml(config)
+
+        def build(folder):
+            (folder / "run.toml").write_text(toml)
+            done = run_leanlm("run", folder / "run.toml", "--out", folder / "run")
+            assert done.returncode == 0, done.stderr[-3000:]
+
+        name = f"run-{hashlib.sha256(toml.encode()).hexdigest()[:16]}"
+        return shared_folder(name, build) / "run"
 
     return get
 

@@ -53,19 +53,22 @@ def _losses(run_dir):
     [("adamw", 0, False), ("came", 2, False), ("adafactor", 3, False), ("came", 3, True)],
 )
 def test_two_processes_match_one_with_the_same_global_batch(
-    tmp_path, tiny_config, optimizer, zero_stage, offload
+    tmp_path, tiny_config, reference_run, optimizer, zero_stage, offload
 ):
     # Global batch 8 either way: 1 process x 4 sequences x 2 accumulation steps, or
     # 2 processes x 4 sequences x 1 step (gradients averaged over gloo by DDP or shard-zero),
     # or (offload) 2 processes x 2 sequences x 2 micro-batches, the first under no_sync with
-    # the sharded accumulator in host memory.
+    # the sharded accumulator in host memory. The 1-process run (checkpoints and evaluations
+    # every 10 steps, as in test_fsdp2.py) is shared with the other cases and files that ask
+    # for the same config.
     common = {"steps": 20, "micro_batch_size": 4, "optimizer": optimizer}
+    common |= {"checkpoint_every": 10, "eval_every": 10}
     one = tiny_config(pretrain={**common, "grad_accum_steps": 2})
     sharded = {"grad_accum_steps": 1, "zero_stage": zero_stage}
     if offload:
         sharded |= {"micro_batch_size": 2, "grad_accum_steps": 2, "zero_offload_accum": True}
     two = tiny_config(pretrain={**common, **sharded})
-    _leanlm_run(tmp_path, "one", one, processes=1)
+    one_dir = reference_run(one)
     log = _leanlm_run(tmp_path, "two", two, processes=2)
     expected = f"on 2 process(es) ZeRO-{zero_stage}" if zero_stage else "on 2 process(es) DDP"
     assert expected in log
@@ -77,10 +80,8 @@ def test_two_processes_match_one_with_the_same_global_batch(
     # fp32 sums in a different order (per-rank then all-reduce vs. sequential accumulation, and
     # for the sharded runs cross-rank sums of the factored statistics) perturb gradients by
     # ~1e-7 relative; over 20 steps that stays below 1e-5 in the loss.
-    torch.testing.assert_close(
-        _losses(tmp_path / "two"), _losses(tmp_path / "one"), atol=1e-5, rtol=1e-5
-    )
-    a = load_file(tmp_path / "one" / "pretrain" / "model" / "model.safetensors")
+    torch.testing.assert_close(_losses(tmp_path / "two"), _losses(one_dir), atol=1e-5, rtol=1e-5)
+    a = load_file(one_dir / "pretrain" / "model" / "model.safetensors")
     b = load_file(tmp_path / "two" / "pretrain" / "model" / "model.safetensors")
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=2e-5, rtol=1e-4, msg=name)

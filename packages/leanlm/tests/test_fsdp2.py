@@ -47,11 +47,9 @@ def _scenario(tmp_path, scenario, *args, **kwargs):
     return scenario(folder, *args, **kwargs)
 
 
-def _one_then_two(tmp_path, one, two, env, label="FSDP2"):
-    """Run config `one` in 1 process into `one/`, then `two` sharded (`label`) in 2 into `two/`."""
-    (tmp_path / "one.toml").write_text(dumps_toml(one))
+def _two(tmp_path, two, env, label="FSDP2"):
+    """Run config `two` sharded (`label`) in 2 processes into `two/`; its output."""
     (tmp_path / "two.toml").write_text(dumps_toml(two))
-    _run(["run", tmp_path / "one.toml", "--out", tmp_path / "one"], processes=1, env=env)
     log = _run(["run", tmp_path / "two.toml", "--out", tmp_path / "two"], processes=2, env=env)
     assert f"on 2 process(es) {label}" in log
     return log
@@ -72,16 +70,20 @@ def _weights(run_dir):
 _STATE_BYTES = {"adamw": 12, "came": 8, "adafactor": 4}
 
 
-def _one_vs_two_then_resume(tmp_path, tiny_config, optimizer, *, steps, atol, rtol, weights):
-    # Global batch 8 either way: 1 process x 4 sequences x 2 accumulation steps, or
-    # 2 FSDP2 processes x 4 sequences x 1 step (gradients reduce-scattered and averaged).
+def _one_vs_two_then_resume(
+    tmp_path, tiny_config, reference_run, optimizer, *, steps, atol, rtol, weights
+):
+    # Global batch 8 either way: 1 process x 4 sequences x 2 accumulation steps (the shared
+    # `reference_run`), or 2 FSDP2 processes x 4 sequences x 1 step (gradients
+    # reduce-scattered and averaged).
     every = steps // 2
     common = {"steps": steps, "micro_batch_size": 4, "optimizer": optimizer}
     common |= {"checkpoint_every": every, "eval_every": every}
     one = tiny_config(pretrain={**common, "grad_accum_steps": 2})
     two = tiny_config(pretrain={**common, "grad_accum_steps": 1, "engine": "fsdp2"})
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    log = _one_then_two(tmp_path, one, two, env)
+    one_dir = reference_run(one)
+    log = _two(tmp_path, two, env)
 
     result = json.loads((tmp_path / "two" / "pretrain" / "result.json").read_text())
     assert result["metrics"]["processes"] == 2
@@ -92,11 +94,11 @@ def _one_vs_two_then_resume(tmp_path, tiny_config, optimizer, *, steps, atol, rt
     assert 0.45 * full_bytes < result["metrics"]["model_state_mib"] * 2**20 < 0.6 * full_bytes
     losses = [
         torch.tensor([r["loss"] for r in _rows(d) if "loss" in r], dtype=torch.float64)
-        for d in (tmp_path / "one", tmp_path / "two")
+        for d in (one_dir, tmp_path / "two")
     ]
     assert len(losses[0]) == steps
     torch.testing.assert_close(losses[1], losses[0], atol=atol, rtol=rtol)
-    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    a, b = _weights(one_dir), _weights(tmp_path / "two")
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], **weights, msg=name)
@@ -123,7 +125,7 @@ def _one_vs_two_then_resume(tmp_path, tiny_config, optimizer, *, steps, atol, rt
 
 
 @pytest.mark.distributed
-def test_fsdp2_two_processes_match_one_and_resume_exactly(tmp_path, tiny_config):
+def test_fsdp2_two_processes_match_one_and_resume_exactly(tmp_path, tiny_config, reference_run):
     # fp32 sums in a different order (per-rank then reduce-scatter vs. sequential accumulation)
     # perturb gradients by ~1e-7 relative; over 20 steps that stays below 1e-5 in the loss.
     weights = {"atol": 2e-5, "rtol": 1e-4}
@@ -131,6 +133,7 @@ def test_fsdp2_two_processes_match_one_and_resume_exactly(tmp_path, tiny_config)
         tmp_path,
         _one_vs_two_then_resume,
         tiny_config,
+        reference_run,
         "adamw",
         steps=20,
         atol=1e-5,
@@ -142,7 +145,7 @@ def test_fsdp2_two_processes_match_one_and_resume_exactly(tmp_path, tiny_config)
 @pytest.mark.distributed
 @pytest.mark.parametrize("optimizer", ["came", pytest.param("adafactor", marks=pytest.mark.slow)])
 def test_fsdp2_factored_optimizers_match_one_process_and_resume_exactly(
-    tmp_path, tiny_config, optimizer
+    tmp_path, tiny_config, reference_run, optimizer
 ):
     # The sharded step all-reduces the column sums and the RMS sums over the two shards of each
     # matrix (`optim_adafactor.dtensor`) and FSDP2 averages the gradients in another order, so
@@ -155,6 +158,7 @@ def test_fsdp2_factored_optimizers_match_one_process_and_resume_exactly(
         tmp_path,
         _one_vs_two_then_resume,
         tiny_config,
+        reference_run,
         optimizer,
         steps=12,
         atol=1e-5,
@@ -360,18 +364,19 @@ def _sparse_losses(run_dir):
 @pytest.mark.distributed
 @pytest.mark.parametrize("engine", ["fsdp2", "zero"])
 def test_sharded_sparse_fine_tune_holds_masks_matches_one_process_and_resumes(
-    tmp_path, tiny_config, engine
+    tmp_path, tiny_config, reference_run, engine
 ):
-    _scenario(tmp_path, _sparse_one_vs_two_then_resume, tiny_config, engine)
+    _scenario(tmp_path, _sparse_one_vs_two_then_resume, tiny_config, reference_run, engine)
 
 
-def _sparse_one_vs_two_then_resume(tmp_path, tiny_config, engine):
-    # The 1-process run pretrains briefly, then prunes 2:4 (Wanda) and fine-tunes with CAME
-    # (global batch 8 as 1 x 4 x 2); the sharded run (2 x 4 x 1, FSDP2 or ZeRO-3) starts its
-    # sparsify stage from that pretrained model (`init_model`): both prune the same weights
-    # with the same calibration batches, so their masks must be identical and their training
-    # equal. ZeRO-3 frees the gathered weights between uses: the export is written from
-    # `shard_zero.full_state_dict`, as FSDP2's from the gathered state dict.
+def _sparse_one_vs_two_then_resume(tmp_path, tiny_config, reference_run, engine):
+    # The 1-process run (the same for both engines: `reference_run`) pretrains briefly, then
+    # prunes 2:4 (Wanda) and fine-tunes with CAME (global batch 8 as 1 x 4 x 2); the sharded
+    # run (2 x 4 x 1, FSDP2 or ZeRO-3) starts its sparsify stage from that pretrained model
+    # (`init_model`): both prune the same weights with the same calibration batches, so their
+    # masks must be identical and their training equal. ZeRO-3 frees the gathered weights
+    # between uses: the export is written from `shard_zero.full_state_dict`, as FSDP2's from
+    # the gathered state dict.
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from leanlm.config import SparsifyConfig
@@ -385,28 +390,29 @@ def _sparse_one_vs_two_then_resume(tmp_path, tiny_config, engine):
         pretrain={"steps": 6, "checkpoint_every": 0},
         sparsify=SparsifyConfig(**train, grad_accum_steps=2),
     )
+    one_dir = reference_run(one)
     two = tiny_config(
         stages=("sparsify",),
-        init_model=str(tmp_path / "one" / "pretrain" / "model"),
+        init_model=str(one_dir / "pretrain" / "model"),
         sparsify=SparsifyConfig(**train, grad_accum_steps=1, **_SHARDING[engine]),
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     label = "FSDP2" if engine == "fsdp2" else "ZeRO-3"
-    log = _one_then_two(tmp_path, one, two, env, label=label)
+    log = _two(tmp_path, two, env, label=label)
     result = json.loads((tmp_path / "two" / "sparsify" / "result.json").read_text())
     assert result["metrics"]["parallel"] == label
 
     # training: the masked forward and the sharded updates equal one process's (CAME's
     # tolerances in the test above; a forward that skipped the masks fails here)
     losses = _sparse_losses(tmp_path / "two")
-    reference = _sparse_losses(tmp_path / "one")
+    reference = _sparse_losses(one_dir)
     assert len(reference) == steps
     torch.testing.assert_close(losses, reference, atol=1e-5, rtol=1e-5)
     weights, packed, info, compact = _sparse_export(tmp_path / "two")
-    ref_weights, ref_packed, ref_info, ref_compact = _sparse_export(tmp_path / "one")
+    ref_weights, ref_packed, ref_info, ref_compact = _sparse_export(one_dir)
     for name in ("config.json", "generation_config.json"):
         written = (tmp_path / "two" / "sparsify" / "model" / name).read_text()
-        assert written == (tmp_path / "one" / "sparsify" / "model" / name).read_text(), name
+        assert written == (one_dir / "sparsify" / "model" / name).read_text(), name
     # the masks: bit for bit the 1-process run's, on all 7 Linears of both decoder layers
     assert info == ref_info
     assert len(info["masks"]) == 7 * 2
@@ -415,7 +421,7 @@ def _sparse_one_vs_two_then_resume(tmp_path, tiny_config, engine):
         assert torch.equal(packed[name], ref_packed[name]), name
     # the export is the whole gathered model (every tensor at full shape) and equals the
     # 1-process run's; its masked weights are zero exactly where the masks prune
-    pretrained = load_file(tmp_path / "one" / "pretrain" / "model" / "model.safetensors")
+    pretrained = load_file(one_dir / "pretrain" / "model" / "model.safetensors")
     assert weights.keys() == ref_weights.keys()
     tolerance = {"atol": 1e-6, "rtol": 1e-5}
     for name in weights:
