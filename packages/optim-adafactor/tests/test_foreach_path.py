@@ -7,6 +7,7 @@ reported step size must be equal bit for bit (torch's own parity: test_parity.py
 import pytest
 import torch
 
+from leanlm_testing.kernels import no_host_sync
 from optim_adafactor import Adafactor, _foreach_path
 
 # odd, one row, one column, 3-D and 4-D (factored over the last two dims), a vector, a scalar
@@ -90,9 +91,5 @@ def test_cuda_batched_step_makes_no_host_sync() -> None:
     for p in batched:
         p.grad = torch.randn_like(p)
     opt.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         opt.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from leanlm_testing import assert_verbose_allclose
-from leanlm_testing.kernels import KERNEL_SHAPES, device_or_skip
+from leanlm_testing.kernels import KERNEL_SHAPES, device_or_skip, no_host_sync
 from optim_adafactor import Adafactor, _kernels
 from optim_adafactor._kernels import apply_reference, stats_reference, sumsq_reference
 
@@ -178,9 +178,5 @@ def test_fused_step_makes_no_host_sync() -> None:
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()  # compile the kernels first
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         opt.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from leanlm_testing import assert_verbose_allclose
+from leanlm_testing.kernels import no_host_sync
 from sparse_kernels import BlockSparseLinear
 from sparse_kernels import _bsr_hopper as H
 from sparse_kernels import _bsr_hopper_dw as HW
@@ -300,10 +301,6 @@ def test_sm90_steady_state_call_has_no_host_sync_gpu(monkeypatch):
     x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
     torch.autograd.grad(layer(x), (x, layer.values, layer.bias), dy)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         torch.autograd.grad(layer(x), (x, layer.values, layer.bias), dy)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()

@@ -258,3 +258,14 @@ def check_fused_matches_torch_multi(
 
     fused, _ = check_fused_matches_torch(make, shapes, dtype, steps=steps)
     assert bool(fused._multi_cache) == multi_tensor  # type: ignore[attr-defined]
+
+
+@contextmanager
+def no_host_sync() -> Iterator[None]:
+    """CUDA work inside raises on any device -> host synchronization (torch's sync debug mode)."""
+    torch.cuda.synchronize()  # what came before may sync; only the block is checked
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
