@@ -1,17 +1,20 @@
 """Checks of a package that loads its exports on first use (a module `__getattr__`).
 
-Such a package keeps `_SOURCE`, a table from each exported name to the submodule that defines it.
-`check_lazy_exports` checks that every export is that submodule's object, and that the exported
-functions named like a submodule stay the functions once the submodule is imported (as eager
-imports gave), in this process and in a fresh one.
+Such a package lists its exports in `__init__.pyi` (``from .submodule import name as name``, as
+`lazy_loader.attach_stub` reads them). `check_lazy_exports` checks that every export is the
+object of the submodule the stub names, and that the exported functions named like a submodule
+stay the functions once the submodule is imported (as eager imports gave), in this process and
+in a fresh one.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -27,7 +30,7 @@ def run_python(code: str) -> list[str]:
 def check_lazy_exports(
     package: ModuleType, functions: Mapping[str, str], from_submodule: tuple[str, str]
 ) -> None:
-    """Every name in `package.__all__` is the object of its `_SOURCE` submodule.
+    """Every name in `package.__all__` is the object of the submodule its `__init__.pyi` names.
 
     `functions`: each exported function named like a submodule, with the module that defines
     it; after the submodules are imported, the package's attribute is still that function, here
@@ -35,7 +38,15 @@ def check_lazy_exports(
     importable by the submodule's full name (`from package.submodule import name`).
     """
     pkg = package.__name__
-    source_of: Mapping[str, str] = package._SOURCE
+    assert package.__file__ is not None
+    stub = ast.parse(Path(package.__file__).with_suffix(".pyi").read_text())
+    source_of = {
+        alias.name: node.module
+        for node in stub.body
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
+        for alias in node.names
+    }
+    assert sorted(source_of) == package.__all__, "`__all__` is not the stub's names"
     for name in functions:
         importlib.import_module(f"{pkg}.{name}")
     for name in package.__all__:
