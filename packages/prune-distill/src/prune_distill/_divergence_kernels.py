@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from prune_distill._kl_kernels import DTYPES, HAS_TRITON, block_and_warps, check_inputs
+from prune_distill._kl_kernels import DTYPES, HAS_TRITON, block_and_warps, launch
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from prune_distill._kl_kernels import online_lse, row_starts, scaled_block
+    from prune_distill._kl_kernels import kl_sweep, online_lse, row_starts, scaled_block
 
     @triton.jit
     def log_mixture(log_p, log_q, log_beta, log_1m_beta):  # type: ignore[no-untyped-def]
@@ -43,28 +43,13 @@ if HAS_TRITON:
     ):  # fmt: skip
         """Row ``pid``: ``loss = T²·w·KL(q || p)``, ``grad = w·T·q·(log q - log p - KL)``.
 
-        ``KL(q || p) = Σ_v q_v (a_v - b_v) - lse(a) + lse(b)``: sweep 1 keeps online (max, Σexp)
-        for ``a`` and ``b`` and ``Σ exp(a - m_a)(a - b)`` rescaled with ``a``'s running max (the
-        forward kernel with the roles swapped); sweep 2 writes the gradient.
+        Sweep 1 is `kl_sweep` with the student first (the forward kernel's roles swapped);
+        sweep 2 writes the gradient.
         """
         row, s_row, t_row = row_starts(s_ptr, t_ptr, stride_s, stride_t)
-        m_s = float("-inf")  # running max of a = s/T
-        d_s = 0.0  # Σ exp(a - m_s)
-        m_t = float("-inf")  # running max of b = t/T
-        d_t = 0.0  # Σ exp(b - m_t)
-        acc = 0.0  # Σ exp(a - m_s) · (a - b)
-        for start in range(0, n_cols, BLOCK_V):
-            cols, valid, a, b = scaled_block(s_row, t_row, start, n_cols, inv_temp, BLOCK_V)
-            a_x = tl.where(valid, a, float("-inf"))
-            b_x = tl.where(valid, b, float("-inf"))
-            # e_s is 0 on padding lanes, where a - b = 0 - 0 as well
-            m_s, d_s, alpha, e_s = online_lse(m_s, d_s, a_x)
-            acc = acc * alpha + tl.sum(e_s * (a - b), axis=0)
-            m_t, d_t, _, _ = online_lse(m_t, d_t, b_x)
-        lse_s = m_s + tl.log(d_s)
-        lse_t = m_t + tl.log(d_t)
+        lse_s, lse_t, e_diff = kl_sweep(s_row, t_row, n_cols, inv_temp, BLOCK_V)
+        kl = e_diff - lse_s + lse_t
         w = tl.load(w_ptr + row).to(tl.float32)
-        kl = acc / d_s - lse_s + lse_t
         tl.store(loss_ptr + row, kl * w * temp * temp)
         if HAS_GRAD:
             g_row = grad_ptr + row * stride_g
@@ -249,22 +234,9 @@ def fused_divergence(
             f"`beta` ({beta}) must be strictly between 0 and 1 for the JSD kernel (0 and 1 are "
             "the forward and reverse KL: use those kernels)"
         )
-    s, t = check_inputs(student, teacher, weights)
-    n, v = s.shape
-    loss = torch.zeros(n, dtype=torch.float32, device=s.device)
-    grad = torch.empty((n, v), dtype=s.dtype, device=s.device) if need_grad else None
-    if n == 0 or v == 0:
-        return loss, None if grad is None else grad.zero_()
-    block, warps = block_and_warps(v)
-    common = (
-        s, t, weights.float().contiguous(), grad if grad is not None else loss, loss,
-        v, s.stride(0), t.stride(0), v, 1.0 / temperature, float(temperature),
-    )  # fmt: skip
     if kind == "reverse_kl":
-        _reverse_kl_kernel[(n,)](*common, HAS_GRAD=need_grad, BLOCK_V=block, num_warps=warps)
-    else:
-        _jsd_kernel[(n,)](
-            *common, float(beta), math.log(beta), math.log1p(-beta),
-            HAS_GRAD=need_grad, BLOCK_V=block, num_warps=warps,
-        )  # fmt: skip
-    return loss, grad
+        kernel = _reverse_kl_kernel if HAS_TRITON else None
+        return launch(kernel, student, teacher, weights, temperature, need_grad=need_grad)
+    kernel = _jsd_kernel if HAS_TRITON else None
+    extra = (float(beta), math.log(beta), math.log1p(-beta))
+    return launch(kernel, student, teacher, weights, temperature, *extra, need_grad=need_grad)

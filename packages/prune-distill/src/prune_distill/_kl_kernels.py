@@ -72,37 +72,44 @@ if HAS_TRITON:
         return cols, valid, a, b
 
     @triton.jit  # type: ignore[untyped-decorator]
+    def kl_sweep(x_row, y_row, n_cols, inv_temp, BLOCK_V: tl.constexpr):  # type: ignore[no-untyped-def]
+        """``(lse(x), lse(y), E[x - y])`` of rows ``x``, ``y`` times ``1/T``, E under softmax(x).
+
+        ``KL(softmax(x) || softmax(y)) = E[x - y] - lse(x) + lse(y)``, from one read of both rows:
+        online (max, Σexp) of each and ``acc = Σ exp(x - m_x)(x - y)`` rescaled with ``x``'s
+        running max (``E[x - y] = acc / Σexp_x``). Sums are fp32 in vocabulary order; exponents
+        are of ``x - running max <= 0``, so ±1e4 logits cannot overflow; padding lanes read
+        ``-inf`` (``exp`` gives 0) and 0 for ``x - y``.
+        """
+        m_x = float("-inf")  # running max of x
+        d_x = 0.0  # Σ exp(x - m_x)
+        m_y = float("-inf")
+        d_y = 0.0
+        acc = 0.0  # Σ exp(x - m_x) · (x - y)
+        for start in range(0, n_cols, BLOCK_V):
+            _, valid, x, y = scaled_block(x_row, y_row, start, n_cols, inv_temp, BLOCK_V)
+            # e_x is 0 on padding lanes, where x - y = 0 - 0 as well
+            m_x, d_x, alpha, e_x = online_lse(m_x, d_x, tl.where(valid, x, float("-inf")))
+            m_y, d_y, _, _ = online_lse(m_y, d_y, tl.where(valid, y, float("-inf")))
+            acc = acc * alpha + tl.sum(e_x * (x - y), axis=0)
+        lse_x = m_x + tl.log(d_x)
+        lse_y = m_y + tl.log(d_y)
+        return lse_x, lse_y, acc / d_x
+
+    @triton.jit  # type: ignore[untyped-decorator]
     def _forward_kl_kernel(  # type: ignore[no-untyped-def]
         s_ptr, t_ptr, w_ptr, grad_ptr, loss_ptr, n_cols, stride_s, stride_t, stride_g, inv_temp,
         temp, HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
     ):  # fmt: skip
         """Row ``pid``: ``loss = T²·w·KL(softmax(t/T) || softmax(s/T))``, ``grad = w·T·(q - p)``.
 
-        Sweep 1 keeps an online (max, Σexp) for ``a`` and ``b`` plus ``Σ exp(b - m_b)(b - a)``
-        rescaled with ``b``'s running max, so ``KL = acc / Σexp_b + lse(a) - lse(b)`` comes from
-        one read of both rows; sweep 2 (only with a gradient) re-reads them and writes ``grad``
-        in the logits' dtype. Sums are fp32 in vocabulary order; exponents are of ``x - running
-        max <= 0``, so ±1e4 logits cannot overflow; padding lanes read ``-inf`` (``exp`` gives 0)
-        and 0 for ``b - a``, so they add nothing.
+        Sweep 1 is `kl_sweep` with the teacher first; sweep 2 (only with a gradient) re-reads
+        both rows and writes ``grad`` in the logits' dtype.
         """
         row, s_row, t_row = row_starts(s_ptr, t_ptr, stride_s, stride_t)
-        m_s = float("-inf")  # running max of a = s/T
-        d_s = 0.0  # Σ exp(a - m_s)
-        m_t = float("-inf")  # running max of b = t/T
-        d_t = 0.0  # Σ exp(b - m_t)
-        acc = 0.0  # Σ exp(b - m_t) · (b - a)
-        for start in range(0, n_cols, BLOCK_V):
-            cols, valid, a, b = scaled_block(s_row, t_row, start, n_cols, inv_temp, BLOCK_V)
-            a_x = tl.where(valid, a, float("-inf"))
-            b_x = tl.where(valid, b, float("-inf"))
-            m_s, d_s, _, _ = online_lse(m_s, d_s, a_x)
-            # e_t is 0 on padding lanes, where b - a = 0 - 0 as well
-            m_t, d_t, alpha, e_t = online_lse(m_t, d_t, b_x)
-            acc = acc * alpha + tl.sum(e_t * (b - a), axis=0)
-        lse_s = m_s + tl.log(d_s)
-        lse_t = m_t + tl.log(d_t)
+        lse_t, lse_s, e_diff = kl_sweep(t_row, s_row, n_cols, inv_temp, BLOCK_V)
+        kl = e_diff + lse_s - lse_t
         w = tl.load(w_ptr + row).to(tl.float32)
-        kl = acc / d_t + lse_s - lse_t
         tl.store(loss_ptr + row, kl * w * temp * temp)
         if HAS_GRAD:
             g_row = grad_ptr + row * stride_g
@@ -168,7 +175,7 @@ if HAS_TRITON:
 def check_inputs(student: Tensor, teacher: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
     """Validate a fused loss's inputs; `(student, teacher)` with unit stride along V.
 
-    Shared by the launchers here and in `_divergence_kernels`; raises as `fused_kl` documents.
+    `launch` checks every fused loss's inputs with it; raises as `fused_kl` documents.
     """
     if not available(student.device):
         raise ValueError(
@@ -215,6 +222,26 @@ def fused_kl(
         ValueError: for shapes, devices or strides the kernel cannot take, or no Triton backend.
         TypeError: for a dtype other than fp32/bf16/fp16.
     """
+    return launch(
+        _forward_kl_kernel if HAS_TRITON else None, student, teacher, weights, temperature,
+        need_grad=need_grad,
+    )  # fmt: skip
+
+
+def launch(
+    kernel: Any,
+    student: Tensor,
+    teacher: Tensor,
+    weights: Tensor,
+    temperature: float,
+    *extra: float,
+    need_grad: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Check the inputs, allocate ``(loss_rows, grad)`` and run `kernel` one program per row.
+
+    The launcher of every fused loss here and in `_divergence_kernels`: their kernels take the
+    same leading arguments, then `extra` (JSD's β terms), then ``HAS_GRAD`` and ``BLOCK_V``.
+    """
     s, t = check_inputs(student, teacher, weights)
     n, v = s.shape
     loss = torch.zeros(n, dtype=torch.float32, device=s.device)
@@ -222,9 +249,9 @@ def fused_kl(
     if n == 0 or v == 0:
         return loss, None if grad is None else grad.zero_()
     block, warps = block_and_warps(v)
-    _forward_kl_kernel[(n,)](
+    kernel[(n,)](
         s, t, weights.float().contiguous(), grad if grad is not None else loss, loss,
-        v, s.stride(0), t.stride(0), v, 1.0 / temperature, float(temperature),
+        v, s.stride(0), t.stride(0), v, 1.0 / temperature, float(temperature), *extra,
         HAS_GRAD=need_grad, BLOCK_V=block, num_warps=warps,
     )  # fmt: skip
     return loss, grad
