@@ -159,16 +159,10 @@ def jsd(
     the loss finite (``m >= (1-β) q``) and runs on the chunked path. The other arguments are
     `forward_kl`'s. Returns a scalar fp32 loss.
     """
-    check_loss("jsd", beta, top_k=isinstance(teacher, tuple))
-    kw: dict[str, Any] = {
-        "mask": mask, "temperature": temperature, "chunk_size": chunk_size, "backend": backend,
-    }  # fmt: skip
-    if beta == 0.0:
-        return forward_kl(student_logits, teacher, **kw)
-    if beta == 1.0:
-        assert isinstance(teacher, torch.Tensor)  # check_loss refused a top-k teacher
-        return reverse_kl(student_logits, teacher, **kw)
-    return _divergence("jsd", student_logits, teacher, beta=beta, **kw)
+    return divergence(
+        student_logits, teacher, loss="jsd", beta=beta, mask=mask, temperature=temperature,
+        chunk_size=chunk_size, backend=backend,
+    )  # fmt: skip
 
 
 def divergence(
@@ -189,12 +183,14 @@ def divergence(
     out of range, and for a reverse KL against a top-k teacher.
     """
     check_loss(loss, beta, top_k=isinstance(teacher, tuple))
+    if loss == "jsd" and beta in (0.0, 1.0):  # JSD's endpoints are the two KLs
+        loss = "forward_kl" if beta == 0.0 else "reverse_kl"
     kw: dict[str, Any] = {
         "mask": mask, "temperature": temperature, "chunk_size": chunk_size, "backend": backend,
     }  # fmt: skip
     if loss == "forward_kl":
         return forward_kl(student_logits, teacher, **kw)
     if loss == "reverse_kl":
-        assert isinstance(teacher, torch.Tensor)
+        assert isinstance(teacher, torch.Tensor)  # check_loss refused a top-k teacher
         return reverse_kl(student_logits, teacher, **kw)
-    return jsd(student_logits, teacher, beta=beta, **kw)
+    return _divergence("jsd", student_logits, teacher, beta=beta, **kw)
