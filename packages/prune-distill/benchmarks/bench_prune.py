@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from leanlm_testing import bench
+from leanlm_testing.models import random_batches, tiny_llama
 from prune_distill import PruneTarget, collect_importance, forward_kl, prune
 
 
@@ -57,8 +57,7 @@ class Result:
 
 
 def run(cfg: BenchConfig) -> dict[str, Any]:
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    model = tiny_llama(  # seed 0, eval mode
         vocab_size=cfg.vocab,
         hidden_size=cfg.hidden,
         intermediate_size=cfg.ffn,
@@ -68,13 +67,10 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
         max_position_embeddings=cfg.seq_len,
         tie_word_embeddings=True,
     )
-    model = LlamaForCausalLM(config).eval()
     n_params = sum(p.numel() for p in model.parameters())
-    gen = torch.Generator().manual_seed(0)
-    batches = [
-        {"input_ids": torch.randint(0, cfg.vocab, (cfg.batch_size, cfg.seq_len), generator=gen)}
-        for _ in range(cfg.batches)
-    ]
+    batches = random_batches(
+        cfg.vocab, batches=cfg.batches, batch_size=cfg.batch_size, seq_len=cfg.seq_len
+    )
     tokens = cfg.batches * cfg.batch_size * cfg.seq_len
     results: list[Result] = []
 

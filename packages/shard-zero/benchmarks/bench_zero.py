@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
 from leanlm_testing import bench
+from leanlm_testing.models import tiny_llama
 
 SYSTEMS = (
     "ddp",
@@ -112,11 +113,8 @@ def deepspeed_available() -> str:
 
 
 def llama(cfg: BenchConfig) -> Any:
-    """The benchmark's Llama, identical in every process (seed 0)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    """The benchmark's Llama, identical in every process (seed 0), in training mode."""
+    model = tiny_llama(
         vocab_size=cfg.vocab,
         hidden_size=cfg.hidden,
         intermediate_size=cfg.intermediate,
@@ -126,7 +124,7 @@ def llama(cfg: BenchConfig) -> Any:
         max_position_embeddings=cfg.seq,
         tie_word_embeddings=False,
     )
-    return LlamaForCausalLM(config)
+    return model.train()
 
 
 def init_worker(rank: int, world: int, init: str, device: str) -> torch.device:
