@@ -5,8 +5,8 @@ configuration (`sparse_kernels._bsr_launch.kernel_config` / `sdd_splits`, the sa
 launchers use) and priced by `leanlm_testing.roofline.kernel_seconds`: per kernel the slowest of
 tensor-core time, HBM time and L2 time, plus a pipeline fill/drain per wave of programs and a
 launch gap; a step is the sum of its kernels, or the host time to issue them if that is longer.
-`tests/test_roofline.py` checks the predictions against the H100 times of
-`shared/research/gpu-h100.md` section 3.
+`tests/test_roofline.py` checks the predictions against two H100 tables: the sm_80 kernels at
+ca2fc10 (`shared/research/gpu-h100.md` section 3) and both kernel sets at 112dea4.
 
 Counts (bf16 = 2 bytes, fp32 partials = 4, index loads ignored):
 
@@ -18,9 +18,19 @@ Counts (bf16 = 2 bytes, fp32 partials = 4, index loads ignored):
   token tiles of its row at about the same time (token tiles vary fastest in the grid), and dW's
   programs walk the tokens in step, so those re-reads stay in L2.
 * dW with token splits writes fp32 partials that a torch sum reads back (HBM).
+* The sm_90 kernels (`_bsr_hopper`, `_bsr_hopper_dw`) run one program per SM (196 KB of shared
+  memory at block 128) over work items, round after round. Without warp specialization or a
+  TMA store, an item's output tile (256 x b for forward/dX, two b x b tiles for dW, fp32 when
+  split) is stored after its main loop while the tensor cores wait, and every program reaches
+  that store at about the same time: the output bytes are added at HBM bandwidth
+  (`KernelCost.serial_bytes`) instead of overlapping. A round spans sms / token-tiles output
+  blocks that read the same operand rows together, so an operand too large for L2 is read
+  from HBM once per round, not once per block.
 * The dense anchor (cuBLAS) reads each operand and writes once per GEMM, at the GEMM efficiency.
-* Host: a Triton launch or a torch op costs the host `HOST_TRITON_LAUNCH_S` / `HOST_TORCH_OP_S`;
-  the counts of torch ops per call are estimates (`TORCH_OPS`).
+* Host (`HostCosts`): per call plus per Triton launch. `HOST_A_PRIORI` prices a launch and a
+  torch op at `HOST_TRITON_LAUNCH_S` / `HOST_TORCH_OP_S` (op counts: `TORCH_OPS`, estimates);
+  `HOST_H100_112DEA4` (the default) is calibrated on the floor of the 112dea4 run's times, where
+  an sm_90 launch cost about 85 us more than an sm_80 one (host or launch: not separated).
 
 Hardware constants (`leanlm_testing.roofline.kernel_assumptions()`): A100/H100 datasheet peaks,
 the H100 L2 bandwidth (calibrated once on that table), a GEMM efficiency and a per-wave latency.
@@ -96,6 +106,54 @@ class GpuResult:
         return self.useful_tflops / self.dense_tflops
 
 
+@dataclass(frozen=True, kw_only=True)
+class HostCosts:
+    """Fixed time of one `BlockSparseLinear` call outside its kernels, as do_bench times it.
+
+    Host work and launch costs (a do_bench time includes them where they exceed the kernels'):
+    per call besides the Triton launches (autograd, torch ops), and per launch of each set.
+    """
+
+    fwd_s: float
+    fwd_bwd_s: float
+    sm80_launch_s: float
+    sm90_launch_s: float
+
+    def seconds(self, op: str, kernels: str, launches: int) -> float:
+        """Host seconds of a call of `op` with `launches` Triton launches of `kernels`."""
+        call = self.fwd_s if op == "fwd" else self.fwd_bwd_s
+        return call + launches * (self.sm90_launch_s if kernels == "sm90" else self.sm80_launch_s)
+
+    def describe(self) -> str:
+        """One line stating the costs (print it with every prediction made with them)."""
+        us = {k: 1e6 * v for k, v in vars(self).items()}
+        return (
+            f"host per call {us['fwd_s']:.0f} us fwd / {us['fwd_bwd_s']:.0f} us fwd+bwd plus "
+            f"{us['sm80_launch_s']:.0f} us per sm80 and {us['sm90_launch_s']:.0f} us per sm90 "
+            "launch"
+        )
+
+
+#: A priori (`leanlm_testing.roofline`): 15 us per Triton launch, 6 us per torch op
+#: (`TORCH_OPS`). It held on the H100 of the ca2fc10 table (4096^2, 10% tiles: 0.054 ms fwd).
+HOST_A_PRIORI = HostCosts(
+    fwd_s=TORCH_OPS["sparse", "fwd"] * R.HOST_TORCH_OP_S,
+    fwd_bwd_s=TORCH_OPS["sparse", "fwd+bwd"] * R.HOST_TORCH_OP_S,
+    sm80_launch_s=R.HOST_TRITON_LAUNCH_S, sm90_launch_s=R.HOST_TRITON_LAUNCH_S,
+)  # fmt: skip
+#: Calibrated, not derived, on the H100 run at 112dea4 (`tests/data/h100_112dea4.json`): the
+#: floor that rows whose kernels take far less reached (10% tiles at 4096 tokens, most decode
+#: rows): about 0.09 ms per forward and 0.6 ms per forward + backward with the sm_80 kernels,
+#: 0.17 / 0.85 ms with the sm_90 ones: about 85 us more per sm_90 launch (0.08 ms per forward,
+#: 0.25 per forward + backward). Not located: the host time of a decode call was not higher
+#: with sm_90 (0.120 vs 0.139 ms); what an sm_90 launch does that an sm_80 one does not is take
+#: two TMA descriptors built on the host (`TensorDescriptor.from_tensor`, encoded by the
+#: launcher at every call). The floor depends on the host: at f823ada sm_80 decode calls took
+#: 0.011-0.056 ms.
+HOST_H100_112DEA4 = HostCosts(fwd_s=75e-6, fwd_bwd_s=555e-6, sm80_launch_s=15e-6,
+                              sm90_launch_s=100e-6)  # fmt: skip
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -117,11 +175,17 @@ class KernelCost:
     shared_bytes: int = 0
     threads: int = 128
 
+    serial_bytes: float = 0.0
+    """Bytes a persistent program stores after each main loop, not overlapped with loads or dots
+    (the sm_90 kernels: one program per SM, no warp specialization, a plain masked store):
+    priced at HBM bandwidth on top of the busiest resource."""
+
     def seconds(self, gpu: R.Gpu) -> float:
         """Predicted device time on `gpu` (`leanlm_testing.roofline.kernel_seconds`)."""
         w = R.waves(gpu, programs=self.programs, shared_bytes=self.shared_bytes,
                     threads=self.threads)  # fmt: skip
-        return R.kernel_seconds(
+        serial = self.serial_bytes / (gpu.hbm_bytes_per_s * R.EFFICIENCY)
+        return serial + R.kernel_seconds(
             gpu, flops=self.flops, hbm_bytes=self.hbm_bytes, l2_bytes=self.l2_bytes, waves=w
         )
 
@@ -157,11 +221,16 @@ def _gemm_tile_cost(
     out = m * out_f * BF16
     hbm = operand + nnzb * b * b * BF16 + out
     if not R.fits_l2(gpu, operand):
-        hbm += reads - operand
+        # sm_80: each program streams its slices from HBM. sm_90: a round of items (one per SM,
+        # the token tiles of a block consecutive) spans sms / m_tiles blocks, which read the
+        # same operand rows at about the same time: one HBM read serves them all
+        share = max(1.0, gpu.sms / m_tiles) if pt.kernels == "sm90" else 1.0
+        hbm += max(0.0, reads / share - operand)
     shared = cfg["num_stages"] * (cfg["BLOCK_M"] + b) * cfg["BK"] * BF16
     return KernelCost(
         name, 2.0 * m * nnzb * b * b, hbm, reads + tiles + out,
         programs=m_tiles * -(-out_f // b), shared_bytes=shared, threads=32 * cfg["num_warps"],
+        serial_bytes=out if pt.kernels == "sm90" else 0.0,
     )  # fmt: skip
 
 
@@ -199,6 +268,7 @@ def block_kernels(pt: GpuPoint, nnzb: int, gpu: R.Gpu) -> list[KernelCost]:
             programs=items * splits,
             threads=32 * cfg["num_warps"],
             shared_bytes=cfg["num_stages"] * (1 + x_boxes) * cfg["BLOCK_M"] * b * BF16,
+            serial_bytes=out if pt.kernels == "sm90" else 0.0,
         )
     )
     if splits > 1:  # the launcher's fp32 sum of the partials, cast to bf16
@@ -221,8 +291,14 @@ def step_seconds(kernels: list[KernelCost], gpu: R.Gpu, *, launches: int, torch_
     return max(device, host)
 
 
-def predict_ms(pt: GpuPoint, nnzb: int, gpu: R.Gpu) -> tuple[float, float, str]:
-    """(dense ms, sparse ms, what bounds the sparse side) predicted on `gpu`."""
+def predict_ms(
+    pt: GpuPoint, nnzb: int, gpu: R.Gpu, *, host: HostCosts = HOST_H100_112DEA4
+) -> tuple[float, float, str]:
+    """(dense ms, sparse ms, what bounds the sparse side) predicted on `gpu`.
+
+    The sparse side: the sum of its kernels' device times, or `host`'s time of the call if
+    longer (the host then sets the pace).
+    """
     dense = 1e3 * step_seconds(
         dense_kernels(pt), gpu, launches=0, torch_ops=TORCH_OPS["dense", pt.op]
     )
@@ -234,17 +310,19 @@ def predict_ms(pt: GpuPoint, nnzb: int, gpu: R.Gpu) -> tuple[float, float, str]:
         return dense, 1e3 * step_seconds([kc], gpu, launches=0, torch_ops=3), kc.bound(gpu)
     kernels = block_kernels(pt, nnzb, gpu)
     launches = sum(kc.name != "dW split sum" for kc in kernels)
-    sparse = step_seconds(kernels, gpu, launches=launches, torch_ops=TORCH_OPS["sparse", pt.op])
     device = sum(kc.seconds(gpu) for kc in kernels)
+    sparse = max(device, host.seconds(pt.op, pt.kernels, launches))
     slowest = max(kernels, key=lambda kc: kc.seconds(gpu))
     bound = slowest.bound(gpu) if device >= sparse else "host"
     return dense, 1e3 * sparse, bound
 
 
-def predictions(pt: GpuPoint, nnzb: int, device_name: str) -> tuple[float, float, str] | None:
+def predictions(
+    pt: GpuPoint, nnzb: int, device_name: str, *, host: HostCosts = HOST_H100_112DEA4
+) -> tuple[float, float, str] | None:
     """(dense ms, sparse ms, bound of the sparse side) predicted on `device_name`, or None."""
     gpu = gpu_for(device_name)
-    return None if gpu is None else predict_ms(pt, nnzb, gpu)
+    return None if gpu is None else predict_ms(pt, nnzb, gpu, host=host)
 
 
 #: The issue-24 points: bf16, 4096 and 8192 tokens, three weights, 50% and 25% tile density.
@@ -280,5 +358,5 @@ def prediction_table(points: list[GpuPoint], gpu: R.Gpu) -> str:
 
 if __name__ == "__main__":
     # python packages/sparse-kernels/benchmarks/roofline.py: the issue-24 predictions on an H100
-    print(f"# {R.kernel_assumptions()}")
+    print(f"# {R.kernel_assumptions()}; {HOST_H100_112DEA4.describe()}")
     print(prediction_table(ISSUE_24, R.H100))

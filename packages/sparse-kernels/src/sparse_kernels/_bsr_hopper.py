@@ -7,7 +7,8 @@ Y[:, r] = Σ_{p in row r} X[:, c_p] · values[p]ᵀ (+ bias) and dX[:, c] = Σ_{
 dY[:, r_p] · values[p]. Unlike the sm_80 kernels, A and W boxes arrive by TMA (zero-filled past
 the edges), dots are wgmma, the token tile is 256 rows (W re-read 4x less often) and one
 program per SM walks (output block, token tile) items longest block first (`schedule`).
-`use_sm90` picks it (and dW's `_bsr_hopper_dw`); design notes in benchmarks/RESULTS.md.
+`use_sm90` picks it (and dW's `_bsr_hopper_dw`) where `prefer_sm90`'s measured crossover says
+it is faster; design notes in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -31,8 +32,30 @@ SM90_MIN_TOKENS = 256
 """Fewest tokens for which "auto" picks the Hopper kernels: one full token tile (`BLOCK_M`).
 
 Fewer tokens fill part of the one 256-row tile (the rest is zero-filled work) and give the
-persistent grid one item per output block; at 1 token the sm_80 path ran 2.1-9.9x faster on an
-H100 (benchmarks/RESULTS.md). Counts between 1 and 4096 tokens have not been measured."""
+persistent grid one item per output block. Not fitted: the kernel's tile (the measured rows
+below 256 tokens fall under `SM90_MIN_WORK` anyway)."""
+SM90_MIN_WORK = 45e9
+"""Fewest multiply-adds of one product, tokens x stored weight elements (nnzb · b²), for which
+"auto" picks the Hopper kernels (`prefer_sm90`).
+
+Fitted to the H100 run at 112dea4 (benchmarks/RESULTS.md, `tests/data/h100_112dea4.json`):
+with 4096 tokens the sm_90 path won at 4096->14336 with 50% and 25% of the tiles (60-120 G
+multiply-adds; fwd+bwd at block 128, 25% excepted) and lost at 4096->4096 and at 10% tiles
+(<= 34.4 G; the forward at block 64, 50% excepted), and it lost every decode row (1-256 tokens,
+<= 7.5 G) but one. 45 G is the geometric middle of the gap. What sets it is a fixed cost: an
+sm_90 call took about 0.085 ms more per launch outside the kernels (inferred from the times'
+floor; where it goes is not known), which only a long enough product hides."""
+
+
+def prefer_sm90(tokens: int, stored: int) -> bool:
+    """Whether the Hopper kernels beat the sm_80 ones (the crossover measured on an H100).
+
+    For a product of `tokens` rows with a block-sparse weight of `stored` elements in stored
+    tiles (nnzb · b²): at least `SM90_MIN_TOKENS` tokens and `SM90_MIN_WORK` multiply-adds.
+    The same for the forward, dX and dW of one call (they do the same multiply-adds), so a
+    call runs all three on one kernel set. Pure arithmetic: no device needed.
+    """
+    return tokens >= SM90_MIN_TOKENS and tokens * stored >= SM90_MIN_WORK
 
 
 def sm90_config(block_size: int, dtype: torch.dtype) -> dict[str, int]:
@@ -49,13 +72,15 @@ def sm90_config(block_size: int, dtype: torch.dtype) -> dict[str, int]:
             "num_stages": 3 if wide else 4}  # fmt: skip
 
 
-def use_sm90(device: torch.device, block_size: int, dtype: torch.dtype, tokens: int) -> bool:
+def use_sm90(
+    device: torch.device, block_size: int, dtype: torch.dtype, tokens: int, stored: int
+) -> bool:
     """Whether the Triton path runs the Hopper kernels (forward, dX and dW) for this call.
 
     `SPARSE_KERNELS_SM90` unset or "auto": on an sm_90 CUDA device, for block sizes in
-    `SM90_BLOCK_SIZES` and at least `SM90_MIN_TOKENS` tokens, unless fp32 is asked to be IEEE
-    (no tensor cores: the sm_80 kernels). "1": always (an unsupported block size raises);
-    "0": never.
+    `SM90_BLOCK_SIZES` where `prefer_sm90(tokens, stored)` (`stored`: nnzb · b²), unless fp32
+    is asked to be IEEE (no tensor cores: the sm_80 kernels). "1": always (an unsupported
+    block size raises); "0": never.
     """
     mode = os.environ.get(ENV, "auto")
     if mode not in ("auto", "0", "1"):
@@ -73,7 +98,7 @@ def use_sm90(device: torch.device, block_size: int, dtype: torch.dtype, tokens: 
         device.type == "cuda"
         and torch.cuda.get_device_capability(device) == (9, 0)
         and block_size in SM90_BLOCK_SIZES
-        and tokens >= SM90_MIN_TOKENS
+        and prefer_sm90(tokens, stored)
         and dot_precision(dtype) != "ieee"
     )
 

@@ -10,9 +10,10 @@ revived by any optimizer, and forward, dX and dW all cost `density x dense` FLOP
 
 * `"triton"`: the kernels in `_bsr_kernels` (CUDA; on CPU only under TRITON_INTERPRET=1); on an
   sm_90 GPU forward and dX run the TMA/wgmma persistent kernel of `_bsr_hopper` instead, dW
-  that of `_bsr_hopper_dw` (block sizes 64/128, not IEEE fp32, at least `SM90_MIN_TOKENS`
-  tokens; `SPARSE_KERNELS_SM90` = "1"/"0" forces them on/off), with a launch plan built once
-  per layout (`_bsr_plan`);
+  that of `_bsr_hopper_dw` (block sizes 64/128, not IEEE fp32, where `_bsr_hopper.prefer_sm90`
+  says they are faster: at least 256 tokens and 45 G multiply-adds, tokens x stored weight
+  elements, the crossover measured on an H100; `SPARSE_KERNELS_SM90` = "1"/"0" forces them
+  on/off), with a launch plan built once per layout (`_bsr_plan`);
 * `"torch"`: PyTorch ops in `_bsr_torch` (CPU fp32: torch's BSR x dense; other dtypes: one GEMM
   per tile);
 * `"auto"`: Triton on CUDA when installed and block_size is 16, 32, 64 or 128, else torch.
@@ -64,6 +65,11 @@ def resolve_backend(backend: str, device: torch.device, block_size: int) -> str:
     return backend
 
 
+def _stored(layout: BlockLayout) -> int:
+    """Weight elements in stored tiles (nnzb · b²; a host integer, no device read)."""
+    return layout.nnzb * layout.block_size**2
+
+
 class _BlockSparseMM(torch.autograd.Function):
     """Y = X·Wᵀ + b for a block-sparse W; backward computes dX and the stored tiles of dW."""
 
@@ -81,7 +87,7 @@ class _BlockSparseMM(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, values)
         if backend == "triton":
-            if H.use_sm90(x.device, layout.block_size, x.dtype, x.shape[0]):
+            if H.use_sm90(x.device, layout.block_size, x.dtype, x.shape[0], _stored(layout)):
                 return H.dsd_sm90(x, values, layout, bias)
             return K.dsd_triton(x, values, layout, bias)
         return T.dsd_torch(x, values, layout, bias)
@@ -93,7 +99,7 @@ class _BlockSparseMM(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dv = db = None
         sm90 = ctx.backend == "triton" and H.use_sm90(
-            dy.device, layout.block_size, dy.dtype, dy.shape[0]
+            dy.device, layout.block_size, dy.dtype, dy.shape[0], _stored(layout)
         )
         if ctx.needs_input_grad[0]:
             if sm90:
