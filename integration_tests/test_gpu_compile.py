@@ -196,6 +196,35 @@ def test_a_launched_kernel_missing_from_the_configs_is_an_error(tmp_path):
     assert "launches _forgotten_kernel but gpu_launch_configs() omits it" in proc.stderr
 
 
+def test_a_kernel_handed_to_a_shared_launcher_counts_as_launched(tool, tmp_path):
+    src = tmp_path / "_kernels.py"
+    src.write_text(
+        textwrap.dedent("""
+            @triton.jit
+            def _helper(x):
+                return x
+
+
+            @triton.jit
+            def _k(x_ptr):
+                tl.store(x_ptr, _helper(1.0))
+
+
+            def launch(kernel, x):
+                kernel[(1,)](x)
+
+
+            def run(x):
+                tile = {"BLOCK": 64}
+                return launch(_k if tile else None, x)
+        """)
+    )
+    names = tool.launched_names(src)
+    assert {"_k", "kernel", "launch"} <= names
+    assert "_helper" not in names  # called only inside a kernel
+    assert "tile" not in names  # a local name, not the module's
+
+
 def test_gate_fails_a_compile_that_lost_what_its_launch_requires(tool):
     hopper = {"arch": "sm_90", "requires": ["tma", "wgmma"]}
     assert tool.gate([_record(**hopper, tma=True, wgmma=True)]) == []

@@ -84,7 +84,11 @@ def _defines_kernel(path: Path) -> bool:
 
 
 def launched_names(path: Path) -> set[str]:
-    """Names subscripted with a grid in the module (`kernel[grid](...)`): the launched kernels."""
+    """The names a module may launch (`load_specs` keeps those that are its kernels).
+
+    Each `name` of a `name[grid](...)`, and every name a plain (not `@triton.jit`) function
+    reads, so that a kernel handed to a shared launcher (`launch(_kernel, ...)`) counts too.
+    """
     tree = ast.parse(path.read_text(encoding="utf-8"))
     names = set()
     for node in ast.walk(tree):
@@ -94,6 +98,12 @@ def launched_names(path: Path) -> set[str]:
             and isinstance(node.func.value, ast.Name)
         ):
             names.add(node.func.value.id)
+        elif isinstance(node, ast.FunctionDef) and not any(
+            "jit" in ast.unparse(d) for d in node.decorator_list
+        ):
+            used = [n for n in ast.walk(node) if isinstance(n, ast.Name)]
+            local = {n.id for n in used if not isinstance(n.ctx, ast.Load)}
+            names |= {n.id for n in used if n.id not in local}  # the module's names it reads
     return names
 
 

@@ -1,10 +1,11 @@
 # Triton convention: upper-case constexpr kernel arguments, many positional kernel arguments.
 # ruff: noqa: N803, PLR0917
-"""Fused reverse-KL and generalized-JSD kernels: loss and student-logit gradient, no (N, V) temps.
+"""Fused reverse KL and generalized JSD: loss and student-logit gradient, no (N, V) temps.
 
-Same design as the forward-KL kernel of `_kl_kernels` (one program per token row, the vocabulary
-streamed in ``BLOCK_V`` chunks, online log-sum-exp, fp32 math right after the loads). Reverse KL
-is MiniLLM's (arXiv 2306.08543); the generalized JSD is GKD's (arXiv 2306.13649) in TRL's and
+The reverse KL (MiniLLM's, arXiv 2306.08543) is `_kl_kernels`' KL kernel with ``REVERSE``; the
+JSD kernel here has the same design (one program per token row, the vocabulary streamed in
+``BLOCK_V`` chunks, online log-sum-exp, fp32 math right after the loads). The generalized JSD
+is GKD's (arXiv 2306.13649) in TRL's and
 Liger-Kernel's convention, ``β`` weighting the teacher in ``m = β p + (1-β) q``; the kernel takes
 ``0 < β < 1`` and `prune_distill.divergences` dispatches the endpoints to the two KLs.
 `fused_divergence_reference` is the tests' PyTorch statement of the contract.
@@ -26,7 +27,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from prune_distill._kl_kernels import kl_sweep, online_lse, row_starts, scaled_block
+    from prune_distill._kl_kernels import _kl_kernel, online_lse, row_starts, scaled_block
 
     @triton.jit
     def log_mixture(log_p, log_q, log_beta, log_1m_beta):  # type: ignore[no-untyped-def]
@@ -35,30 +36,6 @@ if HAS_TRITON:
         y = log_q + log_1m_beta
         hi = tl.maximum(x, y)
         return hi + tl.log(tl.exp(x - hi) + tl.exp(y - hi))
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def _reverse_kl_kernel(  # type: ignore[no-untyped-def]
-        s_ptr, t_ptr, w_ptr, grad_ptr, loss_ptr, n_cols, stride_s, stride_t, stride_g, inv_temp,
-        temp, HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
-    ):  # fmt: skip
-        """Row ``pid``: ``loss = T²·w·KL(q || p)``, ``grad = w·T·q·(log q - log p - KL)``.
-
-        Sweep 1 is `kl_sweep` with the student first (the forward kernel's roles swapped);
-        sweep 2 writes the gradient.
-        """
-        row, s_row, t_row = row_starts(s_ptr, t_ptr, stride_s, stride_t)
-        lse_s, lse_t, e_diff = kl_sweep(s_row, t_row, n_cols, inv_temp, BLOCK_V)
-        kl = e_diff - lse_s + lse_t
-        w = tl.load(w_ptr + row).to(tl.float32)
-        tl.store(loss_ptr + row, kl * w * temp * temp)
-        if HAS_GRAD:
-            g_row = grad_ptr + row * stride_g
-            scale = w * temp
-            for start in range(0, n_cols, BLOCK_V):
-                cols, valid, a, b = scaled_block(s_row, t_row, start, n_cols, inv_temp, BLOCK_V)
-                log_q = a - lse_s
-                g = tl.exp(log_q) * (log_q - (b - lse_t) - kl) * scale
-                tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=valid)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _jsd_kernel(  # type: ignore[no-untyped-def]
@@ -173,26 +150,28 @@ if HAS_TRITON:
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch `fused_divergence` makes on a GPU (for tools/gpu_compile.py).
 
-        Both kernels, with and without the gradient, at a 1000-word vocabulary (one 1024-wide
-        block, 4 warps; unaligned) and at Llama-3's 128256 (4096-wide blocks, 8 warps), for
-        student / teacher logits of one dtype (fp32, bf16, fp16) and the fp32 / bf16 mixes. The
-        other mixes (with fp16) compile the same code with another load type; they are left out
-        to keep CI's compile job short (the forward-KL kernel lists all nine pairs).
+        The reverse KL (`_kl_kernel` with ``REVERSE``) and the JSD kernel, with and without the
+        gradient, at a 1000-word vocabulary (one 1024-wide block, 4 warps; unaligned) and at
+        Llama-3's 128256 (4096-wide blocks, 8 warps), for student / teacher logits of one dtype
+        (fp32, bf16, fp16) and the fp32 / bf16 mixes. The other mixes (with fp16) compile the
+        same code with another load type; they are left out to keep CI's compile job short (the
+        forward KL lists all nine pairs).
         """
         pairs = [(d, d) for d in DTYPES] + [
             (torch.float32, torch.bfloat16),
             (torch.bfloat16, torch.float32),
         ]
         launches: list[dict[str, Any]] = []
-        extra = {"beta": 0.5, "log_beta": -0.69, "log_1m_beta": -0.69}
-        for kernel, (s_dtype, t_dtype), vocab, grad in itertools.product(
-            (_reverse_kl_kernel, _jsd_kernel), pairs, (1000, 128256), (False, True)
+        jsd = {"beta": 0.5, "log_beta": -0.69, "log_1m_beta": -0.69}
+        kernels = ((_kl_kernel, {"REVERSE": True}), (_jsd_kernel, jsd))
+        for (kernel, extra), (s_dtype, t_dtype), vocab, grad in itertools.product(
+            kernels, pairs, (1000, 128256), (False, True)
         ):
             block, warps = block_and_warps(vocab)
             args = {"s_ptr": s_dtype, "t_ptr": t_dtype, "w_ptr": torch.float32,
                     "grad_ptr": s_dtype if grad else torch.float32, "loss_ptr": torch.float32,
                     "n_cols": vocab, "stride_s": vocab, "stride_t": vocab, "stride_g": vocab,
-                    "inv_temp": 0.5, "temp": 2.0, **(extra if kernel is _jsd_kernel else {}),
+                    "inv_temp": 0.5, "temp": 2.0, **extra,
                     "HAS_GRAD": grad, "BLOCK_V": block}  # fmt: skip
             launches.append({"kernel": kernel, "args": args, "options": {"num_warps": warps}})
         return launches
@@ -235,8 +214,10 @@ def fused_divergence(
             "the forward and reverse KL: use those kernels)"
         )
     if kind == "reverse_kl":
-        kernel = _reverse_kl_kernel if HAS_TRITON else None
-        return launch(kernel, student, teacher, weights, temperature, need_grad=need_grad)
+        kernel = _kl_kernel if HAS_TRITON else None
+        return launch(
+            kernel, student, teacher, weights, temperature, need_grad=need_grad, REVERSE=True
+        )
     kernel = _jsd_kernel if HAS_TRITON else None
     extra = (float(beta), math.log(beta), math.log1p(-beta))
     return launch(kernel, student, teacher, weights, temperature, *extra, need_grad=need_grad)

@@ -90,25 +90,31 @@ if HAS_TRITON:
             _, valid, x, y = scaled_block(x_row, y_row, start, n_cols, inv_temp, BLOCK_V)
             # e_x is 0 on padding lanes, where x - y = 0 - 0 as well
             m_x, d_x, alpha, e_x = online_lse(m_x, d_x, tl.where(valid, x, float("-inf")))
+            acc = acc * alpha + tl.sum(e_x * (x - y), axis=0)  # e_x used at once: fewer registers
             m_y, d_y, _, _ = online_lse(m_y, d_y, tl.where(valid, y, float("-inf")))
-            acc = acc * alpha + tl.sum(e_x * (x - y), axis=0)
         lse_x = m_x + tl.log(d_x)
         lse_y = m_y + tl.log(d_y)
         return lse_x, lse_y, acc / d_x
 
     @triton.jit  # type: ignore[untyped-decorator]
-    def _forward_kl_kernel(  # type: ignore[no-untyped-def]
+    def _kl_kernel(  # type: ignore[no-untyped-def]
         s_ptr, t_ptr, w_ptr, grad_ptr, loss_ptr, n_cols, stride_s, stride_t, stride_g, inv_temp,
-        temp, HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+        temp, REVERSE: tl.constexpr, HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
     ):  # fmt: skip
-        """Row ``pid``: ``loss = T²·w·KL(softmax(t/T) || softmax(s/T))``, ``grad = w·T·(q - p)``.
+        """Row ``pid``: ``loss = T²·w·KL(p || q)``, or ``T²·w·KL(q || p)`` when `REVERSE`.
 
-        Sweep 1 is `kl_sweep` with the teacher first; sweep 2 (only with a gradient) re-reads
-        both rows and writes ``grad`` in the logits' dtype.
+        ``p = softmax(t/T)`` (teacher), ``q = softmax(s/T)`` (student). Sweep 1 is `kl_sweep`,
+        teacher first for the forward KL, student first for the reverse (MiniLLM's); sweep 2
+        (only with a gradient) re-reads both rows and writes the student gradient in the
+        logits' dtype: ``w·T·(q - p)``, or ``w·T·q·(log q - log p - KL)`` when `REVERSE`.
         """
         row, s_row, t_row = row_starts(s_ptr, t_ptr, stride_s, stride_t)
-        lse_t, lse_s, e_diff = kl_sweep(t_row, s_row, n_cols, inv_temp, BLOCK_V)
-        kl = e_diff + lse_s - lse_t
+        if REVERSE:
+            lse_s, lse_t, e_diff = kl_sweep(s_row, t_row, n_cols, inv_temp, BLOCK_V)
+            kl = e_diff - lse_s + lse_t
+        else:
+            lse_t, lse_s, e_diff = kl_sweep(t_row, s_row, n_cols, inv_temp, BLOCK_V)
+            kl = e_diff + lse_s - lse_t
         w = tl.load(w_ptr + row).to(tl.float32)
         tl.store(loss_ptr + row, kl * w * temp * temp)
         if HAS_GRAD:
@@ -116,7 +122,11 @@ if HAS_TRITON:
             scale = w * temp
             for start in range(0, n_cols, BLOCK_V):
                 cols, valid, a, b = scaled_block(s_row, t_row, start, n_cols, inv_temp, BLOCK_V)
-                g = (tl.exp(a - lse_s) - tl.exp(b - lse_t)) * scale
+                log_q = a - lse_s
+                if REVERSE:
+                    g = tl.exp(log_q) * (log_q - (b - lse_t) - kl) * scale
+                else:
+                    g = (tl.exp(log_q) - tl.exp(b - lse_t)) * scale
                 tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=valid)
 
 
@@ -166,8 +176,9 @@ if HAS_TRITON:
                                 "grad_ptr": s_dtype if grad else torch.float32,
                                 "loss_ptr": torch.float32, "n_cols": vocab, "stride_s": vocab,
                                 "stride_t": vocab, "stride_g": vocab, "inv_temp": 0.5,
-                                "temp": 2.0, "HAS_GRAD": grad, "BLOCK_V": block}  # fmt: skip
-                        launches.append({"kernel": _forward_kl_kernel, "args": args,
+                                "temp": 2.0, "REVERSE": False, "HAS_GRAD": grad,
+                                "BLOCK_V": block}  # fmt: skip
+                        launches.append({"kernel": _kl_kernel, "args": args,
                                          "options": {"num_warps": warps}})  # fmt: skip
         return launches
 
@@ -222,10 +233,10 @@ def fused_kl(
         ValueError: for shapes, devices or strides the kernel cannot take, or no Triton backend.
         TypeError: for a dtype other than fp32/bf16/fp16.
     """
+    kernel = _kl_kernel if HAS_TRITON else None
     return launch(
-        _forward_kl_kernel if HAS_TRITON else None, student, teacher, weights, temperature,
-        need_grad=need_grad,
-    )  # fmt: skip
+        kernel, student, teacher, weights, temperature, need_grad=need_grad, REVERSE=False
+    )
 
 
 def launch(
@@ -236,11 +247,13 @@ def launch(
     temperature: float,
     *extra: float,
     need_grad: bool,
+    **meta: bool,
 ) -> tuple[Tensor, Tensor | None]:
     """Check the inputs, allocate ``(loss_rows, grad)`` and run `kernel` one program per row.
 
     The launcher of every fused loss here and in `_divergence_kernels`: their kernels take the
-    same leading arguments, then `extra` (JSD's β terms), then ``HAS_GRAD`` and ``BLOCK_V``.
+    same leading arguments, then `extra` (JSD's β terms), then their constexpr flags (`meta`,
+    e.g. ``REVERSE``), ``HAS_GRAD`` and ``BLOCK_V``.
     """
     s, t = check_inputs(student, teacher, weights)
     n, v = s.shape
@@ -252,6 +265,6 @@ def launch(
     kernel[(n,)](
         s, t, weights.float().contiguous(), grad if grad is not None else loss, loss,
         v, s.stride(0), t.stride(0), v, 1.0 / temperature, float(temperature), *extra,
-        HAS_GRAD=need_grad, BLOCK_V=block, num_warps=warps,
+        **meta, HAS_GRAD=need_grad, BLOCK_V=block, num_warps=warps,
     )  # fmt: skip
     return loss, grad
