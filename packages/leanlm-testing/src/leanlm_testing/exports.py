@@ -1,10 +1,10 @@
 """Checks of a package that loads its exports on first use (a module `__getattr__`).
 
-Such a package lists its exports in `__init__.pyi` (``from .submodule import name as name``, as
-`lazy_loader.attach_stub` reads them). `check_lazy_exports` checks that every export is the
-object of the submodule the stub names, and that the exported functions named like a submodule
-stay the functions once the submodule is imported (as eager imports gave), in this process and
-in a fresh one.
+Such a package lists its exports in `__init__.pyi` (``from .submodule import name``, as
+`lazy_loader.attach_stub` reads them, and the same names in the stub's `__all__`).
+`check_lazy_exports` checks that every export is the object of the submodule the stub names, and
+that the exported functions named like a submodule stay the functions once the submodule is
+imported (as eager imports gave), in this process and in a fresh one.
 """
 
 from __future__ import annotations
@@ -46,7 +46,12 @@ def check_lazy_exports(
         if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
         for alias in node.names
     }
-    assert sorted(source_of) == package.__all__, "`__all__` is not the stub's names"
+    stub_all = next(
+        ast.literal_eval(node.value)
+        for node in stub.body
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "__all__"
+    )
+    assert sorted(source_of) == package.__all__ == stub_all, "`__all__` is not the stub's names"
     for name in functions:
         importlib.import_module(f"{pkg}.{name}")
     for name in package.__all__:
