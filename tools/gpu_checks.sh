@@ -2,7 +2,7 @@
 # Every GPU check of the repo in one call, for a session that is lent a GPU machine (the `device`
 # tool: 15 device minutes per session, one call at a time, a bare machine each start):
 #
-#     run(command="bash tools/gpu_checks.sh", timeout_s=540)
+#     run(command="bash tools/gpu_checks.sh", carry=[".whl"], timeout_s=540)
 #
 # The steps' limits add up to 510 s; the same steps took about 6 minutes on an H100 (2026-11-27).
 #
@@ -25,6 +25,17 @@ DEVICE=${GPU_CHECKS_DEVICE:-cuda}
 PYTHONPATH=$(printf '%s:' "$PWD"/packages/*/src)${PYTHONPATH:-}
 export PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
+
+# Pure-Python wheels carried in the ignored .whl/ folder (the GPU machine reaches no index):
+# lazy-loader (prune-distill's and sparse-kernels' runtime dependency, if that machine lacks it) and
+# liger-kernel (bench-kl's comparison rows). `.venv/bin/pip download --no-deps lazy-loader==0.6
+# liger-kernel==0.8.5 -d .whl`, then run with carry=[".whl"].
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu-checks-site .whl/*.whl \
+    && PYTHONPATH=$PYTHONPATH:/tmp/gpu-checks-site
+fi
+"$PY" -c 'import lazy_loader' 2>/dev/null \
+  || echo "lazy_loader is missing: prune-distill and sparse-kernels will not import (carry .whl/)" >>"$OUT/summary.txt"
 
 step() { # step NAME SECONDS COMMAND...: run COMMAND into $OUT/NAME.log within SECONDS
   local name=$1 limit=$2
