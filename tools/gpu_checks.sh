@@ -6,7 +6,7 @@
 #
 # The steps' limits add up to 510 s; the same steps took about 6 minutes on an H100 (2026-11-27).
 #
-# Nothing is installed: the packages are pure Python and are imported from packages/*/src
+# Only the carried wheels below are installed (into a folder); the packages are imported from packages/*/src
 # through PYTHONPATH, on the machine's own torch, triton and transformers (their versions are
 # the first lines of env.log; they are not the pinned CPU ones). Each step has its own time
 # limit, so a hang or a failure costs that step, not the call. Output goes to $OUT (what `run`
