@@ -1,10 +1,12 @@
 """Stochastic rounding of bf16 parameters: unbiased in expectation, keeps sub-ulp updates."""
 
+import numpy as np
 import pytest
 import torch
 
 from leanlm_testing import optim
-from optim_adafactor import Adafactor
+from leanlm_testing.kernels import device_or_skip
+from optim_adafactor import Adafactor, _kernels
 from optim_adafactor._stochastic import copy_stochastic_
 
 
@@ -72,3 +74,61 @@ def test_rounding_noise_is_fresh_per_step_and_per_parameter_yet_reproducible() -
     opt.step()
     again.step()
     assert all(torch.equal(p, q) for p, q in zip(params, resumed, strict=True))
+
+
+def _philox4x32_10(seed: int, counters: np.ndarray) -> list[np.ndarray]:
+    """Philox4x32-10 of (counter lo, counter hi, 0, 0) with key (seed, 0): `tl.randint4x`'s."""
+    zero = np.zeros_like(counters)
+    c = [counters & np.uint64(0xFFFFFFFF), counters >> np.uint64(32), zero, zero]
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(0)
+    a, b, mask = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57), np.uint64(0xFFFFFFFF)
+    for _ in range(10):  # products of two 32-bit values are exact in uint64
+        pa, pb = a * c[0], b * c[2]
+        c = [(pb >> np.uint64(32)) ^ c[1] ^ k0, pb & mask, (pa >> np.uint64(32)) ^ c[3] ^ k1,
+             pa & mask]  # fmt: skip
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
+    return c
+
+
+if _kernels.HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from optim_adafactor.factored import sr_counters, stochastic_round_bf16
+
+    @triton.jit
+    def _round_kernel(x_ptr, out_ptr, seed, n_rows, n_cols, BLOCK_N: tl.constexpr,  # noqa: N803
+                      BLOCK_M: tl.constexpr):  # noqa: N803  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        for start in range(0, n_cols, BLOCK_M):
+            cols = start + tl.arange(0, BLOCK_M)
+            mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+            offs = rows[:, None] * n_cols + cols[None, :]
+            x = tl.load(x_ptr + offs, mask=mask)
+            y = stochastic_round_bf16(x, seed, sr_counters(rows, start, n_cols, BLOCK_M))
+            tl.store(out_ptr + offs, y, mask=mask)
+
+
+@pytest.mark.interpreter
+def test_kernel_noise_is_one_philox_draw_per_8_columns() -> None:
+    """Element (r, c) of an n-column tensor takes the 16 bits `(c % 8) % 2` (low, high) of output
+    `(c % 8) // 2` of Philox4x32-10(seed, r·⌈n/8⌉ + c // 8): all 128 bits of a draw, once each.
+
+    Odd columns (a partial group ends every row), two row tiles and three column tiles; fp32
+    inputs with random low bits, so a wrong half or output changes about a third of the results.
+    """
+    dev = device_or_skip(_kernels)
+    n, m, seed = 6, 45, 987654321
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, m, generator=gen)
+    out = torch.empty_like(x, device=dev)
+    _round_kernel[(2,)](x.to(dev), out, seed, n, m, BLOCK_N=4, BLOCK_M=16)
+    rows, cols = np.meshgrid(np.arange(n), np.arange(m), indexing="ij")
+    words = _philox4x32_10(seed, (rows * -(-m // 8) + cols // 8).astype(np.uint64))
+    slot = cols % 8
+    word = np.choose(slot // 2, words)
+    half = (16 * (slot % 2)).astype(np.uint64)
+    noise = torch.from_numpy(((word >> half) & 0xFFFF).astype(np.int64))
+    bits = x.view(torch.int32).to(torch.int64) + noise
+    want = (bits & 0xFFFF0000).to(torch.int32).view(torch.float32)  # back to int32 bit patterns
+    assert torch.equal(out.cpu(), want)

@@ -6,8 +6,9 @@ Tiles of the per-tensor (batch, row-block) grid (`row_tile`, `col_tile`) and of 
 multi-tensor row and column items (`span`, `tile`, `row_item`), the vector loads and EMA of the
 unfactored second moment (`vector_load`, `vector_ema`), the parameter store that ends every
 apply kernel (`store_update`, `momentum_store`) and its stochastic rounding
-(`stochastic_round_bf16`, `tensor_seed`). They are inlined into the kernels that call them; the
-public names are re-exported by `optim_adafactor.factored` and `optim_adafactor.multi_tensor`.
+(`stochastic_round_bf16`, `tensor_seed`, `sr_counters`, `sr_vector_counters`). They are inlined
+into the kernels that call them; the public names are re-exported by `optim_adafactor.factored`
+and `optim_adafactor.multi_tensor`.
 """
 
 from __future__ import annotations
@@ -22,15 +23,43 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def stochastic_round_bf16(x, seed, offs):  # type: ignore[no-untyped-def]
+    def stochastic_round_bf16(x, seed, counters):  # type: ignore[no-untyped-def]
         """fp32 `x` -> fp32 values representable in bf16, stochastically rounded (unbiased).
 
-        Adds uniform 16-bit noise from `tl.randint(seed, offs)` to the fp32 bit pattern and
-        truncates the low 16 bits: rounds up with probability equal to the discarded fraction.
+        Adds uniform 16-bit noise to the fp32 bit pattern and truncates the low 16 bits: rounds
+        up with probability equal to the discarded fraction. The noise of 8 consecutive
+        elements of the last dimension comes from one Philox4x32-10 draw,
+        `tl.randint4x(seed, counter)` (4 x 32 bits = 8 x 16), with `counters` of x's shape but
+        1/8 of its last dimension (`sr_counters`, `sr_vector_counters`): element `8k + s` takes
+        the low (s even) or high (s odd) half of output `s // 2` of counter k. One draw per
+        element would compute 8 times the Philox rounds and throw 7/8 of the bits away.
         """
-        noise = tl.randint(seed, offs.to(tl.int32)) & 0xFFFF
-        bits = x.to(tl.int32, bitcast=True) + noise.to(tl.int32)
+        r0, r1, r2, r3 = tl.randint4x(seed, counters)
+        # `tl.join` adds its choice as the LAST axis: [..., K, a, b, h] -> [..., 8K] puts
+        # element 8k + 4a + 2b + h = 8k + 2t + h at half h of output t = 2a + b
+        lo = tl.join(tl.join(r0 & 0xFFFF, r2 & 0xFFFF), tl.join(r1 & 0xFFFF, r3 & 0xFFFF))
+        hi = tl.join(tl.join(r0 >> 16, r2 >> 16), tl.join(r1 >> 16, r3 >> 16))
+        noise = tl.reshape(tl.join(lo, hi), x.shape)
+        bits = x.to(tl.int32, bitcast=True) + noise.to(tl.int32, bitcast=True)
         return (bits & -65536).to(tl.float32, bitcast=True)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def sr_counters(rows, start, n_cols, BLOCK_M: tl.constexpr):  # type: ignore[no-untyped-def]
+        """`stochastic_round_bf16`'s counters of the `rows` x `[start, start + BLOCK_M)` tile.
+
+        One counter per 8 columns of a row: `row · ⌈n_cols / 8⌉ + col // 8` (int64), shape
+        [len(rows), BLOCK_M // 8]; `rows` count from the tensor's first row (a batched 3-D
+        tensor's rows run on across the batch), `start` is a multiple of 8. A function of the
+        element's row and column only, so every kernel and tiling draws the same noise.
+        """
+        tl.static_assert(BLOCK_M % 8 == 0, "stochastic rounding draws noise for 8 columns at once")
+        groups = start // 8 + tl.arange(0, BLOCK_M // 8)
+        return rows[:, None].to(tl.int64) * tl.cdiv(n_cols, 8) + groups[None, :]
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def sr_vector_counters(start, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        """The counters of elements `[start, start + BLOCK)` of a vector (`sr_counters`' row 0)."""
+        return start // 8 + tl.arange(0, BLOCK // 8)
 
     @triton.jit
     def tensor_seed(seed_base, index):  # type: ignore[no-untyped-def]
@@ -119,11 +148,13 @@ if HAS_TRITON:
 
     @triton.jit  # type: ignore[untyped-decorator]
     def store_update(  # type: ignore[no-untyped-def]
-        p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY: tl.constexpr, SR: tl.constexpr
-    ):
+        p_ptr, offs, mask, p, upd, wd_lr, seed, counters, HAS_DECAY: tl.constexpr,
+        SR: tl.constexpr,
+    ):  # fmt: skip
         """Store `p - wd_lr·p - upd` (fp32 `p` as loaded from `p_ptr + offs`) in p's dtype.
 
-        The end of every apply kernel here and in optim-came; SR rounds stochastically. The
+        The end of every apply kernel here and in optim-came; SR rounds stochastically with
+        the tile's `seed` and `counters` (`stochastic_round_bf16`; unused without SR). The
         decay is `p - wd_lr·p` (HF's and came-pytorch's `p.add_(p, alpha=-wd·lr)`), not
         `p·(1 - wd_lr)`: the fp32 rounding of `1 - wd_lr` would bias it by up to 0.3% near
         wd·lr = 1e-5. The caller loads `p` itself, where its kernel always did: moving the load
@@ -133,12 +164,12 @@ if HAS_TRITON:
             p = p - wd_lr * p
         p = p - upd
         if SR:
-            p = stochastic_round_bf16(p, seed, offs)
+            p = stochastic_round_bf16(p, seed, counters)
         tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def momentum_store(  # type: ignore[no-untyped-def]
-        p_ptr, m_ptr, offs, mask, upd, beta1, wd_lr, seed,
+        p_ptr, m_ptr, offs, mask, upd, beta1, wd_lr, seed, counters,
         HAS_M: tl.constexpr, HAS_DECAY: tl.constexpr, SR: tl.constexpr,
     ):  # fmt: skip
         """Adafactor's apply tail: the momentum, then `store_update` of the parameter.
@@ -151,7 +182,7 @@ if HAS_TRITON:
             tl.store(m_ptr + offs, m, mask=mask)
             upd = m
         p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY, SR)
+        store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, counters, HAS_DECAY, SR)
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """No launches (for tools/gpu_compile.py): the helpers compile inside the kernels."""

@@ -56,7 +56,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor._jit_helpers import col_tile, momentum_store, row_tile
+    from optim_adafactor._jit_helpers import col_tile, momentum_store, row_tile, sr_counters
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _stats_kernel(  # type: ignore[no-untyped-def]
@@ -141,8 +141,8 @@ if HAS_TRITON:
         fp32 rounding of `1 - wd_lr` would bias it by up to 0.3% near wd·lr = 1e-5.
 
         With SR, the fp32 result gets uniform 16-bit noise added to its bit pattern and is
-        truncated to bf16 (unbiased stochastic rounding); the noise comes from
-        `tl.randint(seed, element offset)`.
+        truncated to bf16 (unbiased stochastic rounding); the noise of each 8 columns of a
+        row comes from one Philox draw (`sr_counters`: counted over the batch's rows).
         """
         pid_b, _, rows, row_mask, base = row_tile(n_rows, n_cols, BLOCK_N)
         rs = tl.load(rs_ptr + pid_b.to(tl.int64) * n_rows + rows, mask=row_mask, other=0.0)
@@ -154,7 +154,9 @@ if HAS_TRITON:
             g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             cf = tl.load(cf_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
             upd = g * rs[:, None] * cf[None, :]
-            momentum_store(p_ptr, m_ptr, offs, mask, upd, beta1, wd_lr, seed, HAS_M, HAS_DECAY, SR)
+            ctr = sr_counters(pid_b * n_rows + rows, start, n_cols, BLOCK_M)
+            momentum_store(p_ptr, m_ptr, offs, mask, upd, beta1, wd_lr, seed, ctr, HAS_M,
+                           HAS_DECAY, SR)  # fmt: skip
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch the launchers below make on a GPU (for tools/gpu_compile.py).

@@ -64,7 +64,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor._jit_helpers import row_item, span, store_update, tile
+    from optim_adafactor._jit_helpers import row_item, span, sr_counters, store_update, tile
     from optim_adafactor._multi_stats_kernels import (
         _GEO,
         _MOM,
@@ -95,7 +95,9 @@ if HAS_TRITON:
         m_ptr = tl.load(addr + mat * _NADDR + _MOM).to(tl.pointer_type(tl.float32))
         row_ptr = tl.load(addr + mat * _NADDR + _ROW).to(tl.pointer_type(tl.float32))
         if ALIGNED:
-            m = tl.multiple_of(m, 16)
+            # `m` reloaded: a hint on a helper's return value is lost when the helper is
+            # inlined, and without it every load and store of the tile is scalar
+            m = tl.multiple_of(tl.load(geo + mat * _GEO + 1), 16)
             g_ptr = tl.multiple_of(g_ptr, 16)
             p_ptr = tl.multiple_of(p_ptr, 16)
             m_ptr = tl.multiple_of(m_ptr, 16)
@@ -116,7 +118,9 @@ if HAS_TRITON:
                     tl.store(m_ptr + offs, mom, mask=mask)
                     upd = mom
                 p = tl.load(p_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
-                store_update(p_ptr, offs, mask, p.to(tl.float32), upd, wd_lr, seed, HAS_DECAY, SR)
+                ctr = sr_counters(rows, c0, m, BLOCK_M)
+                store_update(p_ptr, offs, mask, p.to(tl.float32), upd, wd_lr, seed, ctr,
+                             HAS_DECAY, SR)  # fmt: skip
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch `step_batch` makes on a GPU (for tools/gpu_compile.py).

@@ -36,7 +36,13 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor._jit_helpers import momentum_store, tensor_seed, vector_ema, vector_load
+    from optim_adafactor._jit_helpers import (
+        momentum_store,
+        sr_vector_counters,
+        tensor_seed,
+        vector_ema,
+        vector_load,
+    )
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _mt_vec_kernel(  # type: ignore[no-untyped-def]
@@ -82,7 +88,9 @@ if HAS_TRITON:
         for k in range(0, numel, BLOCK):
             offs, mask, g, v = vector_load(g_ptr, v_ptr, k, numel, BLOCK)
             upd = g / tl.sqrt(v) * scale
-            momentum_store(p_ptr, m_ptr, offs, mask, upd, beta1, wd_lr, seed, HAS_M, HAS_DECAY, SR)
+            ctr = sr_vector_counters(k, BLOCK)
+            momentum_store(p_ptr, m_ptr, offs, mask, upd, beta1, wd_lr, seed, ctr, HAS_M,
+                           HAS_DECAY, SR)  # fmt: skip
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch `step_vectors` makes on a GPU (for tools/gpu_compile.py)."""

@@ -34,12 +34,15 @@ __all__ = [
 BLOCK_N = _kernels.BLOCK_N
 
 if _kernels.HAS_TRITON:
-    #: `@triton.jit` helper: `stochastic_round_bf16(x_fp32, seed, offsets)` returns fp32 values
+    #: `@triton.jit` helper: `stochastic_round_bf16(x_fp32, seed, counters)` returns fp32 values
     #: exactly representable in bf16, rounded up with probability equal to the discarded fraction
-    #: (unbiased). Call it from another kernel just before a bf16 store.
+    #: (unbiased). Call it from another kernel just before a bf16 store; `counters` (one Philox
+    #: draw per 8 columns) come from `sr_counters(rows, start, n_cols, BLOCK_M)`.
     stochastic_round_bf16 = _jit_helpers.stochastic_round_bf16
-    #: `@triton.jit` helper: `store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY,
-    #: SR)` writes `p - wd_lr·p - upd` (fp32 math) in p's dtype, stochastically rounded with SR.
+    sr_counters = _jit_helpers.sr_counters
+    #: `@triton.jit` helper: `store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, counters,
+    #: HAS_DECAY, SR)` writes `p - wd_lr·p - upd` (fp32 math) in p's dtype, stochastically
+    #: rounded with SR.
     store_update = _jit_helpers.store_update
     #: `@triton.jit` helper: `tensor_seed(seed_base, index)`, the rounding seed of a step's
     #: `index`-th tensor (`FactoredOptimizer._kernel_seed`).
@@ -50,6 +53,7 @@ if _kernels.HAS_TRITON:
     row_tile = _jit_helpers.row_tile
     col_tile = _jit_helpers.col_tile
     __all__ += ["col_tile", "row_tile", "stochastic_round_bf16", "store_update", "tensor_seed"]
+    __all__ += ["sr_counters"]
 
 
 def ema_(avg: Tensor, mean: Tensor, beta: float, eps: float) -> Tensor:

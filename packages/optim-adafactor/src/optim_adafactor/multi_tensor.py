@@ -77,6 +77,8 @@ if HAS_TRITON:
     from optim_adafactor._jit_helpers import (
         row_item,
         span,
+        sr_counters,
+        sr_vector_counters,
         store_update,
         tensor_seed,
         tile,
@@ -89,3 +91,4 @@ if HAS_TRITON:
 
     __all__ += ["apply_scalars", "cols_launch_config", "stats_kernel", "store_update"]
     __all__ += ["row_item", "span", "tensor_seed", "tile", "vector_ema", "vector_load"]
+    __all__ += ["sr_counters", "sr_vector_counters"]

@@ -210,7 +210,8 @@ if HAS_TRITON:
                 m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             upd = m * rrs[:, None] * cr[None, :]
-            factored.store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY, SR)
+            ctr = factored.sr_counters(pid_b * n_rows + rows, start, n_cols, BLOCK_M)
+            factored.store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, ctr, HAS_DECAY, SR)
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch the launchers below make on a GPU (for tools/gpu_compile.py).

@@ -37,6 +37,7 @@ if HAS_TRITON:
         apply_scalars,
         row_item,
         span,
+        sr_counters,
         store_update,
         tensor_seed,
         tile,
@@ -182,7 +183,9 @@ if HAS_TRITON:
                     mom = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
                 p = tl.load(p_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
                 upd = mom.to(tl.float32) * rrs[:, None] * cr[None, :]
-                store_update(p_ptr, offs, mask, p.to(tl.float32), upd, wd_lr, seed, HAS_DECAY, SR)
+                ctr = sr_counters(rows, c0, m, BLOCK_M)
+                store_update(p_ptr, offs, mask, p.to(tl.float32), upd, wd_lr, seed, ctr,
+                             HAS_DECAY, SR)  # fmt: skip
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch `step_batch` makes on a GPU (for tools/gpu_compile.py).

@@ -30,7 +30,13 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor.multi_tensor import store_update, tensor_seed, vector_ema, vector_load
+    from optim_adafactor.multi_tensor import (
+        sr_vector_counters,
+        store_update,
+        tensor_seed,
+        vector_ema,
+        vector_load,
+    )
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _mt_came_vec_kernel(  # type: ignore[no-untyped-def]
@@ -70,7 +76,8 @@ if HAS_TRITON:
             mom = mom.to(m_ptr.dtype.element_ty).to(tl.float32)  # the stored value steps p
             p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             upd, wd_lr = lr_t * mom, lr_t * weight_decay
-            store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, HAS_DECAY, SR)
+            ctr = sr_vector_counters(k, BLOCK)
+            store_update(p_ptr, offs, mask, p, upd, wd_lr, seed, ctr, HAS_DECAY, SR)
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch `step_vectors` makes on a GPU (for tools/gpu_compile.py).
