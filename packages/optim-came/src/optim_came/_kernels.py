@@ -61,16 +61,44 @@ if HAS_TRITON:
     _QB = tl.constexpr(_quant.QBLOCK)
     _QMAX_SQ = tl.constexpr(float(_quant.QMAX * _quant.QMAX))
 
-    @triton.jit
-    def _dequant(m_ptr, scale_ptr, offs, mask, srow, cols):  # type: ignore[no-untyped-def]
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _per_block(v, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):  # type: ignore[no-untyped-def]
+        """(BLOCK_N, BLOCK_M // QBLOCK) values, one per block -> each on its block's elements."""
+        nb: tl.constexpr = BLOCK_M // _QB
+        if nb == 1:  # no 3-D detour (it costs registers on scalar-load tiles)
+            return tl.broadcast_to(v, (BLOCK_N, BLOCK_M))
+        return tl.reshape(tl.broadcast_to(v[:, :, None], (BLOCK_N, nb, _QB)), (BLOCK_N, BLOCK_M))
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _scale_ptrs(scale_ptr, srow, c0, n_blocks, BLOCK_M: tl.constexpr):  # type: ignore[no-untyped-def]
+        """(pointers, mask) of the (rows, BLOCK_M // QBLOCK) scales of the tile at column `c0`.
+
+        `srow`: offset of each row's first scale (global row · blocks per row), -1 on masked
+        rows; `c0` a multiple of QBLOCK. A block holds a valid element iff its row is valid and
+        it starts before the row's end (`blk < n_blocks`), so no reduction of the element mask.
+        """
+        blk = c0 // _QB + tl.arange(0, BLOCK_M // _QB)
+        bmask = (srow >= 0)[:, None] & (blk < n_blocks)[None, :]
+        return scale_ptr + srow[:, None] + blk[None, :], bmask
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _dequant(  # type: ignore[no-untyped-def]
+        m_ptr, scale_ptr, offs, mask, srow, c0, n_blocks, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):  # fmt: skip
         """fp32 values of the int8 codes at `offs` (`_quant.dequantize`: q·|q| · scale/127²).
 
-        `srow`: offset of each row's first scale (global row · blocks per row); block k of a
-        row starts at column k·QBLOCK.
+        One scale load and one division per block (a row's block k starts at column
+        k·QBLOCK), broadcast over its elements; the products round as the reference's.
         """
         q = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.float32)
-        sc = tl.load(scale_ptr + srow[:, None] + (cols // _QB)[None, :], mask=mask, other=0.0)
-        return (q * tl.abs(q)) * tl.div_rn(sc, _QMAX_SQ)
+        if BLOCK_M == _QB:  # one block per row: a vector of scales, as the row statistics
+            sc = tl.load(scale_ptr + srow + c0 // _QB, mask=srow >= 0, other=0.0)[:, None]
+        else:
+            ptrs, bmask = _scale_ptrs(scale_ptr, srow, c0, n_blocks, BLOCK_M)
+            sc = tl.load(ptrs, mask=bmask, other=0.0)
+        step = tl.div_rn(sc, _QMAX_SQ)  # fl(scale / 127²), per block
+        return (q * tl.abs(q)) * _per_block(step, BLOCK_N, BLOCK_M)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _quant_store(  # type: ignore[no-untyped-def]
@@ -79,37 +107,42 @@ if HAS_TRITON:
     ):  # fmt: skip
         """Encode fp32 `m` (BLOCK_N x BLOCK_M, whole blocks; masked lanes 0) as `_quant.quantize_`.
 
-        Per block: absmax -> scale; `a = |m|·127²/scale`, `lo = floor(√a)` (corrected to be
-        exact whatever the sqrt's rounding), up by one code when `frac = (a - lo²)/(2lo+1)`
-        exceeds 0.5 (QSR: exceeds the noise of the element's flat index, `_quant.hash_uniform`).
+        Per block: absmax -> scale, `inv = 127²/absmax` (one division per block); per element
+        `a = |m|·inv`, `lo = floor(√a)` by the fast sqrt. Nearest: up by one code iff
+        `a - (lo + 1/2)² > 1/4` (the reference's division-free test of `(a - lo²)/(2lo+1) >
+        1/2`, exact in fp32). QSR: `lo` corrected to the exact floor, up iff the element's noise
+        (murmur3 of its flat index in uint32, `_quant.hash_uniform`) is below
+        `fl((a - lo²)/(2lo+1))`.
         Divisions round to nearest (`div_rn`), so the codes equal the PyTorch path's.
         """
+        am = tl.abs(m)
         nb: tl.constexpr = BLOCK_M // _QB
-        amax = tl.max(tl.reshape(tl.abs(m), (BLOCK_N, nb, _QB)), axis=2)
-        blk = c0 // _QB + tl.arange(0, nb)  # the tile's blocks (c0: its first column)
-        bmask = (srow >= 0)[:, None] & (blk < n_blocks)[None, :]
-        bmask = bmask & (tl.max(tl.reshape(mask.to(tl.int32), (BLOCK_N, nb, _QB)), axis=2) > 0)
-        tl.store(scale_ptr + srow[:, None] + blk[None, :], amax, mask=bmask)
-        amax = tl.reshape(tl.broadcast_to(amax[:, :, None], (BLOCK_N, nb, _QB)), (BLOCK_N, BLOCK_M))
+        amax = tl.max(tl.reshape(am, (BLOCK_N, nb, _QB)), axis=2)
+        ptrs, bmask = _scale_ptrs(scale_ptr, srow, c0, n_blocks, BLOCK_M)
+        tl.store(ptrs, amax, mask=bmask)
         nonzero = amax > 0
         inv = tl.div_rn(tl.full(amax.shape, _QMAX_SQ, tl.float32), tl.where(nonzero, amax, 1.0))
         inv = tl.where(nonzero, inv, 0.0)
-        a = tl.minimum(tl.abs(m) * inv, _QMAX_SQ)
-        lo = tl.floor(tl.sqrt(a))
-        lo = lo - tl.where(lo * lo > a, 1.0, 0.0)
-        lo = lo + tl.where((lo + 1.0) * (lo + 1.0) <= a, 1.0, 0.0)
-        lo = tl.minimum(tl.maximum(lo, 0.0), 127.0)
-        frac = tl.div_rn(a - lo * lo, 2.0 * lo + 1.0)
+        a = tl.minimum(am * _per_block(inv, BLOCK_N, BLOCK_M), _QMAX_SQ)
+        lo = tl.floor(tl.sqrt(a))  # the floor of √a, or one off where a is within ulps of k²
         if QSR:
-            h = (offs * 0x9E3779B1 + qseed) & 0xFFFFFFFF
+            lo = lo - tl.where(lo * lo > a, 1.0, 0.0)  # exact floor: frac needs it
+            lo = lo + tl.where((lo + 1.0) * (lo + 1.0) <= a, 1.0, 0.0)
+            lo = tl.minimum(tl.maximum(lo, 0.0), 127.0)
+            # murmur3's finaliser in uint32 (low 32 bits; `qseed` may be an int, a constexpr or
+            # an int64): wraps modulo 2^32, shifts are logical
+            h = (offs * 0x9E3779B1 + qseed).to(tl.uint32)
             h = h ^ (h >> 16)
-            h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+            h = h * 0x85EBCA6B
             h = h ^ (h >> 13)
-            h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+            h = h * 0xC2B2AE35
             h = h ^ (h >> 16)
-            up = (h >> 8).to(tl.float32) * (2.0**-24) < frac
+            up = (h >> 8).to(tl.float32) * (2.0**-24) < tl.div_rn(a - lo * lo, 2.0 * lo + 1.0)
         else:
-            up = frac > 0.5
+            # lo one too large (a just below k²) or too small (a just above) still gives k,
+            # the nearest code, so the floor needs no correction here
+            half = lo + 0.5
+            up = a - half * half > 0.25  # (lo + 1/2)² is exact, so is the difference
         q = tl.minimum(lo + tl.where(up, 1.0, 0.0), 127.0)
         q = tl.where(m < 0, -q, q)
         tl.store(m_ptr + offs, q.to(tl.int8), mask=mask)
@@ -154,7 +187,8 @@ if HAS_TRITON:
             g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # upcast first
             cf = tl.load(cf_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
             if QUANT:
-                m = _dequant(m_ptr, scale_ptr, offs, mask, srow, cols)
+                m = _dequant(m_ptr, scale_ptr, offs, mask, srow, start, tl.cdiv(n_cols, _QB),
+                             BLOCK_N, BLOCK_M)  # fmt: skip
             else:
                 m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             d = m - g * rs[:, None] * cf[None, :]
@@ -194,7 +228,8 @@ if HAS_TRITON:
         `1 - wd_lr` biases it by up to 0.3% near wd·lr = 1e-5.
         """
         pid_b, _, rows, row_mask, base = factored.row_tile(n_rows, n_cols, BLOCK_N)
-        srow = (pid_b.to(tl.int64) * n_rows + rows) * tl.cdiv(n_cols, _QB)  # QUANT: scales
+        # QUANT: each row's first scale; -1 on masked rows
+        srow = tl.where(row_mask, (pid_b.to(tl.int64) * n_rows + rows) * tl.cdiv(n_cols, _QB), -1)
         rrs = tl.load(rrs_ptr + pid_b.to(tl.int64) * n_rows + rows, mask=row_mask, other=0.0)
         wd_lr = 0.0
         if HAS_DECAY:
@@ -205,7 +240,8 @@ if HAS_TRITON:
             )
             cr = tl.load(cr_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
             if QUANT:
-                m = _dequant(m_ptr, scale_ptr, offs, mask, srow, cols)
+                m = _dequant(m_ptr, scale_ptr, offs, mask, srow, start, tl.cdiv(n_cols, _QB),
+                             BLOCK_N, BLOCK_M)  # fmt: skip
             else:
                 m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)

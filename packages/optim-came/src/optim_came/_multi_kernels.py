@@ -112,7 +112,7 @@ if HAS_TRITON:
                 g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
                 srow = tl.where(row_mask, rows.to(tl.int64) * n_blocks, -1)
                 if QUANT:
-                    mom = _dequant(m_ptr, q_ptr, offs, mask, srow, cols)
+                    mom = _dequant(m_ptr, q_ptr, offs, mask, srow, c0, n_blocks, SUB, BLOCK_M)
                 else:
                     mom = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                 d = mom - g.to(tl.float32) * rs[:, None] * cf[None, :]  # upcast first
@@ -165,7 +165,9 @@ if HAS_TRITON:
         q_ptr, _ = _quant_args(addr, geo, mat, 0, NADDR, QUANT, False)
         n_blocks = tl.cdiv(m, 128)
         if ALIGNED:
-            m = tl.multiple_of(m, 16)
+            # `m` reloaded: a hint on a helper's return value is lost when the helper is
+            # inlined, and without it every load of the tile is scalar (1 element per thread)
+            m = tl.multiple_of(tl.load(geo + mat * _GEO + 1), 16)
             p_ptr = tl.multiple_of(p_ptr, 16)
             m_ptr = tl.multiple_of(m_ptr, 16)
         mean_res, lr, wd_lr, seed = apply_scalars(scal, geo, mat, seed_base, HAS_DECAY, SR)
@@ -178,7 +180,8 @@ if HAS_TRITON:
                 mask, offs = tile(rows, row_mask, cols, col_mask, m)
                 cr = tl.load(cfbuf + cf_off + cols, mask=col_mask, other=0.0)
                 if QUANT:
-                    mom = _dequant(m_ptr, q_ptr, offs, mask, rows.to(tl.int64) * n_blocks, cols)
+                    srow = tl.where(row_mask, rows.to(tl.int64) * n_blocks, -1)
+                    mom = _dequant(m_ptr, q_ptr, offs, mask, srow, c0, n_blocks, SUB, BLOCK_M)
                 else:
                     mom = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
                 p = tl.load(p_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
@@ -229,7 +232,9 @@ if HAS_TRITON:
                     launches.append({"kernel": _mt_momentum_kernel, "args": args, "options": opts})
                 for m_dtype in (f32, torch.bfloat16, i8):
                     quant = m_dtype == i8
-                    a_sub, a_bm, a_warps = quant_tile(*launch_config(aligned), quant=quant)
+                    a_sub, a_bm, a_warps = quant_tile(
+                        *launch_config(aligned), quant=quant, apply=True
+                    )
                     tile = {"ALIGNED": aligned, "SUB": a_sub, "BLOCK_M": a_bm,
                             "STAGES": mt.stages(aligned), "NADDR": NADDR + quant,
                             "QUANT": quant}  # fmt: skip
@@ -248,24 +253,30 @@ if HAS_TRITON:
 
 
 # ---------------------------------------------------------------------------------- launcher
-def quant_tile(sub: int, bm: int, warps: int, *, quant: bool) -> tuple[int, int, int]:
-    """(SUB, BLOCK_M, num_warps) of a launch; int8 `exp_avg`: 8 x 128 on 4 warps (whole blocks)."""
-    return (8, 128, 4) if quant and bm != 256 else (sub, bm, warps)
+def quant_tile(
+    sub: int, bm: int, warps: int, *, quant: bool, apply: bool = False
+) -> tuple[int, int, int]:
+    """(SUB, BLOCK_M, num_warps) of a launch; int8 `exp_avg`: 8 x 128 on 4 warps (whole blocks).
+
+    `apply` on unaligned rows (scalar loads): 4 x 128, 4 elements per thread as the 16 x 32
+    tile it replaces (8 x 128 took 156 registers on sm_80 and spilled 16 bytes with SR).
+    """
+    if quant and bm != 256:
+        return (4, 128, 4) if apply and bm < 128 else (8, 128, 4)
+    return sub, bm, warps
 
 
 def momentum_maxnreg(g_dtype: torch.dtype, m_dtype: torch.dtype, *, aligned: bool) -> int | None:
     """Register cap (`maxnreg`) of a `_mt_momentum_kernel` launch; None: ptxas's own choice.
 
     With the column sums in [SUB, BLOCK_M] accumulators, ptxas's own choice spills on sm_90
-    (tools/gpu_compile.py, triton 3.7.1's ptxas) in two configurations: 16-bit g with fp32 m
-    on aligned rows (96 registers, 24 bytes spilled) and int8 m on unaligned rows (168, 48
-    bytes). A cap makes ptxas use more registers instead: 112 (108 used; 4 blocks of 128 threads
-    per SM, as the 109 registers before the change) and 216 (214-216 used: 2 blocks per SM, 3
-    before with nearest codes; unaligned int8 rows are rare). Every other configuration keeps
-    ptxas's choice.
+    (tools/gpu_compile.py, triton 3.7.1's ptxas) with 16-bit g and fp32 m on aligned rows (96
+    registers, 24 bytes spilled). A cap of 112 makes ptxas use more registers instead (108
+    used; 4 blocks of 128 threads per SM, as the 109 registers before the change). int8 m on
+    unaligned rows needed a cap of 216 too until its scales were loaded and divided once per
+    block, not per element: uncapped it now takes 165-191 registers and spills nothing. Every
+    other configuration keeps ptxas's choice.
     """
-    if m_dtype == torch.int8:
-        return None if aligned else 216
     if aligned and m_dtype == torch.float32 and g_dtype != torch.float32:
         return 112
     return None
@@ -319,7 +330,7 @@ def step_batch(opt: CAME, works: list[Work], cache: dict[tuple[object, ...], Any
     o, step, p0, g0, m0 = w0.opts, w0.step, w0.param, w0.grad, w0.state["exp_avg"]
     is_aligned = bool(batch_key(w0)[-1])
     quant = m0.dtype == torch.int8  # codes + scales (address 6): tiles of whole 128-blocks
-    sub, bm, warps = quant_tile(*launch_config(is_aligned), quant=quant)
+    sub, bm, warps = quant_tile(*launch_config(is_aligned), quant=quant, apply=True)
     # the momentum kernel's tiles
     m_sub, m_bm, m_warps = quant_tile(*launch_config(is_aligned, stats=True), quant=quant)
     naddr = NADDR + 1 if quant else NADDR
