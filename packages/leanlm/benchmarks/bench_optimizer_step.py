@@ -1,0 +1,163 @@
+"""The whole training step with each memory-lean optimizer against fused AdamW (issue 23's target).
+
+Command (from the repo root; on a GPU the default size is the 1.1B TinyLlama shape):
+
+    python packages/leanlm/benchmarks/bench_optimizer_step.py [--device cuda] [--size 1.1b]
+        [--optimizers adamw came came-fp32 came-int8 adafactor] [--rounds 5] [--steps 2]
+
+Every optimizer gets its own copy of the same bf16 Llama (same initial weights) and the same
+batches. A round runs `--steps` training steps (forward, loss, backward, optimizer step,
+`zero_grad(set_to_none=True)`) of each optimizer in turn; the table gives the median step time over
+the rounds, its ratio to AdamW's measured in the same run, the optimizer step alone (median over
+the rounds, after a backward), the optimizer state in bytes per parameter (counted from the
+state tensors) and the peak memory a step allocates above what the resident models and states
+hold (CUDA only: `max_memory_allocated` after `reset_peak_memory_stats`). CAME runs with a bf16
+first moment (`came`), fp32 (`came-fp32`) or int8 (`came-int8`); CAME and Adafactor stochastically
+round the bf16 parameters, AdamW is torch's fused one (foreach on CPU, where fused is not built).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from leanlm_testing import bench
+from optim_adafactor import Adafactor
+from optim_came import CAME
+
+
+def _llama(hidden: int, inter: int, layers: int, *, heads: int, kv: int, vocab: int) -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+        max_position_embeddings=2048,
+    )  # fmt: skip
+
+
+SIZES = {  # model, batch, sequence length
+    "1.1b": (_llama(2048, 5632, 22, heads=32, kv=4, vocab=32000), 4, 1024),
+    "tiny": (_llama(64, 176, 2, heads=4, kv=2, vocab=512), 2, 64),
+}
+
+
+def _adamw(params: list[torch.nn.Parameter], device: str) -> torch.optim.Optimizer:
+    if device == "cuda":
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
+    return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+
+OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter], str], torch.optim.Optimizer]] = {
+    "adamw": _adamw,
+    "came": lambda p, _: CAME(p, lr=1e-4, state_dtype=torch.bfloat16, stochastic_rounding=True),
+    "came-fp32": lambda p, _: CAME(p, lr=1e-4, stochastic_rounding=True),
+    "came-int8": lambda p, _: CAME(p, lr=1e-4, state_dtype=torch.int8, stochastic_rounding=True),
+    "adafactor": lambda p, _: Adafactor(
+        p, lr=1e-4, relative_step=False, scale_parameter=False, stochastic_rounding=True
+    ),
+}  # fmt: skip
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in the optimizer's state."""
+    return sum(
+        v.numel() * v.element_size()
+        for st in optimizer.state.values()
+        for v in st.values()
+        if torch.is_tensor(v)
+    )
+
+
+def main() -> None:
+    """Parse the command line, build one model per optimizer, time them interleaved, print."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    parser.add_argument("--size", choices=sorted(SIZES), default=None, help="GPU 1.1b, CPU tiny")
+    parser.add_argument("--optimizers", nargs="+", choices=sorted(OPTIMIZERS), default=None)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2, help="steps per optimizer per round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per optimizer")
+    args = parser.parse_args()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    size = args.size or ("1.1b" if device == "cuda" else "tiny")
+    names = args.optimizers or ["adamw", "came", "came-fp32", "came-int8", "adafactor"]
+    if "adamw" not in names:
+        names = ["adamw", *names]  # the anchor
+    for flag in ("rounds", "steps"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    print(bench.header("bench_optimizer_step", device, ("optim-came", "optim-adafactor")))
+    config, batch, seq_len = SIZES[size]
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=gen).to(device)
+    sync = bench.synchronizer(device)
+    cuda = device == "cuda"
+
+    models, optimizers = {}, {}
+    for name in names:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model.config.use_cache = False
+        models[name] = model
+        optimizers[name] = OPTIMIZERS[name](list(model.parameters()), device)
+    n_params = sum(p.numel() for p in models[names[0]].parameters())
+    print(f"# size {size}: {n_params / 1e6:.1f}M params, bf16, batch {batch} x {seq_len}")
+
+    def step(name: str) -> None:
+        model, optimizer = models[name], optimizers[name]
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for name in names:
+        for _ in range(args.warmup):
+            step(name)
+    sync()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    opt_times: dict[str, list[float]] = {n: [] for n in names}
+    transient: dict[str, float] = dict.fromkeys(names, 0.0)
+    for _ in range(args.rounds):
+        for name in names:
+            if cuda:
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step(name)
+            sync()
+            times[name].append((time.perf_counter() - start) / args.steps)
+            if cuda:
+                extra = (torch.cuda.max_memory_allocated() - base) / 2**30
+                transient[name] = max(transient[name], extra)
+            models[name](input_ids=ids, labels=ids).loss.backward()
+            sync()
+            start = time.perf_counter()
+            optimizers[name].step()
+            sync()
+            opt_times[name].append(time.perf_counter() - start)
+            optimizers[name].zero_grad(set_to_none=True)
+
+    anchor = statistics.median(times["adamw"])
+    anchor_opt = statistics.median(opt_times["adamw"])
+    print(f"# median of {args.rounds} interleaved rounds of {args.steps} steps each")
+    print(
+        "| optimizer | step ms | x AdamW | optimizer step ms | x AdamW | state B/param "
+        "| step peak above resident GiB |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name in names:
+        med, opt = statistics.median(times[name]), statistics.median(opt_times[name])
+        peak = f"{transient[name]:.2f}" if cuda else "-"
+        print(
+            f"| {name} | {med * 1e3:.1f} | {med / anchor:.2f} | {opt * 1e3:.2f} | "
+            f"{opt / anchor_opt:.2f} | {state_bytes(optimizers[name]) / n_params:.2f} | {peak} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
