@@ -148,6 +148,28 @@ if HAS_TRITON:
         tl.store(m_ptr + offs, q.to(tl.int8), mask=mask)
 
     @triton.jit  # type: ignore[untyped-decorator]
+    def _load_momentum(  # type: ignore[no-untyped-def]
+        m_ptr, scale_ptr, offs, mask, srow, c0, n_blocks, QUANT: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):  # fmt: skip
+        """fp32 `exp_avg` at `offs`: int8 codes decoded (QUANT, `_dequant`), else upcast."""
+        if QUANT:
+            return _dequant(m_ptr, scale_ptr, offs, mask, srow, c0, n_blocks, BLOCK_N, BLOCK_M)
+        return tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _store_momentum(  # type: ignore[no-untyped-def]
+        m, m_ptr, scale_ptr, offs, mask, srow, c0, n_blocks, qseed, QUANT: tl.constexpr,
+        QSR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):  # fmt: skip
+        """Store fp32 `m` as `exp_avg`: int8 codes (QUANT, `_quant_store`), else in its dtype."""
+        if QUANT:
+            _quant_store(m, m_ptr, scale_ptr, offs, mask, srow, c0, n_blocks, qseed, QSR,
+                         BLOCK_N, BLOCK_M)  # fmt: skip
+        else:
+            tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit  # type: ignore[untyped-decorator]
     def _momentum_kernel(  # type: ignore[no-untyped-def]
         g_ptr,
         m_ptr,
@@ -186,18 +208,12 @@ if HAS_TRITON:
             )
             g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # upcast first
             cf = tl.load(cf_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
-            if QUANT:
-                m = _dequant(m_ptr, scale_ptr, offs, mask, srow, start, tl.cdiv(n_cols, _QB),
-                             BLOCK_N, BLOCK_M)  # fmt: skip
-            else:
-                m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            m = _load_momentum(m_ptr, scale_ptr, offs, mask, srow, start, tl.cdiv(n_cols, _QB),
+                               QUANT, BLOCK_N, BLOCK_M)  # fmt: skip
             d = m - g * rs[:, None] * cf[None, :]
             m = m - (1.0 - beta1) * d
-            if QUANT:
-                _quant_store(m, m_ptr, scale_ptr, offs, mask, srow, start, tl.cdiv(n_cols, _QB),
-                             qseed, QSR, BLOCK_N, BLOCK_M)  # fmt: skip
-            else:
-                tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+            _store_momentum(m, m_ptr, scale_ptr, offs, mask, srow, start, tl.cdiv(n_cols, _QB),
+                            qseed, QUANT, QSR, BLOCK_N, BLOCK_M)  # fmt: skip
             d2 = d * d  # masked lanes: g = m = 0, so d = 0
             acc_row += tl.sum(d2, axis=1)
             tl.store(colpart_ptr + part * n_cols + cols, tl.sum(d2, axis=0), mask=col_mask)
@@ -239,11 +255,8 @@ if HAS_TRITON:
                 start, rows, row_mask, base, n_cols, BLOCK_M
             )
             cr = tl.load(cr_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
-            if QUANT:
-                m = _dequant(m_ptr, scale_ptr, offs, mask, srow, start, tl.cdiv(n_cols, _QB),
-                             BLOCK_N, BLOCK_M)  # fmt: skip
-            else:
-                m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            m = _load_momentum(m_ptr, scale_ptr, offs, mask, srow, start, tl.cdiv(n_cols, _QB),
+                               QUANT, BLOCK_N, BLOCK_M)  # fmt: skip
             p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             upd = m * rrs[:, None] * cr[None, :]
             ctr = factored.sr_counters(pid_b * n_rows + rows, start, n_cols, BLOCK_M)

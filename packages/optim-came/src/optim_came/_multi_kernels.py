@@ -42,7 +42,7 @@ if HAS_TRITON:
         tensor_seed,
         tile,
     )
-    from optim_came._kernels import _dequant, _quant_store
+    from optim_came._kernels import _dequant, _load_momentum, _store_momentum
 
     _GEO = tl.constexpr(mt.GEO)
 
@@ -111,17 +111,12 @@ if HAS_TRITON:
                 mask, offs = tile(rows, row_mask, cols, col_mask, m)
                 g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
                 srow = tl.where(row_mask, rows.to(tl.int64) * n_blocks, -1)
-                if QUANT:
-                    mom = _dequant(m_ptr, q_ptr, offs, mask, srow, c0, n_blocks, SUB, BLOCK_M)
-                else:
-                    mom = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                mom = _load_momentum(m_ptr, q_ptr, offs, mask, srow, c0, n_blocks, QUANT, SUB,
+                                     BLOCK_M)  # fmt: skip
                 d = mom - g.to(tl.float32) * rs[:, None] * cf[None, :]  # upcast first
                 mom = mom - (1.0 - beta1) * d
-                if QUANT:
-                    _quant_store(mom, m_ptr, q_ptr, offs, mask, srow, c0, n_blocks, qseed, QSR,
-                                 SUB, BLOCK_M)  # fmt: skip
-                else:
-                    tl.store(m_ptr + offs, mom.to(m_ptr.dtype.element_ty), mask=mask)
+                _store_momentum(mom, m_ptr, q_ptr, offs, mask, srow, c0, n_blocks, qseed, QUANT,
+                                QSR, SUB, BLOCK_M)  # fmt: skip
                 d2 = d * d  # masked lanes: g = m = 0, so d = 0
                 cacc += d2
                 tl.store(rowpart + roff + (rows - r0) * tiles + c0 // BLOCK_M,
