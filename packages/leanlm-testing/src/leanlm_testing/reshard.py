@@ -141,7 +141,7 @@ def spawn_chain(
 ) -> None:
     """`phase_fn(rank, world, phase, stage, str(tmp_path))` for each (world, stage) of `chain`.
 
-    Each phase runs in `world` fresh processes (`spawn`), after the previous one has finished.
+    Each phase runs in `world` new processes (`spawn`), after the previous one has finished.
     """
     for phase, (world, stage) in enumerate(chain):
         spawn(phase_fn, phase, stage, str(tmp_path), world_size=world, tmp_path=tmp_path)
