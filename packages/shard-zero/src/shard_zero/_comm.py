@@ -12,7 +12,9 @@ keeps a rolling hash of the collectives issued since the last `step()` (kind, by
 carry). With `check_consistency`, every all-gather of a bucket or unit (`Gather`) prepends a
 16-byte tag per rank, `(ident, rolling hash)`, compared on receipt (on CPU at once; on other
 devices once per step, to avoid a host sync per gather); `check_step` broadcasts rank 0's count
-and hash once per step. A failed or timed-out collective is re-raised with the likely cause.
+and hash once per step. At world 1 there is no other rank: `Gather` neither tags nor communicates
+(the payload is the result) and `check_step` does nothing. A failed or timed-out collective is
+re-raised with the likely cause.
 """
 
 from __future__ import annotations
@@ -208,7 +210,7 @@ class Comm:
     def check_step(self) -> None:
         """Raise if this rank issued other collectives than rank 0 since the last check."""
         self.flush_deferred()
-        if not self.check:
+        if not self.check or self.world_size == 1:  # no other rank to disagree with
             return
         mine = [self._issued, self.seq]
         t = torch.tensor(mine, dtype=torch.int64, device=self.device)
@@ -250,16 +252,23 @@ class Gather:
     def __init__(self, comm: Comm, ident: int, size: int, dtype: torch.dtype) -> None:
         self.comm = comm
         self.ident = ident
-        self.tag = _TAG_BYTES // dtype.itemsize if comm.check else 0
+        alone = comm.world_size == 1  # the payload is the result: no tags, no collective
+        self.tag = _TAG_BYTES // dtype.itemsize if comm.check and not alone else 0
         self.inp = torch.empty(self.tag + size, dtype=dtype, device=comm.device)
         self.payload = self.inp[self.tag :]
-        self.out = torch.empty(comm.world_size * (self.tag + size), dtype=dtype, device=comm.device)
+        self.out = (
+            self.inp
+            if alone
+            else torch.empty(comm.world_size * (self.tag + size), dtype=dtype, device=comm.device)
+        )
         self.work: Any = None
         self.seq = 0
 
     def start(self) -> Gather:
-        """Launch the all-gather (asynchronous)."""
+        """Launch the all-gather (asynchronous; at world 1 nothing to do)."""
         comm = self.comm
+        if comm.world_size == 1:
+            return self
         comm.count("all_gather", _nbytes(self.out), self.ident)
         self.seq = comm.seq
         if self.tag:
@@ -272,7 +281,8 @@ class Gather:
 
     def wait(self) -> torch.Tensor:
         """Finish the all-gather, check the tags and return the gathered (world, size) values."""
-        self.comm.wait(self.work, self.ident)
+        if self.work is not None:
+            self.comm.wait(self.work, self.ident)
         out2d = self.out.view(self.comm.world_size, -1)
         if self.tag:
             # a compact copy (never a view that would keep `out` alive while deferred)

@@ -92,7 +92,8 @@ class ZeroEngine(Shards):
         """Make the model's compute parameters equal the (fp32) masters on every rank.
 
         Stages 1-2 all-gather bucket by bucket with at most `GATHERS_IN_FLIGHT` gathers outstanding
-        (never a second full copy of the parameters); stage 3 frees its units (the next forward
+        (never a second full copy of the parameters), or at world 1 copy the masters straight
+        into the parameters (one foreach cast-copy); stage 3 frees its units (the next forward
         gathers the new values).
         """
         for e in self.replicated:
@@ -112,6 +113,16 @@ class ZeroEngine(Shards):
             nbytes = self._released.pop(id(e), None)
             if nbytes is not None:
                 e.param.data.untyped_storage().resize_(nbytes)  # refilled by the gathers below
+        if self.world == 1:  # every row is here: one cast-copy, no buckets, no collective
+            pairs = [(e.param.data, self.compute_rows(e)) for e in self.sharded]
+            pairs = [(p, m) for p, m in pairs if not _same_memory(p, m)]
+            if self.offload:  # from host rows: one host-to-device copy each
+                for p, m in pairs:
+                    p.copy_(m, non_blocking=True)
+            elif pairs:
+                dst, src = zip(*pairs, strict=True)
+                torch._foreach_copy_(list(dst), list(src))
+            return
         in_flight: list[tuple[Gather, Bucket]] = []
         for i, bucket in enumerate(self.buckets):
             dtype = bucket.entries[0].param.dtype

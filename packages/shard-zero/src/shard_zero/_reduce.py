@@ -6,7 +6,9 @@ not grow with the number of micro-batches; stage 1 (as DDP) reduces `param.grad`
 accumulation boundary. Buckets launch in one rank-invariant order, and the end of backward
 launches every bucket left, with or without a gradient on this rank, so ranks always issue the
 same collectives. `accum_dtype`, `offload_accum` and `offload_optimizer` only change where, and
-in which dtype, the reduced rows accumulate (`materialize`, `_add_on_host`, `_offload`).
+in which dtype, the reduced rows accumulate (`materialize`, `_add_on_host`, `_offload`). At
+world 1 a packed bucket is already the reduced one: no collective runs, no scaling by 1, and
+its fp32 rows become the master gradients as they are (views of the bucket's buffer).
 """
 
 from __future__ import annotations
@@ -173,9 +175,12 @@ class Reducer(OffloadGrads):
         for e in bucket.entries:
             e.ready = False
         bucket.pending = len(bucket.entries)
-        out = torch.empty(bucket.size, dtype=engine.reduce_dtype, device=engine.device)
-        work = engine.comm.reduce_scatter(out, buf.view(-1), ident=bucket.ident)
-        self._pending.append((work, buf, out, bucket))
+        if engine.world == 1:  # the packed buffer is the reduced one: no collective, no copy
+            self._pending.append((None, buf, buf.view(-1), bucket))
+        else:
+            out = torch.empty(bucket.size, dtype=engine.reduce_dtype, device=engine.device)
+            work = engine.comm.reduce_scatter(out, buf.view(-1), ident=bucket.ident)
+            self._pending.append((work, buf, out, bucket))
         while len(self._pending) > MAX_IN_FLIGHT:
             self._retire()
 
@@ -183,8 +188,9 @@ class Reducer(OffloadGrads):
         """Wait for the oldest reduce-scatter and add its output into the master gradients."""
         work, buf, out, bucket = self._pending.popleft()
         engine = self.engine
-        engine.comm.wait(work, bucket.ident)
-        del buf  # the input is released once its reduction completed
+        if work is not None:
+            engine.comm.wait(work, bucket.ident)
+        del buf  # the input is released once its reduction completed (world 1: `out` is it)
         scale = 1.0 / engine.world
         low = engine.accum_dtype != torch.float32
         to_host = engine.offload_accum and not engine.sync
@@ -201,8 +207,7 @@ class Reducer(OffloadGrads):
             if acc is None:
                 self._fresh.add(id(e))
                 if bucket.rows is None:  # the whole local gradient in one piece
-                    acc = piece.to(torch.float32, copy=True).mul_(scale).to(engine.accum_dtype)
-                    self._set_acc(e, acc, low)
+                    self._set_acc(e, _scaled(piece, scale, engine.accum_dtype), low)
                     if offload:
                         self._offload(e)
                     continue
@@ -214,7 +219,9 @@ class Reducer(OffloadGrads):
             if id(e) in self._fresh and low:
                 rows.copy_(piece.to(torch.float32) * scale)  # one rounding to bf16
             elif id(e) in self._fresh:
-                rows.copy_(piece).mul_(scale)
+                rows.copy_(piece)
+                if scale != 1.0:
+                    rows.mul_(scale)
             else:
                 rows.add_(piece, alpha=scale)
             if offload and span[1] == e.chunk:  # its last piece: the gradient is complete
@@ -296,13 +303,15 @@ class Reducer(OffloadGrads):
         parts.append(torch.tensor(mine, dtype=torch.float32, device=engine.device))
         flat = torch.cat([t.to(torch.float32) for t in parts]).to(engine.reduce_dtype)
         del parts, full
-        engine.comm.all_reduce(flat, ident=REPLICATED_IDENT)
+        alone = engine.world == 1  # the sum is this rank's own: no collective, no host read
+        if not alone:
+            engine.comm.all_reduce(flat, ident=REPLICATED_IDENT)
         flat = flat.to(torch.float32)
         n_rep = flat.numel() - len(engine.entries)
         # fake tensors (the scale simulator) have no values: use this rank's own flags
-        flags = flat[n_rep:].tolist() if host_readable(flat) else mine
+        flags = flat[n_rep:].tolist() if host_readable(flat) and not alone else mine
         got = {id(e) for e, f in zip(engine.entries, flags, strict=True) if f > 0}
-        grads = flat[:n_rep].mul_(1.0 / engine.world)
+        grads = flat[:n_rep] if alone else flat[:n_rep].mul_(1.0 / engine.world)
         offset = 0
         for e in rep:
             n = e.master.numel()
@@ -327,6 +336,17 @@ class Reducer(OffloadGrads):
         self._host_new.clear()
         if engine.sync:  # the accumulation boundary: activations are gone
             self.materialize()
+
+
+def _scaled(piece: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """`piece * scale` in fp32, then in `dtype`, as a new accumulator: one pass where possible.
+
+    At world 1 (`scale` 1) an fp32 piece is taken as it is (a view of its bucket's buffer,
+    which lives until its last piece is dropped); multiplying by 1 would copy it unchanged.
+    """
+    if piece.dtype == torch.float32 and dtype == torch.float32:
+        return piece if scale == 1.0 else piece * scale
+    return piece.to(torch.float32, copy=True).mul_(scale).to(dtype)
 
 
 def _full_grad(e: Entry) -> torch.Tensor | None:
