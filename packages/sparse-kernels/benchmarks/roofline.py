@@ -17,7 +17,8 @@ Counts (bf16 = 2 bytes, fp32 partials = 4, index loads ignored):
   L2 (`fits_l2`: X for the forward, dY for dX). A stored tile is re-read by the programs of all
   token tiles of its row at about the same time (token tiles vary fastest in the grid), and dW's
   programs walk the tokens in step, so those re-reads stay in L2.
-* dW with token splits writes fp32 partials that a torch sum reads back (HBM).
+* dW with token splits writes fp32 partials that are read back (HBM): by a torch sum after
+  the sm_80 kernel, by the sm_90 kernel's last item of each tile pair.
 * The sm_90 kernels (`_bsr_hopper`, `_bsr_hopper_dw`) run one program per SM (196 KB of shared
   memory at block 128) over work items, round after round. Without warp specialization or a
   TMA store, an item's output tile (256 x b for forward/dX, two b x b tiles for dW, fp32 when
@@ -258,21 +259,25 @@ def block_kernels(pt: GpuPoint, nnzb: int, gpu: R.Gpu) -> list[KernelCost]:
     splits = _cdiv(m, per)  # as the launcher rounds them
     tiles = nnzb * b * b
     out = splits * tiles * FP32 if splits > 1 else tiles * BF16
+    summed = out + tiles * BF16 if splits > 1 else 0.0  # partials read back, dvalues written
+    # sm_90: the last item of each pair sums its partials in the kernel; sm_80: a torch sum
+    # and cast after it
+    in_kernel = summed if pt.kernels == "sm90" else 0.0
     reads = (m * b * nnzb + m * b * items) * BF16  # X per tile, dY per item
     kernels.append(
         KernelCost(
             "dW",
             2.0 * m * nnzb * b * b,
-            (m * n + m * k) * BF16 + out,
-            reads + out,
+            (m * n + m * k) * BF16 + out + in_kernel,
+            reads + out + in_kernel,
             programs=items * splits,
             threads=32 * cfg["num_warps"],
             shared_bytes=cfg["num_stages"] * (1 + x_boxes) * cfg["BLOCK_M"] * b * BF16,
-            serial_bytes=out if pt.kernels == "sm90" else 0.0,
+            serial_bytes=out + in_kernel if pt.kernels == "sm90" else 0.0,
         )
     )
-    if splits > 1:  # the launcher's fp32 sum of the partials, cast to bf16
-        kernels.append(KernelCost("dW split sum", 0.0, out + tiles * BF16, out + tiles * BF16))
+    if summed and not in_kernel:  # the launcher's fp32 sum of the partials, cast to bf16
+        kernels.append(KernelCost("dW split sum", 0.0, summed, summed))
     return kernels
 
 

@@ -83,6 +83,10 @@ def test_sm90_kernel_matches_dense_reference_at_shipped_tiles(name, dtype):
     for splits in (1, 3):  # dvalues written directly; fp32 partials summed in split order
         dv = HW.sdd_sm90(dy, x, layout, values, splits=splits, programs=3)
         assert_verbose_allclose(dv, ref, atol=atol * 4, rtol=rtol, name=f"dW, {splits} split")
+    # the in-kernel split-K sum: its counts are back at 0, and a second launch (another
+    # program count: other items arrive last) gives the same bits
+    assert not P.sm90_plan(layout).pair_counts.any()
+    assert torch.equal(HW.sdd_sm90(dy, x, layout, values, splits=3, programs=2), dv)
 
 
 @pytest.mark.interpreter
@@ -254,6 +258,12 @@ def test_sm90_kernel_real_sizes_gpu(tokens, block, dtype, gpu_case):
     ref = T.sdd_dense_reference(dy, x, layout)
     assert_verbose_allclose(HW.sdd_sm90(dy, x, layout, values), ref, atol=atol * 8, rtol=rtol,
                             name="dW tiles")  # fmt: skip
+    # split-K summed in the kernel (4095 tokens: 3 splits): the counts' release/acquire order,
+    # deterministic bits, counts back at 0
+    dv = HW.sdd_sm90(dy, x, layout, values, splits=3)
+    assert_verbose_allclose(dv, ref, atol=atol * 8, rtol=rtol, name="dW tiles, 3 splits")
+    assert torch.equal(HW.sdd_sm90(dy, x, layout, values, splits=3), dv)
+    assert not P.sm90_plan(layout).pair_counts.any()
 
 
 def _spy_plan_builds(monkeypatch):

@@ -44,7 +44,8 @@ multiply-adds; fwd+bwd at block 128, 25% excepted) and lost at 4096->4096 and at
 (<= 34.4 G; the forward at block 64, 50% excepted), and it lost every decode row (1-256 tokens,
 <= 7.5 G) but one. 45 G is the geometric middle of the gap. What sets it is a fixed cost: an
 sm_90 call took about 0.085 ms more per launch outside the kernels (inferred from the times'
-floor; where it goes is not known), which only a long enough product hides."""
+floor; where it goes is not known: not in torch ops, allocations or host reads, which
+benchmarks/bench_ops.py counts), which only a long enough product hides."""
 
 
 def prefer_sm90(tokens: int, stored: int) -> bool:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from sparse_kernels._bsr_hopper import SM90_BLOCK_SIZES
-from sparse_kernels._bsr_kernels import _check_sdd_args, _sdd_out, _sdd_sum
+from sparse_kernels._bsr_kernels import _check_sdd_args
 from sparse_kernels._bsr_launch import aligned, dot_precision, sdd_plan, sm_count
 from sparse_kernels._bsr_plan import sm90_plan
 from sparse_kernels._triton import HAS_TRITON, INTERPRET
@@ -42,6 +42,18 @@ if HAS_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     @triton.jit  # type: ignore[untyped-decorator]
+    def _sum_splits(ws_ptr, out_ptr, t, mask, plane, splits, BS: tl.constexpr):  # type: ignore[no-untyped-def]
+        """out[t] = Σ_k ws[k · plane + t], k = 0, 1, ..., splits - 1 in that order (fp32).
+
+        Stored in out's dtype. One tile at a time (one fp32 accumulator live: registers). The
+        loads are .cg: from L2, where the other programs' partials are, never a stale L1 line.
+        """
+        acc = tl.zeros([BS, BS], dtype=tl.float32)
+        for k in range(0, splits):
+            acc += tl.load(ws_ptr + k * plane + t, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + t, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit  # type: ignore[untyped-decorator]
     def _sdd_tma_kernel(  # type: ignore[no-untyped-def]
         dy_desc,
         x_desc,
@@ -49,11 +61,14 @@ if HAS_TRITON:
         row_idx,
         col_idx,
         out_ptr,
+        ws_ptr,
+        count_ptr,
         M,
         nnzb,
         n_pairs,
         m_per_split,
         n_programs,
+        SPLIT: tl.constexpr,
         UPCAST: tl.constexpr,
         PRECISION: tl.constexpr,
         BS: tl.constexpr,
@@ -66,6 +81,13 @@ if HAS_TRITON:
         one tile (the last of an odd row) loads its X box twice and stores once. Split s covers
         tokens [s·m_per_split, (s+1)·m_per_split) (a multiple of BLOCK_M); fp32 accumulators,
         one cast on store.
+
+        With SPLIT (more than one split), each item stores its fp32 partials to ws_ptr[s] and
+        counts itself in count_ptr[pair] (one atomic, released after a CTA barrier, so the
+        partials are visible before the count); the item that counts last sums the pair's
+        partials of splits 0, 1, ... in that order (a fixed order, whichever item is last:
+        deterministic), stores the sum once in out's dtype and resets the count to 0 for the
+        next launch. No sum or cast launch after the kernel.
         """
         pid = tl.program_id(0)
         splits = tl.cdiv(M, m_per_split)
@@ -94,11 +116,22 @@ if HAS_TRITON:
                 dyt = tl.trans(dy)
                 acc0 = tl.dot(dyt, x0, acc0, input_precision=PRECISION)
                 acc1 = tl.dot(dyt, x1, acc1, input_precision=PRECISION)
-            base = s.to(tl.int64) * nnzb * (BS * BS)
-            tl.store(out_ptr + base + p0.to(tl.int64) * (BS * BS) + tile,
-                     acc0.to(out_ptr.dtype.element_ty))  # fmt: skip
-            tl.store(out_ptr + base + p1.to(tl.int64) * (BS * BS) + tile,
-                     acc1.to(out_ptr.dtype.element_ty), mask=(tile >= 0) & (p1 > p0))  # fmt: skip
+            t0 = p0.to(tl.int64) * (BS * BS) + tile
+            t1 = p1.to(tl.int64) * (BS * BS) + tile
+            two = (tile >= 0) & (p1 > p0)
+            if SPLIT:
+                plane = nnzb.to(tl.int64) * (BS * BS)  # one split's partials
+                tl.store(ws_ptr + s * plane + t0, acc0)
+                tl.store(ws_ptr + s * plane + t1, acc1, mask=two)
+                tl.debug_barrier()  # every thread's partials issued before the release
+                done = tl.atomic_add(count_ptr + g, 1, sem="acq_rel", scope="gpu")
+                if done == splits - 1:  # the last item of this pair: sum in split order
+                    _sum_splits(ws_ptr, out_ptr, t0, tile >= 0, plane, splits, BS)
+                    _sum_splits(ws_ptr, out_ptr, t1, two, plane, splits, BS)
+                    tl.atomic_xchg(count_ptr + g, 0)  # ready for the next launch
+            else:
+                tl.store(out_ptr + t0, acc0.to(out_ptr.dtype.element_ty))
+                tl.store(out_ptr + t1, acc1.to(out_ptr.dtype.element_ty), mask=two)
 
     def sdd_sm90(
         dy: Tensor,
@@ -126,35 +159,40 @@ if HAS_TRITON:
         plan = sm90_plan(layout)  # built once per layout: no device -> host copy here
         starts, n_pairs = plan.pair_starts, plan.n_pairs
         splits, per = sdd_plan(M, n_pairs, bm, splits, x.device)  # splits for the pairs
-        out = _sdd_out(values, splits)
+        out = torch.empty_like(values)
+        # fp32 partials of every split; the kernel sums them (its last item per pair)
+        ws = values.new_empty(splits, *values.shape, dtype=torch.float32) if splits > 1 else out
         sms = 4 if x.device.type == "cpu" else sm_count(x.device)
         programs = max(1, min(programs or sms, n_pairs * splits))
         _sdd_tma_kernel[(programs,)](
             TensorDescriptor.from_tensor(dy, [bm, b]), TensorDescriptor.from_tensor(x, [bm, b]),
-            starts, layout.row_idx, layout.col_idx, out, M, nnzb, n_pairs, per,
-            n_programs=programs, UPCAST=INTERPRET, PRECISION=dot_precision(x.dtype), BS=b,
-            BLOCK_M=bm, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            starts, layout.row_idx, layout.col_idx, out, ws, plan.pair_counts, M, nnzb, n_pairs,
+            per, n_programs=programs, SPLIT=splits > 1, UPCAST=INTERPRET,
+            PRECISION=dot_precision(x.dtype), BS=b, BLOCK_M=bm, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )  # fmt: skip
-        return _sdd_sum(out, values, splits)
+        return out
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """The Hopper dW kernel's launches for tools/gpu_compile.py (sm_90; TMA, wgmma required).
 
-        Blocks 64/128, bf16/fp16 and fp32 as TF32, one split (dvalues in the dtype) and several
-        (fp32 partials), tokens a multiple of 16 and not.
+        Blocks 64/128, bf16/fp16 and fp32 as TF32, one split (dvalues written directly) and
+        several (fp32 partials summed in the kernel), tokens a multiple of 16 and not.
         """
         launches: list[dict[str, Any]] = []
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for bs in SM90_BLOCK_SIZES:
                 cfg = sm90_dw_config(bs, dtype)
                 for M in (4096, 4095):
-                    for out in {torch.float32, dtype}:
+                    for split in (False, True):
                         t = torch.empty(M, 4096, dtype=dtype, device="meta")
                         desc = TensorDescriptor.from_tensor(t, [cfg["BLOCK_M"], bs])
                         args = {"dy_desc": desc, "x_desc": desc, "pair_start": torch.int32,
-                                "row_idx": torch.int32, "col_idx": torch.int32, "out_ptr": out,
-                                "M": M, "nnzb": 409, "n_pairs": 205, "m_per_split": 512,
-                                "n_programs": 132, "UPCAST": False, "PRECISION": "tf32", "BS": bs,
+                                "row_idx": torch.int32, "col_idx": torch.int32, "out_ptr": dtype,
+                                "ws_ptr": torch.float32 if split else dtype,
+                                "count_ptr": torch.int32, "M": M, "nnzb": 409, "n_pairs": 205,
+                                "m_per_split": 512, "n_programs": 132, "SPLIT": split,
+                                "UPCAST": False, "PRECISION": "tf32", "BS": bs,
                                 "BLOCK_M": cfg["BLOCK_M"]}  # fmt: skip
                         options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
                         launches.append({"kernel": _sdd_tma_kernel, "args": args,

@@ -31,7 +31,7 @@ def kernel_config(kernel: str, block_size: int, dtype: torch.dtype) -> dict[str,
         raise ValueError(f"`kernel` ({kernel!r}) must be 'dsd', 'dsdt' or 'sdd'")
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"the Triton kernels take `block_size` in {BLOCK_SIZES}, got {block_size}")
-    elt = torch.empty(0, dtype=dtype).element_size()
+    elt = dtype.itemsize
     warps = 8 if block_size == 128 else 4
     if kernel == "sdd":
         block_m = 32 if block_size == 128 else 64

@@ -1,7 +1,8 @@
 """Per-layout launch plan of the Hopper kernels, built once and cached on the `BlockLayout`.
 
 What the sm_90 launches need beyond the layout's own index tensors: the block rows (forward)
-and block columns (dX) in longest-first order, and the dW kernel's tile pairs. They depend on
+and block columns (dX) in longest-first order, the dW kernel's tile pairs and their split-K
+arrival counts. They depend on
 the mask only, not on the tokens, so `sm90_plan` builds them once per layout (on the host,
 from one copy of the pointers) and a steady-state call launches with no sort, no index
 arithmetic and no device -> host copy. `BlockLayout.cached` rebuilds the plan after an
@@ -29,6 +30,10 @@ class Sm90Plan:
     """(col_blocks,) block columns, most stored tiles first (stable): dX's item order."""
     pair_starts: Tensor
     """(pairs + 1,) `pair_starts(row_ptr)`: dW's work items."""
+    pair_counts: Tensor
+    """(pairs,) zeros: the split-K dW kernel's per-pair arrival counts, which its last item
+    of each pair resets to 0, so they are zeroed once per plan, not per call. One launch at a
+    time per layout (launches on one stream are ordered)."""
 
     @property
     def n_pairs(self) -> int:
@@ -59,10 +64,12 @@ def build_sm90_plan(layout: BlockLayout) -> Sm90Plan:
     """The plan of `layout`, computed on the host (one copy of each pointer) and moved back."""
     dev = layout.row_ptr.device
     row_ptr, col_ptr = layout.row_ptr.cpu(), layout.col_ptr.cpu()
+    starts = pair_starts(row_ptr)
     return Sm90Plan(
         row_order=longest_first(row_ptr).to(dev),
         col_order=longest_first(col_ptr).to(dev),
-        pair_starts=pair_starts(row_ptr).to(dev),
+        pair_starts=starts.to(dev),
+        pair_counts=torch.zeros(starts.numel() - 1, dtype=torch.int32, device=dev),
     )
 
 
