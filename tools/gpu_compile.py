@@ -21,12 +21,17 @@ spills (bytes stored + loaded), shared_bytes, num_stages (the launch option), pi
 (buffers of the multi-buffered shared-memory operands in the TTGIR; 1 = not pipelined),
 uses_dot (`tt.dot` in the TTIR), tensor_core (`mma.sync` on sm_80, `wgmma` or `mma` on sm_90 in
 the PTX), wgmma (`wgmma.` in the PTX: Hopper warpgroup MMA), tma (`cp.async.bulk.tensor` in the
-PTX: loads/stores through TMA descriptors) and input_precision (of the `tt.dot`s with fp32
+PTX: loads/stores through TMA descriptors), input_precision (of the `tt.dot`s with fp32
 operands in the TTIR: "ieee" where it prints no `inputPrecision`, else its value, e.g. "tf32";
-None without such a dot). The gate fails on a compile error, any spill, shared memory over the
+None without such a dot), global_access (static count of each global memory instruction shape
+in the PTX: `ld.global.v4.b32` moves 16 B per thread, `ld.global.b16` 2 B, `cp.async.4` 4 B) and
+scalar_streams (the tile load/store sites that move a thread's elements one by one in a loop,
+`global_access`). The gate fails on a compile error, any spill, shared memory over the
 arch's limit, a `tl.dot` without tensor-core instructions, a GEMM loop (a kernel with `tl.dot`)
 launched with `num_stages` < 2 or not pipelined (fewer than 2 buffers), or an fp32 dot compiled
-at another precision than the launch's `PRECISION` constexpr asks for. A launch that asks for
+at another precision than the launch's `PRECISION` constexpr asks for, or a scalar stream in a
+launch with `ALIGNED=True` (row length and base pointers hinted `tl.multiple_of` 16, so its
+tiles must load and store as vectors of >= 8 B). A launch that asks for
 `PRECISION="ieee"` (exact fp32, which tensor cores cannot do) may run its dots off the tensor
 cores; tma and wgmma are recorded, and gated only where the launch `requires` them.
 
@@ -57,6 +62,15 @@ ARCHS = {"sm_80": 80, "sm_90": 90}
 # Max dynamic shared memory per block (CUDA C programming guide, compute capabilities table):
 # 163 KB on sm_80 (A100), 227 KB on sm_90 (H100).
 SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+VECTOR_BYTES = 8  # narrower global accesses are scalar (one 1/2/4-byte element, or two 16-bit)
+# A thread moving this many elements of one tile by narrow accesses is a scalar stream; the
+# lost-hint bug moved all 8 of a thread's elements one by one (1-4 B each). Fewer are allowed:
+# a [SUB, BLOCK_T] tile of row partials in rows of unaligned length (2 fp32 per thread).
+SCALAR_RUN = 4
+# `[@pred] ld.global|st.global|cp.async.<modifiers> operands` (not TMA's cp.async.bulk)
+_GLOBAL = re.compile(r"^\s*(?:@!?%\w+\s+)?(ld\.global|st\.global|cp\.async)\.(\S+)\s+(.*)$")
+# LLVM's loop comments on a block: "in Loop: Header=BB0_2 Depth=1", "Loop Header: Depth=2"
+_LOOP_DEPTH = re.compile(r"Header(?:: |=\S+ )Depth=(\d+)")
 _SPECS: dict[str, list[dict[str, Any]]] = {}  # module name -> gpu_launch_configs(), per process
 
 
@@ -184,7 +198,7 @@ def compile_one(module_name: str, index: int, arch: str) -> dict[str, Any]:
         "ok": False, "error": None, "registers": None, "spills": None, "shared_bytes": None,
         "num_stages": spec.get("options", {}).get("num_stages", 3), "pipeline_buffers": None,
         "uses_dot": None, "tensor_core": None, "wgmma": None, "tma": None, "input_precision": None,
-        "requires": list(spec.get("requires", ())),
+        "global_access": None, "scalar_streams": None, "requires": list(spec.get("requires", ())),
     }  # fmt: skip
     try:
         target = GPUTarget("cuda", ARCHS[arch], 32)
@@ -208,6 +222,8 @@ def compile_one(module_name: str, index: int, arch: str) -> dict[str, Any]:
         record["wgmma"] = "wgmma." in ptx
         record["tma"] = "cp.async.bulk.tensor" in ptx
         record["input_precision"] = fp32_dot_precision(kernel.asm["ttir"])
+        access = global_access(ptx, vector_sites(ttgir))
+        record["global_access"], record["scalar_streams"] = access
         buffers = [int(b) for b in re.findall(r"!ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)]
         record["pipeline_buffers"] = max(buffers, default=1)
         record["registers"], record["spills"] = _ptxas(ptx, arch)
@@ -229,6 +245,90 @@ def fp32_dot_precision(ttir: str) -> str | None:
             precision = re.search(r"inputPrecision = (\w+)", line)
             found.add(precision.group(1) if precision else "ieee")
     return "/".join(sorted(found)) or None
+
+
+def _shape(op: str, mods: str, operands: str) -> str:
+    """Shape of one global memory instruction of the PTX: `ld.global.v4.b32`, `cp.async.16`."""
+    if op == "cp.async":  # cp.async.ca.shared.global [dst], [src], cp-size[, src-size];
+        return f"cp.async.{int(operands.split(',')[2].strip(' ;'), 0)}"
+    parts = mods.split(".")
+    vec = next((p for p in parts if re.fullmatch(r"v\d", p)), None)
+    bits = next(p for p in reversed(parts) if re.fullmatch(r"[bsuf]\d+", p))
+    return ".".join([op, *([vec] if vec else []), f"b{bits[1:]}"])
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes one thread moves with an instruction of `shape` (`_shape`)."""
+    last = shape.rsplit(".", 1)[1]
+    if shape.startswith("cp.async."):
+        return int(last)
+    vec = re.search(r"\.v(\d)\.", shape)
+    return (int(vec.group(1)) if vec else 1) * int(last[1:]) // 8
+
+
+def vector_sites(ttgir: str) -> set[str]:
+    """`file:line:col` of the global loads/stores in the TTGIR of scalars and 1-D vectors only.
+
+    A 1-D load of a per-row or per-column vector (a factor, a partial) is no element stream;
+    a position that also loads or stores a 2-D (or higher) tile is not in the set. Positions
+    are the innermost source position (inside any inlined helper), as the PTX's `.loc`
+    comments print them.
+    """
+    locs = dict(re.findall(r"^(#loc\d*) = loc\((.*)\)$", ttgir, flags=re.M))
+
+    def position(loc: str) -> str | None:
+        while loc.startswith("#loc"):
+            loc = locs.get(loc, "")
+        if at := re.match(r'"([^"]+)":(\d+):(\d+)', loc):  # "file":line:col
+            return f"{Path(at.group(1)).name}:{at.group(2)}:{at.group(3)}"
+        inner = re.match(r'(?:"[^"]*"\(|callsite\(|fused\[)(#loc\d*)', loc)  # name(, callee
+        return position(inner.group(1)) if inner else None
+
+    ops = r"(?:tt\.load|tt\.store|ttg\.async_copy_global_to_local) .* loc\((#loc\d*)\)$"
+    by_rank: dict[bool, set[str | None]] = {True: set(), False: set()}
+    for op in re.finditer(ops, ttgir, flags=re.M):
+        shape = re.search(r"tensor<([\dx]+)x!tt\.ptr", op.group(0))
+        by_rank[shape is not None and "x" in shape.group(1)].add(position(op.group(1)))
+    return {p for p in by_rank[False] - by_rank[True] if p}
+
+
+def global_access(ptx: str, vectors: set[str]) -> tuple[dict[str, int], list[str]]:
+    """(count per global memory instruction shape, scalar streams) of a kernel's PTX.
+
+    A scalar stream is a load/store site (the source position of its `tl.load`/`tl.store`, with
+    the call sites it was inlined at, from the PTX's `.loc` comments) that issues SCALAR_RUN or
+    more accesses narrower than VECTOR_BYTES in one pipeline stage (between
+    `cp.async.commit_group`s) of one basic block inside a loop: a thread holding several
+    elements of it moves them one by one, which is what a lost `tl.multiple_of` hint compiles
+    to. A site of `vectors` (`vector_sites`: per-row and per-column factors, whose elements a
+    thread holds are neither contiguous nor aligned) is never one.
+    """
+    counts: dict[str, int] = {}
+    narrow: dict[tuple[int, str], list[int]] = {}  # (stage, site) -> widths of its accesses
+    site, depth, stage = "?", 0, 0
+    for line in ptx.splitlines():
+        text = line.strip()
+        if text.startswith("$L__BB") or text.startswith("cp.async.commit_group"):
+            stage += 1
+            depth = depth if text.startswith("cp.async") else 0
+        elif text.startswith("//") and (loop := _LOOP_DEPTH.search(text)):
+            depth = max(depth, int(loop.group(1)))
+        elif text.startswith(".loc"):
+            site = text.split("//", 1)[1].strip() if "//" in text else text
+        elif (found := _GLOBAL.match(line)) and (
+            found.group(1) != "cp.async" or ".shared.global" in f".{found.group(2)}"
+        ):  # a global load/store, or an asynchronous copy global -> shared (not wait/commit)
+            shape = _shape(*found.groups())
+            nbytes = shape_bytes(shape)
+            counts[shape] = counts.get(shape, 0) + 1
+            if depth and nbytes < VECTOR_BYTES:
+                narrow.setdefault((stage, site), []).append(nbytes)
+    streams = {
+        f"{site} ({len(w)} x {max(w)} B)"
+        for (_, site), w in narrow.items()
+        if len(w) >= SCALAR_RUN and site.split(" @[")[0] not in vectors
+    }
+    return dict(sorted(counts.items())), sorted(streams)
 
 
 # -------------------------------------------------------------------------------------- gate
@@ -256,6 +356,9 @@ def gate(records: list[dict[str, Any]]) -> list[str]:
                 f"GEMM loop not pipelined (num_stages {r['num_stages']}, "
                 f"{r['pipeline_buffers']} buffer(s)): {where}"
             )
+        if r["config"].get("ALIGNED") is True and r.get("scalar_streams"):
+            streams = "; ".join(r["scalar_streams"])
+            bad.append(f"scalar loads/stores in a loop of an ALIGNED launch: {streams}: {where}")
         for flag in r.get("requires", ()):
             if not r.get(flag):
                 bad.append(f"{flag} required by the launch but not in the compile: {where}")
@@ -266,8 +369,8 @@ def markdown(records: list[dict[str, Any]]) -> str:
     """The records as a markdown table."""
     lines = [
         "| kernel | arch | config | ok | regs | spills | shared B | stages | buffers | dot | TC "
-        "| wgmma | TMA | fp32 dot |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| wgmma | TMA | fp32 dot | ld.global B | st.global B | cp.async B | scalar streams |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         cfg = ", ".join(f"{k}={v}" for k, v in r["config"].items())
@@ -277,9 +380,20 @@ def markdown(records: list[dict[str, Any]]) -> str:
             f"{r['registers']} | {r['spills']} | {r['shared_bytes']} | {r['num_stages']} | "
             f"{r['pipeline_buffers']} | {dot[r['uses_dot']]} | "
             f"{dot[r['tensor_core']] if r['uses_dot'] else '-'} | {dot[r.get('wgmma')]} | "
-            f"{dot[r.get('tma')]} | {r.get('input_precision') or '-'} |"
+            f"{dot[r.get('tma')]} | {r.get('input_precision') or '-'} | "
+            + " | ".join(widths(r, op) for op in ("ld.global", "st.global", "cp.async"))
+            + f" | {len(r['scalar_streams']) if r.get('scalar_streams') is not None else '-'} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def widths(record: dict[str, Any], op: str) -> str:
+    """`op`'s instructions in `record` by bytes per thread, widest first: "16x3 4x1" (- if none)."""
+    by_bytes: dict[int, int] = {}
+    for shape, n in (record.get("global_access") or {}).items():
+        if shape.startswith(op + "."):
+            by_bytes[shape_bytes(shape)] = by_bytes.get(shape_bytes(shape), 0) + n
+    return " ".join(f"{b}x{n}" for b, n in sorted(by_bytes.items(), reverse=True)) or "-"
 
 
 def summary(records: list[dict[str, Any]], prefix: str = "") -> str:
@@ -287,7 +401,8 @@ def summary(records: list[dict[str, Any]], prefix: str = "") -> str:
 
     Launches compiled, and the worst registers, spills, shared memory and pipelining over them;
     tensor cores over the dots not asked to be IEEE fp32; how many GEMM launches compiled with
-    wgmma and with TMA; the precisions of the fp32 dots.
+    wgmma and with TMA; the precisions of the fp32 dots; the widths of the global loads,
+    stores and async copies (bytes per thread per instruction); the launches with scalar streams.
     """
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in records:
@@ -295,8 +410,8 @@ def summary(records: list[dict[str, Any]], prefix: str = "") -> str:
             rows.setdefault((r["kernel"], r["arch"]), []).append(r)
     lines = [
         "| kernel | arch | launches | compiled | max regs | spills (B) | max shared (KB) | "
-        "min buffers | tensor cores | wgmma | TMA | fp32 dot |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "min buffers | tensor cores | wgmma | TMA | fp32 dot | ld/st/cp B | scalar streams |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (kernel, arch), rs in rows.items():
         ok = [r for r in rs if r["ok"]]
@@ -306,13 +421,16 @@ def summary(records: list[dict[str, Any]], prefix: str = "") -> str:
         buffers = min((r["pipeline_buffers"] for r in dots), default=None)
         wgmma, tma = (f"{sum(bool(r.get(k)) for r in dots)}/{len(dots)}" for k in ("wgmma", "tma"))
         fp32 = "/".join(sorted({r["input_precision"] for r in dots if r.get("input_precision")}))
+        shapes = {k for r in ok for k in r.get("global_access") or {}}
         lines.append(
             f"| `{kernel}` | {arch} | {len(rs)} | {len(ok)} | "
             f"{max((r['registers'] for r in ok), default='-')} | "
             f"{max((r['spills'] for r in ok), default='-')} | "
             f"{max((r['shared_bytes'] for r in ok), default=0) / 1024:.0f} | "
             f"{'-' if buffers is None else buffers} | {tc} | "
-            f"{wgmma if dots else '-'} | {tma if dots else '-'} | {fp32 or '-'} |"
+            f"{wgmma if dots else '-'} | {tma if dots else '-'} | {fp32 or '-'} | "
+            f"{'/'.join(map(str, sorted({shape_bytes(k) for k in shapes}))) or '-'} | "
+            f"{sum(bool(r.get('scalar_streams')) for r in ok)}/{len(ok)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -334,12 +452,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("run without TRITON_INTERPRET: the interpreter replaces the compiler")
+    if os.environ.get("TRITON_DISABLE_LINE_INFO") == "1":
+        raise SystemExit("run without TRITON_DISABLE_LINE_INFO: scalar_streams reads PTX .loc")
     roots = args.packages or sorted(p.parent for p in ROOT.glob("packages/*/pyproject.toml"))
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as cache:
         # a fresh Triton cache: every run really compiles, nothing is kept
         os.environ["TRITON_CACHE_DIR"] = cache
-        jobs = []
+        jobs: list[tuple[str, int, str]] = []
         for name, path in kernel_modules(roots):
             for i, spec in enumerate(load_specs(name, path)):
                 jobs.extend((name, i, arch) for arch in spec.get("archs", ARCHS))
