@@ -47,6 +47,17 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _averages(group: Any) -> bool:
+    """Whether `group`'s backend has `ReduceOp.AVG` for reduce-scatter (gloo from torch 2.8).
+
+    NCCL's AVG of floating-point values pre-multiplies by 1 / world; gloo's divides the sum.
+    """
+    backend = dist.get_backend(group)
+    if backend == "gloo":
+        return tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8)
+    return backend in ("nccl", "fake")
+
+
 def host_readable(t: torch.Tensor) -> bool:
     """Whether `t` holds data the host can read (False for fake tensors: shapes only).
 
@@ -114,6 +125,7 @@ class Comm:
         self.check = check
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
+        self.averages = _averages(self.group)
         self.calls: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
         self.last_step: dict[str, dict[str, int]] = {}
@@ -155,10 +167,17 @@ class Comm:
         self.count("all_gather", _nbytes(out), ident)
         return _all_gather(out, inp, group=self.group, async_op=True)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, ident: int) -> Any:
-        """Start `out` (n,) <- sum over ranks of this rank's chunk of `inp` (world * n,)."""
+    def reduce_scatter(
+        self, out: torch.Tensor, inp: torch.Tensor, *, ident: int, average: bool = False
+    ) -> Any:
+        """Start `out` (n,) <- sum over ranks of this rank's chunk of `inp` (world * n,).
+
+        With `average` (only where `self.averages`) the collective divides the sum by the
+        world size itself (`ReduceOp.AVG`), as FSDP2 does: no separate pass over `out`.
+        """
         self.count("reduce_scatter", _nbytes(inp), ident)
-        return _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        return _reduce_scatter(out, inp, op=op, group=self.group, async_op=True)
 
     def all_reduce(self, t: torch.Tensor, *, ident: int, op: Any = None) -> None:
         """In-place all-reduce of `t` (SUM unless `op` is given), waited for."""
@@ -254,13 +273,13 @@ class Gather:
         self.ident = ident
         alone = comm.world_size == 1  # the payload is the result: no tags, no collective
         self.tag = _TAG_BYTES // dtype.itemsize if comm.check and not alone else 0
-        self.inp = torch.empty(self.tag + size, dtype=dtype, device=comm.device)
-        self.payload = self.inp[self.tag :]
-        self.out = (
-            self.inp
-            if alone
-            else torch.empty(comm.world_size * (self.tag + size), dtype=dtype, device=comm.device)
-        )
+        # rows padded to whole tags, so that every rank's tag is int64-aligned
+        self.row = self.tag + (-(-size // self.tag) * self.tag if self.tag else size)
+        self.size = size
+        self.out = torch.empty(comm.world_size * self.row, dtype=dtype, device=comm.device)
+        # in place, as FSDP2: this rank's row of the output is the input (no send buffer)
+        self.inp = self.out[comm.rank * self.row : (comm.rank + 1) * self.row]
+        self.payload = self.inp[self.tag : self.tag + size]
         self.work: Any = None
         self.seq = 0
 
@@ -288,4 +307,4 @@ class Gather:
             # a compact copy (never a view that would keep `out` alive while deferred)
             tags = out2d[:, : self.tag].reshape(-1).clone().view(torch.int64).view(-1, 2)
             self.comm.check_tags(self.ident, self.seq, tags)
-        return out2d[:, self.tag :]
+        return out2d[:, self.tag : self.tag + self.size]

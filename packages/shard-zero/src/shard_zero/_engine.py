@@ -19,7 +19,7 @@ from torch import nn
 
 from shard_zero._comm import Gather
 from shard_zero._config import ZeroConfig
-from shard_zero._layout import Bucket, local_rows, make_buckets, unpack_full
+from shard_zero._layout import Bucket, copy_pairs, local_rows, make_buckets, unpack_pairs
 from shard_zero._reduce import Reducer
 from shard_zero._shards import Shards
 from shard_zero._units import Unit, Units
@@ -116,21 +116,18 @@ class ZeroEngine(Shards):
         if self.world == 1:  # every row is here: one cast-copy, no buckets, no collective
             pairs = [(e.param.data, self.compute_rows(e)) for e in self.sharded]
             pairs = [(p, m) for p, m in pairs if not _same_memory(p, m)]
-            if self.offload:  # from host rows: one host-to-device copy each
-                for p, m in pairs:
-                    p.copy_(m, non_blocking=True)
-            elif pairs:
-                dst, src = zip(*pairs, strict=True)
-                torch._foreach_copy_(list(dst), list(src))
+            copy_pairs(pairs, from_host=self.offload)
             return
         in_flight: list[tuple[Gather, Bucket]] = []
         for i, bucket in enumerate(self.buckets):
             dtype = bucket.entries[0].param.dtype
             gather = Gather(self.comm, _PARAMS_OF_BUCKET + i, bucket.size, dtype)
+            pairs = []
             for e, off in zip(bucket.entries, bucket.offsets, strict=True):
                 first, n = local_rows(e, bucket.span(e))
                 rows = self.compute_rows(e)[first : first + n].reshape(-1)
-                gather.payload[off : off + rows.numel()].copy_(rows, non_blocking=True)
+                pairs.append((gather.payload[off : off + rows.numel()], rows))
+            copy_pairs(pairs, from_host=self.offload)
             in_flight.append((gather.start(), bucket))
             if len(in_flight) >= GATHERS_IN_FLIGHT:
                 self._unpack(*in_flight.pop(0))
@@ -140,8 +137,13 @@ class ZeroEngine(Shards):
     @staticmethod
     def _unpack(gather: Gather, bucket: Bucket) -> None:
         out2d = gather.wait()
-        for e, off in zip(bucket.entries, bucket.offsets, strict=True):
-            unpack_full(out2d, off, e, e.param.data, bucket.span(e))
+        copy_pairs(
+            [
+                pair
+                for e, off in zip(bucket.entries, bucket.offsets, strict=True)
+                for pair in unpack_pairs(out2d, off, e, e.param.data, bucket.span(e))
+            ]
+        )
 
     def check_step(self) -> None:
         """Raise if the ranks issued different collectives since the last step (collective)."""

@@ -181,6 +181,30 @@ def pack_full(
         view[q, :n].copy_(rows[q * e.chunk + a : q * e.chunk + a + n])
 
 
+def unpack_pairs(
+    buf2d: torch.Tensor,
+    offset: int,
+    e: Entry,
+    full: torch.Tensor,
+    span: tuple[int, int] | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`(destination, source)` views that copy the real rows `span` of `buf2d` into `full`.
+
+    `buf2d` is a gathered rank-major bucket (world, S): the whole chunks of ranks < q are one
+    pair, rank q's remaining rows (if any) another.
+    """
+    a, b = span or (0, e.chunk)
+    view = _view(buf2d, offset, e, (a, b))
+    rows = full.view(e.rows, e.row_numel)
+    q, n = _last_rank_rows(e, (a, b))
+    pairs = []
+    if q:
+        pairs.append((rows[: q * e.chunk].view(q, e.chunk, e.row_numel)[:, a:b], view[:q]))
+    if n:
+        pairs.append((rows[q * e.chunk + a : q * e.chunk + a + n], view[q, :n]))
+    return pairs
+
+
 def unpack_full(
     buf2d: torch.Tensor,
     offset: int,
@@ -189,14 +213,21 @@ def unpack_full(
     span: tuple[int, int] | None = None,
 ) -> None:
     """Copy the real rows `span` of a gathered rank-major bucket `buf2d` into `full`."""
-    a, b = span or (0, e.chunk)
-    view = _view(buf2d, offset, e, (a, b))
-    rows = full.view(e.rows, e.row_numel)
-    q, n = _last_rank_rows(e, (a, b))
-    if q:
-        rows[: q * e.chunk].view(q, e.chunk, e.row_numel)[:, a:b].copy_(view[:q])
-    if n:
-        rows[q * e.chunk + a : q * e.chunk + a + n].copy_(view[q, :n])
+    copy_pairs(unpack_pairs(buf2d, offset, e, full, span))
+
+
+def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, from_host: bool = False) -> None:
+    """`dst.copy_(src)` (casting) for every pair, as one `torch._foreach_copy_` (one launch).
+
+    `from_host` (`offload_optimizer`: the sources are host rows): one asynchronous host-to-
+    device `copy_` each instead.
+    """
+    if from_host:
+        for d, s in pairs:
+            d.copy_(s, non_blocking=True)
+    elif pairs:
+        dst, src = zip(*pairs, strict=True)
+        torch._foreach_copy_(list(dst), list(src))
 
 
 def local_rows(e: Entry, span: tuple[int, int]) -> tuple[int, int]:

@@ -58,6 +58,17 @@ class Reducer(OffloadGrads):
         self._host_fresh: set[int] = set()  # entries whose host rows this reduction started
         self._host_new: set[int] = set()  # offload: host gradients made of this reduction only
         self.unreduced = False  # stage 1: a backward under no_sync() left gradients unreduced
+        # fp32 reductions over a power-of-two world average in the collective (as FSDP2): the
+        # reduced rows are the master gradients as they are. Dividing by 2^k is exact, so this
+        # equals the sum times 1/world bit for bit; other worlds (sum / 3 is not sum * (1/3))
+        # and bf16 (one rounding, in fp32) scale the summed rows afterwards
+        world = engine.world
+        self.averages = (
+            world > 1
+            and world & (world - 1) == 0
+            and engine.comm.averages
+            and engine.reduce_dtype == torch.float32
+        )
         engine.comm.names[REPLICATED_IDENT] = (
             "the gradients of the replicated (small) parameters and the per-parameter "
             "gradient flags"
@@ -179,7 +190,9 @@ class Reducer(OffloadGrads):
             self._pending.append((None, buf, buf.view(-1), bucket))
         else:
             out = torch.empty(bucket.size, dtype=engine.reduce_dtype, device=engine.device)
-            work = engine.comm.reduce_scatter(out, buf.view(-1), ident=bucket.ident)
+            work = engine.comm.reduce_scatter(
+                out, buf.view(-1), ident=bucket.ident, average=self.averages
+            )
             self._pending.append((work, buf, out, bucket))
         while len(self._pending) > MAX_IN_FLIGHT:
             self._retire()
@@ -191,7 +204,7 @@ class Reducer(OffloadGrads):
         if work is not None:
             engine.comm.wait(work, bucket.ident)
         del buf  # the input is released once its reduction completed (world 1: `out` is it)
-        scale = 1.0 / engine.world
+        scale = 1.0 if self.averages else 1.0 / engine.world
         low = engine.accum_dtype != torch.float32
         to_host = engine.offload_accum and not engine.sync
         offload = engine.offload and engine.sync  # complete gradients go to the host now
@@ -249,7 +262,9 @@ class Reducer(OffloadGrads):
         if not e.host_has or id(e) in self._host_fresh:  # its first rows since the boundary
             e.host_has = True
             self._host_fresh.add(id(e))
-            total = piece.to(torch.float32, copy=True).mul_(scale)
+            total = piece.to(torch.float32, copy=True)
+            if scale != 1.0:
+                total.mul_(scale)
         else:
             total = rows.to(engine.device, copy=True, non_blocking=True)
             total.add_(piece, alpha=scale)
@@ -341,11 +356,14 @@ class Reducer(OffloadGrads):
 def _scaled(piece: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """`piece * scale` in fp32, then in `dtype`, as a new accumulator: one pass where possible.
 
-    At world 1 (`scale` 1) an fp32 piece is taken as it is (a view of its bucket's buffer,
-    which lives until its last piece is dropped); multiplying by 1 would copy it unchanged.
+    At world 1, or averaged by the collective (`scale` 1), an fp32 piece is taken as it is (a
+    view of its bucket's reduced buffer, which lives until its last piece is dropped);
+    multiplying by 1 would copy it unchanged.
     """
+    if scale == 1.0:
+        return piece if piece.dtype == dtype else piece.to(dtype)
     if piece.dtype == torch.float32 and dtype == torch.float32:
-        return piece if scale == 1.0 else piece * scale
+        return piece * scale
     return piece.to(torch.float32, copy=True).mul_(scale).to(dtype)
 
 

@@ -1,12 +1,15 @@
 """Stage 3: wrapping units, gathered for forward and backward and freed right after use.
 
 A unit's parameters are views of one flat buffer (`Unit.full`) whose storage is resized to 0 at
-rest. Gathering a unit all-gathers the masters' rows into a communication buffer, then gives
-`full` its storage and copies the rows in (the buffer is dropped), so a prefetched unit holds
-only its all-gather output until it is needed. In forward a pre-hook gathers the unit (and
-prefetches the next one) and a post-hook frees it; a hook on the unit's output gradient gathers
-it again in backward (prefetching the unit before it), and the gradient reducer frees it as soon
-as its last gradient is packed. The root unit (parameters outside every wrapped module, e.g. the
+rest. Gathering a unit casts the masters' rows into this rank's row of the all-gather output
+(one foreach copy; the all-gather runs in place, as FSDP2's), then gives `full` its storage and
+copies the rows in (one foreach copy; the output is dropped), so a prefetched unit holds only
+its all-gather output until it is needed. The gathered rows are rank-major and the parameters
+row-major, so (as in FSDP2) that copy is needed at world > 1; at world 1 the cast writes
+straight into `full`. In forward a pre-hook gathers the unit (and prefetches the next one) and
+a post-hook frees it; a hook on the unit's output gradient gathers it again in backward
+(prefetching the unit before it), and the gradient reducer frees it as soon as its last
+gradient is packed. The root unit (parameters outside every wrapped module, e.g. the
 embeddings and the LM head) is gathered once per forward and kept until the end of backward.
 
 Activation checkpointing recomputes a unit's forward inside backward: the hooks see that
@@ -22,7 +25,7 @@ import torch
 from torch import nn
 
 from shard_zero._comm import Gather
-from shard_zero._layout import Bucket, Entry, make_buckets, unpack_full
+from shard_zero._layout import Bucket, Entry, copy_pairs, make_buckets, unpack_pairs
 from shard_zero._shards import Shards
 
 _FREE, _GATHERING, _READY = 0, 1, 2
@@ -181,14 +184,27 @@ class Units:
 
     # ------------------------------------------------------------------ gathering
     def gather_start(self, unit: Unit) -> None:
-        """Launch the all-gather of a free unit (its storage is given at `gather_wait`)."""
+        """Launch the all-gather of a free unit (its storage is given at `gather_wait`).
+
+        One foreach cast-copy of the masters' rows into this rank's row of the all-gather
+        output; at world 1 straight into the unit's storage (the gathered unit, no collective).
+        """
         if unit.state != _FREE:
             return
+        engine = self.engine
+        if engine.world == 1:  # every row is here and the layouts agree: no payload, no unpack
+            unit.full.untyped_storage().resize_(unit.nbytes)
+            pairs = [(e.param.data, engine.compute_rows(e)) for e in unit.entries]
+            copy_pairs(pairs, from_host=engine.offload)
+            unit.state = _READY
+            return
         b = unit.layout
-        gather = Gather(self.engine.comm, unit.ident, b.size, unit.full.dtype)
-        for e, off in zip(b.entries, b.offsets, strict=True):
-            rows = self.engine.compute_rows(e).reshape(-1)
-            gather.payload[off : off + e.local_numel].copy_(rows, non_blocking=True)
+        gather = Gather(engine.comm, unit.ident, b.size, unit.full.dtype)
+        pairs = [
+            (gather.payload[off : off + e.local_numel], engine.compute_rows(e).reshape(-1))
+            for e, off in zip(b.entries, b.offsets, strict=True)
+        ]
+        copy_pairs(pairs, from_host=engine.offload)
         unit.gather = gather.start()
         unit.state = _GATHERING
 
@@ -200,8 +216,14 @@ class Units:
             gather, unit.gather = unit.gather, None
             out = gather.wait()
             unit.full.untyped_storage().resize_(unit.nbytes)
-            for e, off in zip(unit.layout.entries, unit.layout.offsets, strict=True):
-                unpack_full(out, off, e, e.param.data)
+            b = unit.layout
+            copy_pairs(
+                [
+                    pair
+                    for e, off in zip(b.entries, b.offsets, strict=True)
+                    for pair in unpack_pairs(out, off, e, e.param.data)
+                ]
+            )
             unit.state = _READY
 
     def free_all(self) -> None:
