@@ -88,3 +88,32 @@ def test_launches_do_not_grow_with_matrices(momentum: bool) -> None:
         state_per_matrix=2 + momentum,
         state_per_vector=1 + momentum,
     )
+
+
+def test_cols_kernel_is_aligned_exactly_for_aligned_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`_mt_cols_kernel` gets ALIGNED=True (its `tl.multiple_of` hints) for the batch whose
+    column counts are multiples of 16 and False for the other; tools/gpu_compile.py compiles
+    both variants."""
+    from optim_adafactor import _multi_kernels as _multi
+
+    real, seen = _multi._mt_cols_kernel, []
+    configs = [c for c in _multi.gpu_launch_configs() if c["kernel"] is real]
+    assert sorted(c["args"]["ALIGNED"] for c in configs) == [False, True]
+
+    class Recorder:
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any, **kwargs: Any) -> Any:
+                seen.append(kwargs["ALIGNED"])
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(_multi, "_mt_cols_kernel", Recorder())
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((8, 32), (5, 7))]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    Adafactor(params, backend="triton").step()
+    assert sorted(seen) == [False, True], seen

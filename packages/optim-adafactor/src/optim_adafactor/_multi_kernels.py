@@ -155,7 +155,9 @@ if HAS_TRITON:
                                     "HAS_DECAY": has_decay, "SR": sr, **tile}  # fmt: skip
                             launches.append({"kernel": _mt_apply_kernel, "args": args,
                                              "options": opts})  # fmt: skip
-        launches.append(cols_launch_config(naddr=4, col=3, has_w=True))
+        launches += [
+            cols_launch_config(naddr=4, col=3, has_w=True, aligned=a) for a in (True, False)
+        ]
         for lr_tensor in (False, True):
             for has_p in (False, True):
                 for clip in (False, True):
@@ -167,13 +169,13 @@ if HAS_TRITON:
                                      "options": {"num_warps": 4}})  # fmt: skip
         return launches
 
-    def cols_launch_config(*, naddr: int, col: int, has_w: bool) -> dict[str, Any]:
+    def cols_launch_config(*, naddr: int, col: int, has_w: bool, aligned: bool) -> dict[str, Any]:
         """The column kernel's launch for a table layout of `naddr` addresses per matrix."""
         i64, f32 = torch.int64, torch.float32
         args = {"addr": i64, "geo": i64, "items": i64, "colpart": f32, "wpart": f32,
                 "cfbuf": f32, "upart": f32, "beta2": 0.999, "eps1": 1e-30, "col_mult": 1.0,
                 "cf_scale": 1.0, "BLOCK_C": BLOCK_C, "BLOCK_I": BLOCK_I, "NADDR": naddr,
-                "COL": col, "HAS_W": has_w}  # fmt: skip
+                "COL": col, "HAS_W": has_w, "ALIGNED": aligned}  # fmt: skip
         return {"kernel": _mt_cols_kernel, "args": args, "options": {"num_warps": 4}}
 
 
@@ -243,16 +245,20 @@ def launch_stats(
 
 def launch_cols(
     tables: mt.Tables, group: mt.Group, *, beta2: float, eps1: float, col_mult: float,
-    cf_scale: float, naddr: int, col: int, has_w: bool,
+    cf_scale: float, naddr: int, col: int, has_w: bool, is_aligned: bool,
 ) -> None:  # fmt: skip
-    """Launch `_mt_cols_kernel` on the column items of `group` (column EMA, factors)."""
+    """Launch `_mt_cols_kernel` on the column items of `group` (column EMA, factors).
+
+    `is_aligned` (the batch's `mt.aligned`, which implies every column count is a multiple
+    of 16) turns on the kernel's `tl.multiple_of` hints.
+    """
     buf = tables.buf
     nbytes = (8 if has_w else 4) * group.partial_floats + 12 * group.n_cols
     if not mt.planned(_mt_cols_kernel, group.col_work, nbytes):
         _mt_cols_kernel[(len(group.cols),)](
             group.addr, group.geo, group.cols, buf["colpart"], buf["wpart"], buf["cf"],
             buf["upart"], beta2, eps1, col_mult, cf_scale, BLOCK_C=BLOCK_C, BLOCK_I=BLOCK_I,
-            NADDR=naddr, COL=col, HAS_W=has_w, num_warps=4,
+            NADDR=naddr, COL=col, HAS_W=has_w, ALIGNED=is_aligned, num_warps=4,
         )  # fmt: skip
 
 
@@ -314,7 +320,7 @@ def step_batch(opt: Adafactor, works: list[Work], cache: dict[tuple[object, ...]
         launch_stats(tables, group, gaddr, g0, p0, beta2=beta2, eps1=eps1,
                      has_p=o.needs_param_rms, naddr=4, is_aligned=is_aligned)  # fmt: skip
         launch_cols(tables, group, beta2=beta2, eps1=eps1, col_mult=1.0, cf_scale=1.0,
-                    naddr=4, col=3, has_w=True)  # fmt: skip
+                    naddr=4, col=3, has_w=True, is_aligned=is_aligned)  # fmt: skip
         launch_scalars(tables, group, o.relative_step_size(step), eps2=o.eps2,
                        clip_threshold=o.clip_threshold, coef=coef, weight_decay=o.weight_decay,
                        has_p=o.needs_param_rms)  # fmt: skip

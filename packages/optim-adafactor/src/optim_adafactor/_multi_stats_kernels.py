@@ -107,7 +107,7 @@ if HAS_TRITON:
     def _mt_cols_kernel(  # type: ignore[no-untyped-def]
         addr, geo, items, colpart, wpart, cfbuf, upart, beta2, eps1, col_mult, cf_scale,
         BLOCK_C: tl.constexpr, BLOCK_I: tl.constexpr, NADDR: tl.constexpr, COL: tl.constexpr,
-        HAS_W: tl.constexpr,
+        HAS_W: tl.constexpr, ALIGNED: tl.constexpr,
     ):  # fmt: skip
         """Column EMA `c = β c + (1-β)(col_mult · mean_i x + ε)` in place, `cf = cf_scale/√c`.
 
@@ -115,7 +115,9 @@ if HAS_TRITON:
         matrix's row items are summed in a fixed order, BLOCK_I items at a time. `x` is g²
         (Adafactor, CAME's first statistic; `col_mult` = 1) or CAME's `d²` (`col_mult` = β1²);
         `COL` is the column of `addr` holding the EMA. With `HAS_W`, also the partial
-        `Σ_j W_j cf_j²` of Σu² (W: the column sums of g²/r).
+        `Σ_j W_j cf_j²` of Σu² (W: the column sums of g²/r). `ALIGNED`: every matrix's column
+        count is a multiple of 16, hence so are the partial offsets, the column items' bounds
+        (multiples of BLOCK_C, or m) and the `cf` offsets: the partials load as 16-byte vectors.
         """
         pid = tl.program_id(0)
         mat = tl.load(items + pid * 3)
@@ -127,6 +129,12 @@ if HAS_TRITON:
         n_items = tl.load(geo + mat * _GEO + 4)
         part = tl.load(geo + mat * _GEO + 7)
         col_ptr = tl.load(addr + mat * NADDR + COL).to(tl.pointer_type(tl.float32))
+        if ALIGNED:  # hints on the values used for addressing, in the kernel body
+            m = tl.multiple_of(m, 16)
+            part = tl.multiple_of(part, 16)
+            c_lo = tl.multiple_of(c_lo, 16)
+            c_hi = tl.multiple_of(c_hi, 16)
+            cf_off = tl.multiple_of(cf_off, 16)
         usum = tl.zeros([BLOCK_C], dtype=tl.float32)
         for c0 in range(c_lo, c_hi, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)

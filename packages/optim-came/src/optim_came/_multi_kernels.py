@@ -243,7 +243,9 @@ if HAS_TRITON:
                                              "options": {"num_warps": a_warps}})  # fmt: skip
         for naddr in (NADDR, NADDR + 1):
             for col, has_w in ((3, True), (RES_COL, False)):
-                launches.append(mt.cols_launch_config(naddr=naddr, col=col, has_w=has_w))
+                for aligned in (True, False):
+                    launches.append(mt.cols_launch_config(naddr=naddr, col=col, has_w=has_w,
+                                                          aligned=aligned))  # fmt: skip
         return launches
 
 
@@ -343,7 +345,7 @@ def step_batch(opt: CAME, works: list[Work], cache: dict[tuple[object, ...], Any
         mt.launch_stats(tables, group, gaddr, g0, p0, beta2=o.beta2, eps1=o.eps1, has_p=False,
                         naddr=naddr, is_aligned=is_aligned)  # fmt: skip
         mt.launch_cols(tables, group, beta2=o.beta2, eps1=o.eps1, col_mult=1.0, cf_scale=corr2,
-                       naddr=naddr, col=3, has_w=True)  # fmt: skip
+                       naddr=naddr, col=3, has_w=True, is_aligned=is_aligned)  # fmt: skip
         mt.launch_scalars(tables, group, 1.0, eps2=0.0, clip_threshold=o.clip_threshold,
                           coef=1.0, weight_decay=0.0, has_p=False)  # fmt: skip
         work = group.row_work
@@ -360,7 +362,8 @@ def step_batch(opt: CAME, works: list[Work], cache: dict[tuple[object, ...], Any
                 maxnreg=momentum_maxnreg(g0.dtype, m0.dtype, aligned=is_aligned),
             )  # fmt: skip
         mt.launch_cols(tables, group, beta2=o.beta3, eps1=o.eps2, col_mult=o.beta1 * o.beta1,
-                       cf_scale=corr3, naddr=naddr, col=RES_COL, has_w=False)  # fmt: skip
+                       cf_scale=corr3, naddr=naddr, col=RES_COL, has_w=False,
+                       is_aligned=is_aligned)  # fmt: skip
         mt.launch_scalars(tables, group, o.lr, eps2=0.0, clip_threshold=None, coef=1.0,
                           weight_decay=o.weight_decay, has_p=False)  # fmt: skip
         if not mt.planned(_mt_came_apply_kernel, work, work.total * (mb + 2 * pb + quant / 32)):
