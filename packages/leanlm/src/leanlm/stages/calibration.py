@@ -23,12 +23,13 @@ def calibration_batches(
 
 
 def load_input_with_calibration(
-    ctx: StageContext, *, samples: int, batch_size: int, dtype: torch.dtype | None = None
+    ctx: StageContext, *, dtype: torch.dtype | None = None
 ) -> tuple[Any, list[dict[str, torch.Tensor]]]:
     """The previous stage's model (on this process's device) and calibration batches.
 
     The model is in `dtype`, or in its checkpoint's dtype when None
-    (`leanlm.train.model.load_model`).
+    (`leanlm.train.model.load_model`). The stage's section gives the batches:
+    `calibration_samples` sequences in batches of `calibration_batch_size`.
 
     The batches are the same on every process and in every run with the same seed, so a stage
     that derives something from them (importance scores, masks) derives it identically.
@@ -38,11 +39,11 @@ def load_input_with_calibration(
     """
     if ctx.input_dir is None:
         raise ValueError(f"the `{ctx.stage_dir.name}` stage needs a previous stage's model")
-    device = ctx.accelerator.device
+    device, cfg = ctx.accelerator.device, ctx.section
     batches = calibration_batches(
         ctx.resources.train_blocks,
-        samples=samples,
-        batch_size=batch_size,
+        samples=cfg.calibration_samples,
+        batch_size=cfg.calibration_batch_size,
         seed=ctx.config.seed,
         device=device,
     )

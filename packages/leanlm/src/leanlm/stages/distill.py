@@ -46,7 +46,7 @@ class Distill(Stage):
             distillation_loss,
             save_student,
         )
-        from leanlm.train.evaluate import evaluate_perplexity
+        from leanlm.train.evaluate import evaluate_validation
         from leanlm.train.model import TRAIN_DTYPE, count_parameters, load_model, load_teacher
         from leanlm.train.trainer import train
         from prune_distill import HiddenStateLoss
@@ -74,12 +74,9 @@ class Distill(Stage):
         teacher = load_teacher(teacher_dir).to(acc.device)
         extra: dict[str, Any] = {}
         if cfg.teacher_correction_steps:
-            windows = ctx.resources.validation_windows
 
             def teacher_val_loss(model: torch.nn.Module) -> float:
-                return evaluate_perplexity(
-                    model, windows, batch_size=cfg.eval_batch_size, autocast=acc.autocast
-                ).loss
+                return evaluate_validation(ctx, model, batch_size=cfg.eval_batch_size).loss
 
             extra["teacher_val_loss"] = teacher_val_loss(teacher)
             stored = teacher.dtype

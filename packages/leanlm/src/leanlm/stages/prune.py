@@ -32,8 +32,8 @@ class Prune(Stage):
     def run(self, ctx: StageContext) -> StageResult:
         """Score importance, prune, evaluate and save (every process computes the same model)."""
         from leanlm.stages.calibration import load_input_with_calibration
-        from leanlm.train.checkpoint import save_atomically
-        from leanlm.train.evaluate import evaluate_perplexity
+        from leanlm.train.checkpoint import save_model_folder
+        from leanlm.train.evaluate import evaluate_validation
         from leanlm.train.model import TRAIN_DTYPE, count_parameters
         from prune_distill import collect_importance, prune, pruned_layer_map
 
@@ -42,12 +42,7 @@ class Prune(Stage):
         start = time.perf_counter()
         # scoring runs forward passes only: the checkpoint's dtype (bf16 halves an 8B model),
         # and the pruned model is saved in it; a search trains its candidates, so fp32 then
-        model, batches = load_input_with_calibration(
-            ctx,
-            samples=cfg.calibration_samples,
-            batch_size=cfg.calibration_batch_size,
-            dtype=TRAIN_DTYPE if cfg.search else None,
-        )
+        model, batches = load_input_with_calibration(ctx, dtype=TRAIN_DTYPE if cfg.search else None)
         scores = collect_importance(
             model, batches, num_samples=None, layer_loss=cfg.layer_metric == "lm_loss"
         )
@@ -63,28 +58,19 @@ class Prune(Stage):
         layer_map = pruned_layer_map(model, scores, target)
         scoring_time = time.perf_counter() - start
         # at the calibration batch size: the input model is still held (`leanlm plan` plans it)
-        evaluation = evaluate_perplexity(
-            student,
-            ctx.resources.validation_windows,
-            batch_size=cfg.calibration_batch_size,
-            autocast=acc.autocast,
-        )
+        evaluation = evaluate_validation(ctx, student, batch_size=cfg.calibration_batch_size)
         acc.print(
             f"[prune] {count_parameters(model):,} -> {count_parameters(student):,} params, "
             f"validation perplexity {evaluation.perplexity:.2f}"
         )
-        if acc.is_main_process:
-            tokenizer = ctx.resources.tokenizer
-            source = ctx.input_dir
-            assert source is not None  # load_input_with_calibration checked it
+        source = ctx.input_dir
+        assert source is not None  # load_input_with_calibration checked it
 
-            def write(folder: Path) -> None:
-                student.save_pretrained(folder)
-                tokenizer.save_pretrained(folder)
-                write_lineage(folder, ctx.run_dir, source, layer_map)
+        def save(folder: Path) -> None:
+            student.save_pretrained(folder)
+            write_lineage(folder, ctx.run_dir, source, layer_map)
 
-            save_atomically(ctx.model_dir, write)
-        acc.wait_for_everyone()
+        save_model_folder(ctx, save)
         return ctx.result(
             {
                 "params": count_parameters(student),

@@ -77,21 +77,17 @@ class Sparsify(Stage):
     def run(self, ctx: StageContext) -> StageResult:
         """Mask, score the one-shot model, fine-tune with masks held, save both formats."""
         from leanlm.stages.calibration import load_input_with_calibration
-        from leanlm.train.evaluate import causal_lm_loss, evaluate_perplexity
-        from leanlm.train.model import load_model
+        from leanlm.train.evaluate import causal_lm_loss, evaluate_validation
+        from leanlm.train.model import TRAIN_DTYPE, load_model
         from leanlm.train.trainer import train
         from sparse_kernels import load_masks_, save_compressed, sparsify_, sparsity_report
 
         cfg: SparsifyConfig = ctx.section
         acc = ctx.accelerator
         start = time.perf_counter()
-        from leanlm.train.model import TRAIN_DTYPE
-
         # the checkpoint's dtype (bf16 stays bf16); sparse-kernels computes the statistics and
         # SparseGPT's solve in fp32 whatever the weights' dtype
-        model, batches = load_input_with_calibration(
-            ctx, samples=cfg.calibration_samples, batch_size=cfg.calibration_batch_size
-        )
+        model, batches = load_input_with_calibration(ctx)
         # Deterministic given the calibration batches: a resumed run rebuilds the same masks
         # before its checkpoint restores the fine-tuned weights.
         sequential = cfg.sequential and cfg.method != "magnitude"  # magnitude has no statistics
@@ -104,12 +100,7 @@ class Sparsify(Stage):
         report = sparsity_report(model)
         target = sum(model.get_submodule(n).weight.numel() for n in report)
         zeros = sum(frac * model.get_submodule(n).weight.numel() for n, frac in report.items())
-        one_shot = evaluate_perplexity(
-            model,
-            ctx.resources.validation_windows,
-            batch_size=cfg.eval_batch_size,
-            autocast=acc.autocast,
-        )
+        one_shot = evaluate_validation(ctx, model, batch_size=cfg.eval_batch_size)
         acc.print(
             f"[sparsify] {cfg.pattern} {cfg.method}: {len(report)} Linears, "
             f"{zeros / target:.1%} of their weights zero; one-shot validation perplexity "
@@ -152,20 +143,12 @@ class Sparsify(Stage):
 
 
 def _save_one_shot(ctx: StageContext, model: torch.nn.Module, evaluation: Any) -> dict[str, Any]:
-    from leanlm.train.checkpoint import save_atomically
+    from leanlm.train.checkpoint import save_model_folder
     from leanlm.train.model import count_parameters
     from sparse_kernels import save_pretrained_sparse
 
     acc = ctx.accelerator
-    if acc.is_main_process:
-        tokenizer = ctx.resources.tokenizer
-
-        def write(folder: Path) -> None:
-            save_pretrained_sparse(model, folder)
-            tokenizer.save_pretrained(folder)
-
-        save_atomically(ctx.model_dir, write)
-    acc.wait_for_everyone()
+    save_model_folder(ctx, lambda folder: save_pretrained_sparse(model, folder))
     return {
         "params": count_parameters(model),
         "tokens": 0,

@@ -19,11 +19,14 @@ import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from accelerate import Accelerator
 from accelerate.checkpointing import load_accelerator_state, save_accelerator_state
+
+if TYPE_CHECKING:
+    from leanlm.stages.base import StageContext
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 TRAINER_STATE = "trainer_state.json"
@@ -291,3 +294,20 @@ def save_atomically(target: Path, write: Callable[[Path], None]) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, target)
+
+
+def save_model_folder(ctx: StageContext, save_model: Callable[[Path], None]) -> None:
+    """Write the stage's model folder: `save_model(folder)`, then the run's tokenizer.
+
+    The main process writes it with `save_atomically`; every process waits until it is there.
+    """
+    acc = ctx.accelerator
+    if acc.is_main_process:
+        tokenizer = ctx.resources.tokenizer
+
+        def write(folder: Path) -> None:
+            save_model(folder)
+            tokenizer.save_pretrained(folder)
+
+        save_atomically(ctx.model_dir, write)
+    acc.wait_for_everyone()

@@ -13,10 +13,14 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from leanlm.stages.base import StageContext
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,16 @@ def evaluate_perplexity(
         tokens=int(count),
         windows=int(windows.shape[0]),
         tokens_per_s=windows.numel() / max(elapsed, 1e-9),
+    )
+
+
+def evaluate_validation(
+    ctx: StageContext, model: torch.nn.Module, *, batch_size: int
+) -> EvalResult:
+    """`evaluate_perplexity` of `model` on the run's validation windows, under its autocast."""
+    windows = ctx.resources.validation_windows
+    return evaluate_perplexity(
+        model, windows, batch_size=batch_size, autocast=ctx.accelerator.autocast
     )
 
 

@@ -24,7 +24,7 @@ from leanlm.config import ConfigError, TrainConfig
 from leanlm.report.metrics import MetricsLog
 from leanlm.run import interrupt
 from leanlm.stages.base import StageContext
-from leanlm.train.checkpoint import Checkpointer, save_atomically
+from leanlm.train.checkpoint import Checkpointer, save_model_folder
 from leanlm.train.engines import Parallel
 from leanlm.train.evaluate import EvalResult, causal_lm_loss, evaluate_perplexity
 from leanlm.train.model import count_parameters
@@ -338,16 +338,8 @@ class _Loop:
         model_state = self.par.model_state_mib()
         full_state = self.par.final_state()
         acc.wait_for_everyone()
-        if acc.is_main_process:
-            final, save = acc.unwrap_model(self.model), self.save
-            tokenizer = ctx.resources.tokenizer
-
-            def write(folder: Path) -> None:
-                save(final, folder, full_state)
-                tokenizer.save_pretrained(folder)
-
-            save_atomically(ctx.model_dir, write)
-        acc.wait_for_everyone()
+        final = acc.unwrap_model(self.model)
+        save_model_folder(ctx, lambda folder: self.save(final, folder, full_state))
         acc.free_memory()  # drop references so a later stage's save_state sees only its objects
         metrics: dict[str, Any] = {
             "params": self.n_params,
