@@ -34,8 +34,9 @@ finite, and before training block-sparse and masked models gave the same loss.
 
 Precision: `--dtype bf16` trains bf16 parameters (no fp32 masters), `fp32` fp32 ones (the stage's
 default, `mixed_precision = "no"`). The stage's `mixed_precision = "bf16"` (fp32 masters under
-autocast) cannot run block-sparse layers today: `BlockSparseLinear` is not autocast-aware and its
-Triton path raises a TypeError when o_proj receives bf16 inputs for fp32 tiles.
+autocast) cannot run block-sparse layers today: `BlockSparseLinear` is not autocast-aware, and
+its Triton launchers (sm_80 and sm_90) raise a TypeError when o_proj receives bf16 inputs for fp32
+tiles (seen under TRITON_INTERPRET=1 with CPU autocast).
 """
 
 from __future__ import annotations
