@@ -28,6 +28,7 @@ from sparse_kernels import _bsr_hopper_dw as HW
 from sparse_kernels import _bsr_kernels as K
 from sparse_kernels import _bsr_plan as P
 from sparse_kernels import _bsr_torch as T
+from sparse_kernels._bsr_launch import capability
 from sparse_kernels.layout import BlockLayout, dense_to_blocks
 
 TOL = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (1e-2, 1.6e-2)}
@@ -159,15 +160,21 @@ def test_use_sm90_selection_and_forcing(monkeypatch):
     monkeypatch.setenv(H.ENV, "yes")
     with pytest.raises(ValueError, match="must be 'auto', '0' or '1'"):
         H.use_sm90(cpu, 64, torch.float32, 4096, big)
-    # auto on an sm_90 device (capability faked): where prefer_sm90 says so, else sm_80
+    # auto on an sm_90 device (capability faked; queried once per device, so the cache is
+    # emptied for each fake and after): where prefer_sm90 says so, else sm_80
     monkeypatch.setenv(H.ENV, "auto")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert H.sm90_config(128, torch.bfloat16)["BLOCK_M"] == H.SM90_MIN_TOKENS
-    assert H.use_sm90(cuda, 128, torch.bfloat16, 4096, big) == K.HAS_TRITON
-    assert not H.use_sm90(cuda, 128, torch.bfloat16, 4096, 4096 * 4096 // 2)  # under the work
-    assert not H.use_sm90(cuda, 32, torch.bfloat16, 4096, big)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert not H.use_sm90(cuda, 128, torch.bfloat16, 4096, big)
+    try:
+        capability.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        assert H.sm90_config(128, torch.bfloat16)["BLOCK_M"] == H.SM90_MIN_TOKENS
+        assert H.use_sm90(cuda, 128, torch.bfloat16, 4096, big) == K.HAS_TRITON
+        assert not H.use_sm90(cuda, 128, torch.bfloat16, 4096, 4096 * 4096 // 2)  # little work
+        assert not H.use_sm90(cuda, 32, torch.bfloat16, 4096, big)
+        capability.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+        assert not H.use_sm90(cuda, 128, torch.bfloat16, 4096, big)
+    finally:
+        capability.cache_clear()
     with pytest.raises(ValueError, match="must be in"):
         H.sm90_config(32, torch.bfloat16)
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from sparse_kernels._bsr_kernels import _check
-from sparse_kernels._bsr_launch import aligned, dot_precision, sm_count
+from sparse_kernels._bsr_launch import aligned, capability, cdiv, dot_precision, sm_count
 from sparse_kernels._bsr_plan import sm90_plan
 from sparse_kernels._triton import HAS_TRITON, INTERPRET
 from sparse_kernels.layout import BlockLayout
@@ -96,8 +96,7 @@ def use_sm90(
             )
         return True
     return (
-        device.type == "cuda"
-        and torch.cuda.get_device_capability(device) == (9, 0)
+        capability(device) == (9, 0)  # queried once per device
         and block_size in SM90_BLOCK_SIZES
         and prefer_sm90(tokens, stored)
         and dot_precision(dtype) != "ieee"
@@ -198,6 +197,28 @@ if HAS_TRITON:
                 tl.store(trace_ptr + 2 * w, j)  # w = round · n_programs + pid
                 tl.store(trace_ptr + 2 * w + 1, w % tiles_m)
 
+    def _weight_desc(
+        values: Tensor, box: tuple[int, int], cache: dict[tuple[int, int], Any]
+    ) -> TensorDescriptor:
+        """TMA descriptor of the stored tiles as (nnzb · b, b) rows, read in `box` boxes.
+
+        Kept in `cache` (one entry per box shape, `Sm90Plan.weight_descs`) and reused while
+        `values` is the same memory (address, dtype, shape, strides, device): an optimizer
+        updates the tiles in place, which the descriptor (an address, not a copy) sees. A
+        non-contiguous `values` is copied and not cached. The entry holds a view of the weight
+        it was built for until a call with other memory replaces it.
+        """
+        key = (values.data_ptr(), values.dtype, values.shape, values.stride(), values.device)
+        hit = cache.get(box)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        b = values.shape[-1]
+        if not values.is_contiguous():
+            return TensorDescriptor.from_tensor(values.contiguous().view(-1, b), list(box))
+        desc = TensorDescriptor.from_tensor(values.view(-1, b), list(box))
+        cache[box] = (key, desc)
+        return desc
+
     def _launch(
         a: Tensor,
         values: Tensor,
@@ -209,6 +230,7 @@ if HAS_TRITON:
         config: dict[str, int] | None,
         programs: int | None,
         trace: Tensor | None,
+        weights: dict[tuple[int, int], Any],
     ) -> None:
         seg_ptr, perm, idx, order = segments  # order: the plan's longest-first blocks
         if a.shape[0] == 0:
@@ -222,15 +244,12 @@ if HAS_TRITON:
         a = aligned(a)
         if a.data_ptr() % 16:  # TMA needs a 16-byte aligned base
             a = a.clone()
-        w2 = values.contiguous().view(-1, b)
         a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
-        w_desc = TensorDescriptor.from_tensor(w2, [bk, b] if trans_w else [b, bk])
+        w_desc = _weight_desc(values, (bk, b) if trans_w else (b, bk), weights)
         n_blocks = seg_ptr.numel() - 1
         M = a.shape[0]
-        items = n_blocks * triton.cdiv(M, bm)
-        if programs is None:
-            programs = 4 if a.device.type == "cpu" else sm_count(a.device)
-        programs = max(1, min(programs, items))
+        items = n_blocks * cdiv(M, bm)
+        programs = max(1, min(programs or sm_count(a.device), items))
         _bsr_tma_kernel[(programs,)](
             a_desc, w_desc, seg_ptr, perm if perm is not None else seg_ptr, idx, order,
             bias if bias is not None else out, out, trace if trace is not None else seg_ptr,
@@ -258,9 +277,10 @@ if HAS_TRITON:
         """
         _check(x, values, layout, layout.in_features, "x")
         y = torch.empty(x.shape[0], layout.out_features, device=x.device, dtype=x.dtype)
-        segments = (layout.row_ptr, None, layout.col_idx, sm90_plan(layout).row_order)
+        plan = sm90_plan(layout)
+        segments = (layout.row_ptr, None, layout.col_idx, plan.row_order)
         _launch(x, values, y, segments, bias, trans_w=False, config=config, programs=programs,
-                trace=trace)  # fmt: skip
+                trace=trace, weights=plan.weight_descs)  # fmt: skip
         return y
 
     def dsdt_sm90(
@@ -275,9 +295,10 @@ if HAS_TRITON:
         """DX = dY·W with the Hopper kernel; dy (M, N) -> (M, K). Arguments as `dsd_sm90`."""
         _check(dy, values, layout, layout.out_features, "dy")
         dx = torch.empty(dy.shape[0], layout.in_features, device=dy.device, dtype=dy.dtype)
-        segments = (layout.col_ptr, layout.t_perm, layout.row_idx, sm90_plan(layout).col_order)
+        plan = sm90_plan(layout)
+        segments = (layout.col_ptr, layout.t_perm, layout.row_idx, plan.col_order)
         _launch(dy, values, dx, segments, None, trans_w=True, config=config, programs=programs,
-                trace=trace)  # fmt: skip
+                trace=trace, weights=plan.weight_descs)  # fmt: skip
         return dx
 
     def gpu_launch_configs() -> list[dict[str, Any]]:

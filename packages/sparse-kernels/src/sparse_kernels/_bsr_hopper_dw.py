@@ -162,8 +162,7 @@ if HAS_TRITON:
         out = torch.empty_like(values)
         # fp32 partials of every split; the kernel sums them (its last item per pair)
         ws = values.new_empty(splits, *values.shape, dtype=torch.float32) if splits > 1 else out
-        sms = 4 if x.device.type == "cpu" else sm_count(x.device)
-        programs = max(1, min(programs or sms, n_pairs * splits))
+        programs = max(1, min(programs or sm_count(x.device), n_pairs * splits))
         _sdd_tma_kernel[(programs,)](
             TensorDescriptor.from_tensor(dy, [bm, b]), TensorDescriptor.from_tensor(x, [bm, b]),
             starts, layout.row_idx, layout.col_idx, out, ws, plan.pair_counts, M, nnzb, n_pairs,

@@ -16,6 +16,7 @@ Launch configs: `_bsr_launch`; PyTorch paths and references: `_bsr_torch`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from torch import Tensor
 from sparse_kernels._bsr_launch import (
     BLOCK_SIZES,
     aligned,
+    cdiv,
     check_sdd,
     dot_precision,
     kernel_config,
@@ -35,6 +37,7 @@ from sparse_kernels.layout import BlockLayout
 _INTERPRET_BLOCK_M = 16  # the interpreter pays ~0.5 ms per program and per op: small tiles
 
 
+@functools.cache  # one dict per (kernel, tile, dtype), shared: callers only read it
 def _launch_config(kernel: str, block_size: int, dtype: torch.dtype) -> dict[str, int]:
     config = kernel_config(kernel, block_size, dtype)
     if INTERPRET:
@@ -326,7 +329,7 @@ def dsd_triton(
     cfg = config or _launch_config("dsd", layout.block_size, x.dtype)
     M = x.shape[0]
     y = torch.empty(M, layout.out_features, device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]), layout.row_blocks)
+    grid = (cdiv(M, cfg["BLOCK_M"]), layout.row_blocks)
     _dsd_kernel[grid](
         x, values, layout.row_ptr, layout.col_idx, bias if bias is not None else x, y,
         M, layout.out_features, x.shape[1], x.stride(0), y.stride(0),
@@ -347,7 +350,7 @@ def dsdt_triton(
     cfg = config or _launch_config("dsdt", layout.block_size, dy.dtype)
     M = dy.shape[0]
     dx = torch.empty(M, layout.in_features, device=dy.device, dtype=dy.dtype)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]), layout.col_blocks)
+    grid = (cdiv(M, cfg["BLOCK_M"]), layout.col_blocks)
     _dsdt_kernel[grid](
         dy, values, layout.col_ptr, layout.t_perm, layout.row_idx, dx,
         M, dy.shape[1], layout.in_features, dy.stride(0), dx.stride(0),

@@ -7,6 +7,7 @@ the token splits of the dW kernels and the 16-column padding of the operands (`a
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -88,16 +89,35 @@ def sdd_plan(
     multiple of `block_m`, and the splits are recounted from them.
     """
     if splits is None:
-        sms = 4 if device.type == "cpu" else sm_count(device)
-        splits = sdd_splits(nnzb, tokens, block_m, 2 * sms)
+        splits = sdd_splits(nnzb, tokens, block_m, 2 * sm_count(device))
     per_split = -(-tokens // splits)
     per = -(-per_split // block_m) * block_m
     return -(-tokens // per), per
 
 
+@functools.cache
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of CUDA `device` (the waves `sdd_splits` aims at)."""
+    """Streaming multiprocessors of CUDA `device` (the waves `sdd_splits` aims at); 4 on CPU.
+
+    Queried once per device and cached: a steady-state launch makes no torch.cuda query.
+    """
+    if device.type == "cpu":
+        return 4
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+@functools.cache
+def capability(device: torch.device) -> tuple[int, int] | None:
+    """Compute capability of CUDA `device` (None for another device), queried once per device."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return major, minor
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive ints (`triton.cdiv` is a constexpr function: ~1.4 us a call)."""
+    return -(-a // b)
 
 
 def aligned(t: Tensor) -> Tensor:

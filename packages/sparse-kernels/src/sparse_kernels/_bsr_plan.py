@@ -12,7 +12,8 @@ The token-dependent parts of a launch (grid size, dW splits) are host integer ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,6 +35,10 @@ class Sm90Plan:
     """(pairs,) zeros: the split-K dW kernel's per-pair arrival counts, which its last item
     of each pair resets to 0, so they are zeroed once per plan, not per call. One launch at a
     time per layout (launches on one stream are ordered)."""
+    weight_descs: dict[tuple[int, int], Any] = field(default_factory=dict, compare=False)
+    """The weight's TMA descriptors by box shape, with the memory each was built for
+    (`_bsr_hopper._weight_desc`): the forward and dX reuse them while the weight's address,
+    dtype, shape and strides stay the same."""
 
     @property
     def n_pairs(self) -> int:
@@ -61,8 +66,19 @@ def pair_starts(row_ptr: Tensor) -> Tensor:
 
 
 def build_sm90_plan(layout: BlockLayout) -> Sm90Plan:
-    """The plan of `layout`, computed on the host (one copy of each pointer) and moved back."""
+    """The plan of `layout`, computed on the host (one copy of each pointer) and moved back.
+
+    Raises:
+        RuntimeError: while a CUDA graph is being captured (the copies to the host cannot be
+            captured): call the layer once before capturing, then the plan is cached.
+    """
     dev = layout.row_ptr.device
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the sm_90 launch plan of this layout is built on the first call, which copies the "
+            "index to the host and cannot be captured in a CUDA graph: run the layer once "
+            "(forward and backward) before capturing"
+        )
     row_ptr, col_ptr = layout.row_ptr.cpu(), layout.col_ptr.cpu()
     starts = pair_starts(row_ptr)
     return Sm90Plan(

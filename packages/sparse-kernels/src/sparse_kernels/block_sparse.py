@@ -24,6 +24,7 @@ fp32 on the Triton path follows `torch.get_float32_matmul_precision()` as `nn.Li
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import torch
@@ -65,9 +66,29 @@ def resolve_backend(backend: str, device: torch.device, block_size: int) -> str:
     return backend
 
 
+_resolved = functools.cache(resolve_backend)  # the same answer per (backend, device, block)
+
+
 def _stored(layout: BlockLayout) -> int:
     """Weight elements in stored tiles (nnzb · b²; a host integer, no device read)."""
     return layout.nnzb * layout.block_size**2
+
+
+def _forward(
+    x: Tensor, values: Tensor, bias: Tensor | None, layout: BlockLayout, backend: str
+) -> tuple[Tensor, bool]:
+    """(Y, whether the Hopper kernels ran): the forward of `_BlockSparseMM` on 2-D x.
+
+    One kernel set per call: the backward (same tokens, dtype and device) reuses the choice.
+    """
+    sm90 = backend == "triton" and H.use_sm90(
+        x.device, layout.block_size, x.dtype, x.shape[0], _stored(layout)
+    )
+    if sm90:
+        return H.dsd_sm90(x, values, layout, bias), True
+    if backend == "triton":
+        return K.dsd_triton(x, values, layout, bias), False
+    return T.dsd_torch(x, values, layout, bias), False
 
 
 class _BlockSparseMM(torch.autograd.Function):
@@ -86,11 +107,8 @@ class _BlockSparseMM(torch.autograd.Function):
         ctx.backend = backend
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, values)
-        if backend == "triton":
-            if H.use_sm90(x.device, layout.block_size, x.dtype, x.shape[0], _stored(layout)):
-                return H.dsd_sm90(x, values, layout, bias)
-            return K.dsd_triton(x, values, layout, bias)
-        return T.dsd_torch(x, values, layout, bias)
+        y, ctx.sm90 = _forward(x, values, bias, layout, backend)
+        return y
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
@@ -98,9 +116,7 @@ class _BlockSparseMM(torch.autograd.Function):
         layout: BlockLayout = ctx.layout
         dy = dy.contiguous()
         dx = dv = db = None
-        sm90 = ctx.backend == "triton" and H.use_sm90(
-            dy.device, layout.block_size, dy.dtype, dy.shape[0], _stored(layout)
-        )
+        sm90: bool = ctx.sm90
         if ctx.needs_input_grad[0]:
             if sm90:
                 dx = H.dsdt_sm90(dy, values, layout)
@@ -140,11 +156,16 @@ def block_sparse_linear(
     Returns:
         (..., out_features) in x's dtype.
     """
-    chosen = resolve_backend(backend, x.device, layout.block_size)
+    chosen = _resolved(backend, x.device, layout.block_size)
     lead = x.shape[:-1]
-    y: Tensor = _BlockSparseMM.apply(  # type: ignore[no-untyped-call]
-        x.reshape(-1, x.shape[-1]), values, bias, layout, chosen
-    )
+    x2 = x.reshape(-1, x.shape[-1])
+    y: Tensor
+    if torch.is_grad_enabled() and (
+        x.requires_grad or values.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        y = _BlockSparseMM.apply(x2, values, bias, layout, chosen)  # type: ignore[no-untyped-call]
+    else:  # nothing to differentiate (no_grad, inference): the same kernels, no autograd node
+        y = _forward(x2, values, bias, layout, chosen)[0]
     return y.reshape(*lead, layout.out_features)
 
 
@@ -223,14 +244,16 @@ class BlockSparseLinear(nn.Module):
         it (`BlockLayout.cached`) are built once; a new one after the buffers are replaced
         (`.to()`, assignment). In-place changes (`load_state_dict`) are seen by the cache.
         """
-        bufs = {name: self._buffers[name] for name in INDEX_FIELDS}
+        bufs = self._buffers
         layout: BlockLayout | None = self.__dict__.get("_layout")
-        if layout is None or any(getattr(layout, n) is not t for n, t in bufs.items()):
+        if layout is None or any(
+            t is not bufs[n] for n, t in zip(INDEX_FIELDS, layout.index, strict=True)
+        ):
             layout = BlockLayout(
                 out_features=self.out_features,
                 in_features=self.in_features,
                 block_size=self.block_size,
-                **bufs,  # type: ignore[arg-type]
+                **{name: bufs[name] for name in INDEX_FIELDS},  # type: ignore[arg-type]
             )
             self.__dict__["_layout"] = layout
         return layout

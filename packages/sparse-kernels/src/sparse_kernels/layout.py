@@ -42,6 +42,15 @@ class BlockLayout:
     _cache: dict[str, tuple[tuple[int, ...], Any]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    index: tuple[Tensor, ...] = field(init=False, repr=False, compare=False)
+    """The index tensors in `INDEX_FIELDS` order."""
+    _inference: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        index = tuple(getattr(self, name) for name in INDEX_FIELDS)
+        object.__setattr__(self, "index", index)
+        # an inference tensor stays one (and has no version counter): decided once
+        object.__setattr__(self, "_inference", any(t.is_inference() for t in index))
 
     def cached(self, key: str, build: Callable[[BlockLayout], _T]) -> _T:
         """`build(self)`, computed once per `key` and reused while the index is unchanged.
@@ -50,10 +59,10 @@ class BlockLayout:
         of them (`copy_`, `load_state_dict`) rebuilds it on the next call. Index tensors made
         under `torch.inference_mode()` have no version counter: then nothing is cached.
         """
-        tensors = [getattr(self, name) for name in INDEX_FIELDS]
-        if any(t.is_inference() for t in tensors):
+        if self._inference:
             return build(self)
-        version = tuple(t._version for t in tensors)
+        a, b, c, d, e = self.index  # unrolled: a generator costs ~0.5 us per call here
+        version = (a._version, b._version, c._version, d._version, e._version)
         hit = self._cache.get(key)
         if hit is not None and hit[0] == version:
             return hit[1]  # type: ignore[no-any-return]
