@@ -109,3 +109,14 @@ def test_environment_states_cpu_threads_only_for_cpu(monkeypatch):
     gpu = bench.environment("cuda:0")
     assert gpu["device"] == "CUDA: Fake GPU"
     assert "torch threads" not in gpu
+
+
+def test_state_bytes_counts_every_state_tensor_and_a_shared_one_once():
+    params = [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(5))]
+    opt = torch.optim.SGD(params, lr=0.1)
+    shared = torch.zeros(256)  # as bitsandbytes' quantization map, held by every state
+    opt.state[params[0]] = {"m": torch.zeros(3, 4, dtype=torch.uint8), "map": shared, "step": 1}
+    opt.state[params[1]] = {"m": torch.zeros(5, dtype=torch.bfloat16), "map": shared}
+    assert bench.state_bytes(opt) == 12 + 10 + 256 * 4
+    opt.state[params[1]]["m"] = torch.empty(5, 7, device="meta")  # counted from the shape
+    assert bench.state_bytes(opt) == 12 + 140 + 256 * 4

@@ -3,22 +3,26 @@
 Command (from the repo root; on a GPU the default size is the 1.1B TinyLlama shape):
 
     python packages/leanlm/benchmarks/bench_optimizer_step.py [--device cuda] [--size 1.1b]
-        [--optimizers adamw came came-fp32 came-int8 adafactor] [--rounds 5] [--steps 2]
+        [--optimizers adamw came came-fp32 came-int8 adafactor adamw8bit] [--rounds 5] [--steps 2]
 
 Every optimizer gets its own copy of the same bf16 Llama (same initial weights) and the same
 batches. A round runs `--steps` training steps (forward, loss, backward, optimizer step,
 `zero_grad(set_to_none=True)`) of each optimizer in turn; the table gives the median step time over
 the rounds, its ratio to AdamW's measured in the same run, the optimizer step alone (median over
 the rounds, after a backward), the optimizer state in bytes per parameter (counted from the
-state tensors) and the peak memory a step allocates above what the resident models and states
-hold (CUDA only: `max_memory_allocated` after `reset_peak_memory_stats`). CAME runs with a bf16
-first moment (`came`), fp32 (`came-fp32`) or int8 (`came-int8`); CAME and Adafactor stochastically
-round the bf16 parameters, AdamW is torch's fused one (foreach on CPU, where fused is not built).
+state tensors by `bench.state_bytes`) and the peak memory a step allocates above what the
+resident models and states hold (CUDA only: `max_memory_allocated` after
+`reset_peak_memory_stats`). CAME runs with a bf16 first moment (`came`), fp32 (`came-fp32`) or
+int8 (`came-int8`); CAME and Adafactor stochastically round the bf16 parameters, AdamW is torch's
+fused one (foreach on CPU, where fused is not built). `adamw8bit` (not in the default list) is
+bitsandbytes' `AdamW8bit` with AdamW's lr and defaults; without bitsandbytes it is left out with a
+note.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import time
 from collections.abc import Callable
@@ -59,17 +63,8 @@ OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter], str], torch.optim.Opti
     "adafactor": lambda p, _: Adafactor(
         p, lr=1e-4, relative_step=False, scale_parameter=False, stochastic_rounding=True
     ),
+    "adamw8bit": lambda p, _: importlib.import_module("bitsandbytes").optim.AdamW8bit(p, lr=1e-4),
 }  # fmt: skip
-
-
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in the optimizer's state."""
-    return sum(
-        v.numel() * v.element_size()
-        for st in optimizer.state.values()
-        for v in st.values()
-        if torch.is_tensor(v)
-    )
 
 
 def main() -> None:
@@ -87,10 +82,17 @@ def main() -> None:
     names = args.optimizers or ["adamw", "came", "came-fp32", "came-int8", "adafactor"]
     if "adamw" not in names:
         names = ["adamw", *names]  # the anchor
+    if "adamw8bit" in names:
+        try:
+            importlib.import_module("bitsandbytes")
+        except ImportError as err:
+            print(f"# adamw8bit left out: bitsandbytes does not import ({err})")
+            names.remove("adamw8bit")
     for flag in ("rounds", "steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    print(bench.header("bench_optimizer_step", device, ("optim-came", "optim-adafactor")))
+    dists = ("optim-came", "optim-adafactor", "bitsandbytes")
+    print(bench.header("bench_optimizer_step", device, dists))
     config, batch, seq_len = SIZES[size]
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=gen).to(device)
@@ -152,10 +154,11 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name in names:
         med, opt = statistics.median(times[name]), statistics.median(opt_times[name])
+        per = bench.state_bytes(optimizers[name]) / n_params
         peak = f"{transient[name]:.2f}" if cuda else "-"
         print(
             f"| {name} | {med * 1e3:.1f} | {med / anchor:.2f} | {opt * 1e3:.2f} | "
-            f"{opt / anchor_opt:.2f} | {state_bytes(optimizers[name]) / n_params:.2f} | {peak} |"
+            f"{opt / anchor_opt:.2f} | {per:.2f} | {peak} |"
         )
 
 

@@ -13,6 +13,11 @@ the shared lr). The 8-bit comparison of RESULTS.md ran:
     nice -n 10 python packages/optim-came/benchmarks/exp_convergence.py --shared-only \
         --optimizers "AdamW,CAME ii=1,CAME ii=1 int8,CAME ii=1 int8 SR" --cache /tmp/came8.json
 
+and the comparison with bitsandbytes' AdamW8bit (bitsandbytes installed next to the packages):
+    nice -n 10 python packages/optim-came/benchmarks/exp_convergence.py --shared-only --seeds 5 \
+        --optimizers "AdamW,AdamW8bit,AdamW8bit all,CAME ii=1,CAME ii=1 int8,CAME ii=1 int8 SR" \
+        --cache /tmp/came8bnb.json
+
 Setup: a byte-level Llama built from `LlamaConfig` (leanlm_testing's `tiny_llama`: 2 layers,
 hidden 64, GQA 4/2 heads, tied 256-entry embeddings, 0.11M parameters) trained on the bytes of
 the standard library's `pydoc_data/topics.py` (English prose of the Python reference), first 90%
@@ -23,6 +28,9 @@ initialisation and the order of the training windows.
 Optimizers:
 
 - AdamW: `torch.optim.AdamW(betas=(0.9, 0.999))`.
+- AdamW8bit: `bitsandbytes.optim.AdamW8bit` with AdamW's betas/eps/weight decay (when bitsandbytes
+  imports): blockwise 8-bit moments for tensors of >= 4096 elements, fp32 for the others
+  (`min_8bit_size`); "AdamW8bit all": `min_8bit_size=0`.
 - Adafactor: `optim_adafactor.Adafactor` with the HF Trainer settings (`relative_step=False,
   scale_parameter=False`, no momentum), i.e. `Trainer(optim="adafactor")`.
 - CAME: `optim_came.CAME` with came-pytorch's defaults (betas 0.9/0.999/0.9999, `R, C` start
@@ -34,14 +42,16 @@ Optimizers:
 Protocol: every seed runs at the shared lr; a sweep over a small lr grid with seed 0 picks each
 optimizer's own lr (lowest validation loss), and the other seeds then run at that lr too.
 Reported: validation loss (256 fixed windows of the held-out split) mean ± std over seeds, the
-mean training loss of the last 50 steps, and optimizer-state bytes per parameter measured from
-`state_dict()`. Runs are independent processes (`--workers`, one torch thread each); `--cache`
-keeps finished runs so an interrupted experiment resumes.
+mean training loss of the last 50 steps, optimizer-state bytes per parameter counted from the
+state's tensors (`leanlm_testing.bench.state_bytes`), and the share of parameters whose state
+holds a full-size 8-bit tensor. Runs are independent processes (`--workers`, one torch thread
+each); `--cache` keeps finished runs so an interrupted experiment resumes.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import multiprocessing
@@ -51,6 +61,8 @@ import sysconfig
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -65,9 +77,14 @@ GRIDS: dict[str, tuple[float, ...]] = {
     "CAME ii=1": (1e-3, 3e-3, 1e-2),
     "CAME ii=1 int8": (1e-3, 3e-3, 1e-2),
     "CAME ii=1 int8 SR": (1e-3, 3e-3, 1e-2),
+    "AdamW8bit": (1e-3, 3e-3, 1e-2),
+    "AdamW8bit all": (1e-3, 3e-3, 1e-2),
 }
 COLORS = {"AdamW": "C0", "Adafactor": "C1", "CAME": "C3", "CAME ii=1": "C2",
-          "CAME ii=1 int8": "C4", "CAME ii=1 int8 SR": "C5"}  # fmt: skip
+          "CAME ii=1 int8": "C4", "CAME ii=1 int8 SR": "C5", "AdamW8bit": "C6",
+          "AdamW8bit all": "C7"}  # fmt: skip
+ADAM: dict[str, Any] = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}  # both AdamWs
+BNB = {"AdamW8bit": {}, "AdamW8bit all": {"min_8bit_size": 0}}  # need bitsandbytes
 TAIL = 50  # steps averaged for the final training loss
 SMOOTH = 25  # moving-average window of the plotted training loss
 VAL_WINDOWS = 256
@@ -98,7 +115,10 @@ def make_optimizer(
     from optim_came import CAME
 
     if name == "AdamW":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        return torch.optim.AdamW(params, lr=lr, **ADAM)
+    if name in BNB:
+        adamw8bit: Callable[..., torch.optim.Optimizer] = bitsandbytes().optim.AdamW8bit
+        return adamw8bit(params, lr=lr, **ADAM, **BNB[name])
     if name == "Adafactor":
         return Adafactor(params, lr=lr, relative_step=False, scale_parameter=False)
     if name == "CAME":
@@ -112,6 +132,17 @@ def make_optimizer(
             params, lr=lr, instability_init=1.0, state_dtype=torch.int8, stochastic_rounding=True
         )
     raise ValueError(f"`name` ({name!r}) must be one of {sorted(GRIDS)}")
+
+
+def bitsandbytes() -> ModuleType:
+    """The `bitsandbytes` module; a ValueError naming the package when it does not import."""
+    try:
+        return importlib.import_module("bitsandbytes")
+    except ImportError as err:
+        raise ValueError(
+            f"optimizers {sorted(BNB)} need the `bitsandbytes` package, which does not import "
+            f"({err}); `pip install bitsandbytes` or leave them out of `--optimizers`"
+        ) from err
 
 
 def load_data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,14 +165,12 @@ def cosine_schedule(steps: int) -> Callable[[int], float]:
     return factor
 
 
-def state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in the optimizer's state dict."""
-    return sum(
-        v.numel() * v.element_size()
-        for s in opt.state_dict()["state"].values()
-        for v in s.values()
-        if isinstance(v, torch.Tensor)
-    )
+def share_8bit(opt: torch.optim.Optimizer) -> float:
+    """Share of the parameters whose state holds an 8-bit tensor of the parameter's size."""
+    params: list[torch.Tensor] = [p for g in opt.param_groups for p in g["params"]]
+    full = [(p, t) for p in params for t in opt.state[p].values() if torch.is_tensor(t)]
+    low = {p: p.numel() for p, t in full if t.element_size() == 1 and t.numel() == p.numel()}
+    return sum(low.values()) / sum(p.numel() for p in params)
 
 
 def train(run: Run) -> dict[str, object]:
@@ -176,7 +205,8 @@ def train(run: Run) -> dict[str, object]:
     return {
         "train": losses,
         "val": val_loss,
-        "state_bytes_per_param": state_bytes(opt) / n_params,
+        "state_bytes_per_param": bench.state_bytes(opt) / n_params,
+        "share_8bit": share_8bit(opt),
         "seconds": time.perf_counter() - start,
     }
 
@@ -276,11 +306,19 @@ def main() -> None:
     parser.add_argument("--png", type=pathlib.Path, default=None, help="write the plot here")
     parser.add_argument("--quick", action="store_true", help="40 steps, 1 seed, shared lr only")
     parser.add_argument("--shared-only", action="store_true", help="no lr sweep: shared lr only")
-    parser.add_argument("--optimizers", default=",".join(GRIDS), help="comma-separated names")
+    parser.add_argument("--optimizers", default=None, help="comma-separated; default: all")
     args = parser.parse_args()
-    names = args.optimizers.split(",")
+    names = list(GRIDS) if args.optimizers is None else args.optimizers.split(",")
     if unknown := sorted(set(names) - set(GRIDS)):
         raise ValueError(f"`--optimizers` has unknown names {unknown}; choose from {list(GRIDS)}")
+    if BNB.keys() & set(names):
+        try:
+            bitsandbytes()
+        except ValueError:
+            if args.optimizers is not None:
+                raise  # asked for by name
+            names = [n for n in names if n not in BNB]
+            print(f"# {sorted(BNB)} left out: bitsandbytes does not import")
     steps, seeds = (40, 1) if args.quick else (args.steps, args.seeds)
     if steps < 10 or seeds < 1:
         raise ValueError(f"`--steps` ({steps}) must be >= 10 and `--seeds` ({seeds}) >= 1")
@@ -288,7 +326,7 @@ def main() -> None:
     cache = Cache(args.cache)
     start = time.perf_counter()
 
-    dists = ["optim-came", "optim-adafactor", "transformers"]
+    dists = ["optim-came", "optim-adafactor", "transformers", "bitsandbytes"]
     print(bench.header("exp_convergence", "cpu", dists, where=pathlib.Path(__file__).parents[1]))
     print(f"# {args.workers} workers x 1 torch thread; {steps} steps, {seeds} seed(s)\n")
 
@@ -332,9 +370,9 @@ def main() -> None:
     panels = []
     for title, lrs in (("own lr", best), ("shared lr", dict.fromkeys(grids, SHARED_LR))):
         print(f"\n{title.capitalize()}, {seeds} seed(s):\n")
-        print("| optimizer | lr | val loss | train loss (last 50) | state B/param |")
-        print("|---|---:|---:|---:|---:|")
-        curves = {}
+        print("| optimizer | lr | val loss | train loss (last 50) | state B/param | 8-bit |")
+        print("|---|---:|---:|---:|---:|---:|")
+        curves, per_seed = {}, {}
         for name in grids:
             results = [
                 cache.get(Run(optimizer=name, lr=lrs[name], seed=s, steps=steps))
@@ -343,20 +381,14 @@ def main() -> None:
             vals = [float(r["val"]) for r in results]  # type: ignore[arg-type]
             tails = [statistics.fmean(r["train"][-TAIL:]) for r in results]  # type: ignore[index]
             per = float(results[0]["state_bytes_per_param"])  # type: ignore[arg-type]
-            print(f"| {name} | {lrs[name]:g} | {mean_std(vals)} | {mean_std(tails)} | {per:.2f} |")
+            share = results[0].get("share_8bit")  # absent in runs cached by older versions
+            print(f"| {name} | {lrs[name]:g} | {mean_std(vals)} | {mean_std(tails)} | {per:.2f} "
+                  f"| {'-' if share is None else f'{share:.1%}'} |")  # fmt: skip
             curves[name] = (lrs[name], [r["train"] for r in results])
+            per_seed[name] = "/".join(f"{v:.3f}" for v in vals)
         panels.append((f"{title} ({seeds} seeds; band: seed range)", curves))
         if not args.quick:
-            per_seed = {
-                name: [
-                    f"{cache.get(Run(optimizer=name, lr=lrs[name], seed=s, steps=steps))['val']:.3f}"  # noqa: E501
-                    for s in range(seeds)
-                ]
-                for name in grids
-            }
-            print(
-                "\nper seed (val): " + "; ".join(f"{n} {'/'.join(v)}" for n, v in per_seed.items())
-            )
+            print("\nper seed (val): " + "; ".join(f"{n} {v}" for n, v in per_seed.items()))
     if args.png is not None:
         plot(panels, steps, args.png)  # type: ignore[arg-type]
         print(f"\nplot: {args.png} ({args.png.stat().st_size / 1e3:.0f} kB)")

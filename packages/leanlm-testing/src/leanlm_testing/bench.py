@@ -31,6 +31,7 @@ __all__ = [
     "peak_rss_mib",
     "reset_peak_rss",
     "rss_kib",
+    "state_bytes",
     "synchronizer",
     "version",
 ]
@@ -72,6 +73,18 @@ def random_params(
         p.grad = torch.randn(shape, generator=gen).mul_(1e-3).to(device, dtype)
         params.append(p)
     return params
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in `optimizer.state` (`numel · element_size`; meta tensors too).
+
+    A tensor that several parameters' states hold counts once (bitsandbytes' 8-bit optimizers
+    give every parameter's state the same two 256-entry quantization maps); non-tensors, nothing.
+    """
+    tensors = {
+        id(v): v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)
+    }
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def git_revision(where: str | Path | None = None) -> str:
