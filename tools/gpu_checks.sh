@@ -4,7 +4,7 @@
 #
 #     run(command="bash tools/gpu_checks.sh", carry=[".whl"], timeout_s=595)
 #
-# The steps' limits add up to 565 s; the same steps took about 6 minutes on an H100 (2026-11-27).
+# The steps' limits add up to 570 s; the steps of 2026-11-27 took about 6 minutes on an H100.
 #
 # Only the carried wheels below are installed (into a folder); the packages are imported from packages/*/src
 # through PYTHONPATH, on the machine's own torch, triton and transformers (their versions are
@@ -28,8 +28,9 @@ export TOKENIZERS_PARALLELISM=false
 
 # Pure-Python wheels carried in the ignored .whl/ folder (the GPU machine reaches no index):
 # lazy-loader (prune-distill's and sparse-kernels' runtime dependency, if that machine lacks it) and
-# liger-kernel (bench-kl's comparison rows). `.venv/bin/pip download --no-deps lazy-loader==0.6
-# liger-kernel==0.8.5 -d .whl`, then run with carry=[".whl"].
+# bitsandbytes (optimizer-step's AdamW8bit row; 43 MB of the 64 MiB `carry` allows).
+# `.venv/bin/pip download --no-deps lazy-loader==0.6 bitsandbytes==0.50.2 -d .whl`, then run with
+# carry=[".whl"].
 if ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu-checks-site .whl/*.whl \
     && PYTHONPATH=$PYTHONPATH:/tmp/gpu-checks-site
@@ -70,7 +71,7 @@ sys.exit(not any(e.value == "leanlm_testing.pytest_plugin" for e in m.entry_poin
 then
   plugin=()
 fi
-step tests 120 "$PY" -m pytest "${plugin[@]}" -o minversion=7.0 -W default \
+step tests 110 "$PY" -m pytest "${plugin[@]}" -o minversion=7.0 -W default \
   --continue-on-collection-errors -m gpu -q -rfE --durations=15 packages/optim-adafactor/tests \
   packages/optim-came/tests packages/prune-distill/tests packages/shard-zero/tests \
   packages/sparse-kernels/tests packages/leanlm-testing/tests
@@ -78,25 +79,28 @@ step tests 120 "$PY" -m pytest "${plugin[@]}" -o minversion=7.0 -W default \
 # Benchmarks in their CUDA mode, settings that fit (2026-11-27 on an H100 each took about half
 # its limit: tests 74 s, came ~95 s (59 s at --repeats 3, second run), kl ~75 s, world1 86 s,
 # sparse 23 s, adafactor 22 s; the optimizer-step bench is new, ~35 s expected). Each
-# prints device and versions first. On CPU (the dry run) some outlive their limits.
-step bench-came 80 "$PY" packages/optim-came/benchmarks/bench_came.py --device "$DEVICE" \
+# prints device and versions first. On CPU (the dry run) some outlive their limits. bench-kl
+# (fused KL vs Liger) ran on two H100s and is settled; its time went to the sparse steps below.
+step bench-came 75 "$PY" packages/optim-came/benchmarks/bench_came.py --device "$DEVICE" \
   --repeats 3
 # Issue 23's whole-step target: the 1.1B TinyLlama shape (bf16), each optimizer against fused AdamW,
-# interleaved rounds (CPU: a tiny Llama).
-step optimizer-step 60 "$PY" packages/leanlm/benchmarks/bench_optimizer_step.py --device "$DEVICE" \
-  --rounds 5
-step bench-adafactor 35 "$PY" packages/optim-adafactor/benchmarks/bench_adafactor.py \
+# interleaved rounds (CPU: a tiny Llama); issue 29's int8 CAME and bitsandbytes' AdamW8bit included.
+step optimizer-step 70 "$PY" packages/leanlm/benchmarks/bench_optimizer_step.py --device "$DEVICE" \
+  --rounds 5 --optimizers adamw came came-fp32 came-int8 adafactor adamw8bit
+step bench-adafactor 30 "$PY" packages/optim-adafactor/benchmarks/bench_adafactor.py \
   --device "$DEVICE" --repeats 5
-step bench-sparse 45 "$PY" packages/sparse-kernels/benchmarks/bench_sparse.py --device "$DEVICE" \
-  --blocks 64 128 --prefill-tokens 4096 --decode-tokens 1 --rep-ms 40
+# Then the 50% rows again replayed from CUDA graphs: graph replay has no host work per call, so
+# replay ~ plain says a row is device-bound, replay much faster says host-bound (issue 24's decode
+# rows and the sm90 per-call floor).
+step bench-sparse 80 bash -c '"$0" packages/sparse-kernels/benchmarks/bench_sparse.py --device "$1" \
+  --blocks 64 128 --prefill-tokens 4096 --decode-tokens 1 16 --rep-ms 40 \
+  && "$0" packages/sparse-kernels/benchmarks/bench_sparse.py --device "$1" --blocks 128 64 \
+  --sparsities 0.5 --prefill-tokens 4096 --decode-tokens 1 16 --no-24 --rep-ms 25 --cuda-graphs' \
+  "$PY" "$DEVICE"
+# The sparsify stage's fine-tune, dense vs masked vs block-sparse layers (tokens/s, peak memory).
+step sparse-finetune 75 "$PY" packages/leanlm/benchmarks/bench_sparse_finetune.py --device "$DEVICE"
 # Each engine at world 1 in a fresh process (1.1B on a GPU); zero3's allocator trace replayed
 # to its peak. Engines run one after another in ONE process measure each other's leftovers.
 step world1 100 "$PY" packages/shard-zero/benchmarks/bench_world1.py \
   --engines plain,fsdp2,zero2,zero3 --steps 5 --warmup 2 --snapshot zero3 --timeout 45
-# Liger-Kernel rows run only where liger_kernel imports: carry its wheel (the device README's
-# `.whl` recipe; liger-kernel 0.8.5 is pure Python) to compare at the Llama-3 vocabulary. With
-# Liger, forward KL alone fills this limit (its 5 rows; JSD took 42 s more on the 2nd H100 run).
-step bench-kl 95 "$PY" packages/prune-distill/benchmarks/bench_kl.py --device "$DEVICE" \
-  --tokens 8192 --vocab 128256 --dtype bfloat16 --chunks 1024 --loss forward_kl \
-  --repeats 2
 cat "$OUT/summary.txt"
