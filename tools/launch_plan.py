@@ -5,11 +5,12 @@ Usage: python tools/launch_plan.py --out FILE.json [--markdown FILE.md] [--check
 
 Each case steps the real optimizer on meta tensors (`optim_adafactor.multi_tensor.plan_launches`:
 the step's own launch code runs, with the GPU tiles, and records each launch instead of making it).
-One JSON record per launch of the steady-state step: `optimizer` (came | came-int8 | adafactor),
-`case`, `kernel`, `programs`, `max_elements` and `mean_elements` (per program: elements of the
-parameter a program steps, or the partial sums it reduces) and `bytes` (DRAM bytes that launch
-moves, computed from the kernel). `--check` exits 1 unless every launch moving more than 64 MB has
-at least 4 x 132 programs (4 per SM of an H100) and max/mean elements per program <= 2.
+One JSON record per launch of the steady-state step: `optimizer` (came | came-int8 | adafactor |
+adafactor-int8), `case`, `kernel`, `programs`, `max_elements` and `mean_elements` (per program:
+elements of the parameter a program steps, or the partial sums it reduces) and `bytes` (DRAM
+bytes that launch moves, computed from the kernel). `--check` exits 1 unless every launch moving
+more than 64 MB has at least 4 x 132 programs (4 per SM of an H100) and max/mean elements per
+program <= 2.
 Run it without TRITON_INTERPRET (the interpreter's tiles are not the GPU's).
 """
 
@@ -50,7 +51,8 @@ CASES: dict[str, tuple[LlamaShapes, torch.dtype]] = {
 def optimizers(dtype: torch.dtype) -> dict[str, Callable[[list[Any]], torch.optim.Optimizer]]:
     """The settings of `../shared/gpu/e2e_step.py` (bf16: bf16 first moment, SR).
 
-    `came-int8`: the same with an int8 first moment (`state_dtype=torch.int8`).
+    `came-int8`: the same with an int8 first moment (`state_dtype=torch.int8`);
+    `adafactor-int8`: Adafactor with a momentum (`beta1=0.9`) in int8.
     """
     kw: dict[str, Any] = {"lr": 1e-4, "stochastic_rounding": dtype == torch.bfloat16}
     kw["backend"] = "triton"
@@ -58,6 +60,9 @@ def optimizers(dtype: torch.dtype) -> dict[str, Callable[[list[Any]], torch.opti
         "came": lambda ps: CAME(ps, state_dtype=dtype, **kw),
         "came-int8": lambda ps: CAME(ps, state_dtype=torch.int8, **kw),
         "adafactor": lambda ps: Adafactor(ps, relative_step=False, scale_parameter=False, **kw),
+        "adafactor-int8": lambda ps: Adafactor(
+            ps, relative_step=False, scale_parameter=False, beta1=0.9, state_dtype=torch.int8, **kw
+        ),
     }
 
 

@@ -98,6 +98,11 @@ SEARCH = {"search": True, "search_params": 100_000, "search_hidden_size": [128]}
             "pretrain.state_dtype",
             "('int8') is for `optimizer = \"came\"`, got optimizer 'adamw'",
         ),
+        (
+            {"pretrain": {"optimizer": "adafactor", "state_dtype": "bf16"}},
+            "pretrain.state_dtype",
+            '(`optimizer = "adafactor"` takes "int8" only',
+        ),
         ({"pretrain": {"state_dtype": "fp8"}}, "pretrain.state_dtype", "must be one of ['fp32'"),
         ({"pretrain": {"zero_stage": 4}}, "pretrain.zero_stage", "must be one of [0, 1, 2, 3]"),
         ({"pretrain": {"max_bad_steps": -1}}, "pretrain.max_bad_steps", "must be >= 0"),
@@ -250,3 +255,22 @@ def test_sparsify_without_fine_tune_needs_no_training_settings():
     config = from_dict(RunConfig, {"sparsify": {"steps": 0, "warmup_steps": 0}})
     assert config.sparsify.steps == 0
     assert from_dict(RunConfig, {"sparsify": {"steps": 0}}).sparsify.warmup_steps == 5
+
+
+def test_adafactor_int8_state_is_an_8_bit_momentum():
+    """`optimizer = "adafactor"`, `state_dtype = "int8"`: momentum β1 = betas[0], int8 codes."""
+    import torch
+
+    from leanlm.train.optim import optimizer_over
+
+    cfg = from_dict(RunConfig, {"pretrain": {"optimizer": "adafactor", "state_dtype": "int8"}})
+    pre = cfg.pretrain
+    w = torch.nn.Parameter(torch.randn(8, 256))
+    opt = optimizer_over(pre.optimizer, [w], lr=1e-3, betas=pre.betas, state_dtype=pre.state_dtype)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    assert opt.param_groups[0]["beta1"] == pre.betas[0]
+    assert opt.state[w]["exp_avg"].dtype == torch.int8
+    assert opt.state[w]["exp_avg_scale"].shape == (8, 2)
+    fp32 = optimizer_over("adafactor", [w], lr=1e-3, betas=pre.betas)
+    assert fp32.param_groups[0]["beta1"] is None  # fp32: no momentum, as before

@@ -17,14 +17,27 @@ CONFIGS = {
     ),
     "torch": ({"semantics": "torch", "eps": (None, 1e-3), "weight_decay": 0.05}, 30),
     "triton": ({"backend": "triton", "beta1": 0.5}, 6),
+    # int8 momentum: blocks inside rows, noise hashed from global element indices (the fused
+    # shard folds its row offset into the hash constant): each rank's codes are the whole run's
+    "int8_sr": ({"beta1": 0.9, "state_dtype": torch.int8, "stochastic_rounding": True}, 10),
+    "int8_sr_triton": (
+        {"backend": "triton", "beta1": 0.9, "state_dtype": torch.int8, "stochastic_rounding": True},
+        4,
+    ),
 }
+
+
+def _seeded(params, **kw) -> Adafactor:
+    """Adafactor whose stochastic-rounding seed (drawn from torch's global generator) is fixed."""
+    torch.manual_seed(0)
+    return Adafactor(params, **kw)
 
 
 def _worker(rank: int, world_size: int, config: str) -> None:
     kw, steps = CONFIGS[config]
     clip_on = kw.get("clip_threshold", 1.0) is not None
     run = run_row_sharded(
-        rank, Adafactor, kw, steps, row_shard_attr=ROW_SHARD_ATTR, collectives=2 if clip_on else 1
+        rank, _seeded, kw, steps, row_shard_attr=ROW_SHARD_ATTR, collectives=2 if clip_on else 1
     )
     for name, p in run.local.items():
         expected = run.rows(name, run.ref_params[name].detach())
@@ -36,6 +49,10 @@ def _worker(rank: int, world_size: int, config: str) -> None:
             if p.dim() > 2:  # dim 0 is a batch dim there: column stats are sharded too
                 ref_col = run.rows(name, ref_col)
             assert_verbose_allclose(col, ref_col, atol=0, rtol=1e-5, name=f"{name} col")
+        if state.get("exp_avg") is not None and state["exp_avg"].dtype == torch.int8:
+            assert torch.equal(state["exp_avg"], run.rows(name, ref_state["exp_avg"])), name
+            scale = run.rows(name, ref_state["exp_avg_scale"])
+            assert_verbose_allclose(state["exp_avg_scale"], scale, atol=0, rtol=1e-5, name=name)
 
 
 @pytest.mark.distributed

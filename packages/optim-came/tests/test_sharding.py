@@ -26,6 +26,12 @@ CONFIGS = {
     # `_seeded`): every rank's codes equal the unsharded run's rows
     "int8": ({"lr": 1e-2, "state_dtype": torch.int8}, 20),
     "int8_sr": ({"lr": 1e-2, "state_dtype": torch.int8, "stochastic_rounding": True}, 20),
+    # the fused per-tensor kernels hash local indices: the shard's row offset is folded into the
+    # hash constant (`optim_adafactor.quant.quant_seed`)
+    "int8_sr_triton": (
+        {"lr": 1e-2, "state_dtype": torch.int8, "stochastic_rounding": True, "backend": "triton"},
+        4,
+    ),
 }
 
 

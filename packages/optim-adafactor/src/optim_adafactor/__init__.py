@@ -2,8 +2,9 @@
 
 `Adafactor` has the Hugging Face constructor and semantics by default, presets for
 `torch.optim.Adafactor` (`semantics="torch"` / `Adafactor.from_torch_args`) and the paper /
-Tensor2Tensor (`semantics="t2t"`), fp32 state, optional bf16 stochastic rounding, a vectorized
-PyTorch path, fused Triton kernels, and the row-sharding protocol of `optim_adafactor.sharding`.
+Tensor2Tensor (`semantics="t2t"`), fp32 state (or an 8-bit momentum, `optim_adafactor.quant`),
+optional bf16 stochastic rounding, a vectorized PyTorch path, fused Triton kernels, and the
+row-sharding protocol of `optim_adafactor.sharding`.
 """
 
 from optim_adafactor.optimizer import Adafactor

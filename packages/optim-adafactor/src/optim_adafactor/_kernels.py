@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from optim_adafactor import _multi_tables
+from optim_adafactor._quant_kernels import QBLOCK
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -31,13 +32,19 @@ BLOCK_M = 64 if _INTERPRET else 256
 NUM_WARPS = 8  # launch option of every kernel here (stated, so tools/gpu_compile.py compiles it)
 
 
-def launch_config(n_cols: int) -> tuple[int, int]:
+def launch_config(n_cols: int, *, quant: bool = False) -> tuple[int, int]:
     """(BLOCK_M, num_warps) of every kernel here for rows of `n_cols` (16 x BLOCK_M tiles).
 
     Aligned rows: 16 x 256 on 8 warps (16-byte vector loads). An odd `n_cols` makes every load
     a scalar load with its own address, and larger tiles then come close to spilling registers,
-    so those rows take 16 x 64 on 4 warps (ptxas evidence in benchmarks/RESULTS.md).
+    so those rows take 16 x 64 on 4 warps (ptxas evidence in benchmarks/RESULTS.md). `quant`
+    (the apply kernel with an int8 `exp_avg`): one whole 128-column block per row, 16 x 128 on
+    8 warps for every width (also under the interpreter): at 16 x 256 the decode, encode and
+    parameter store took 128-255 registers and spilled 8-272 bytes on sm_80/sm_90
+    (tools/gpu_compile.py, triton 3.7.1).
     """
+    if quant:
+        return QBLOCK, NUM_WARPS
     if n_cols % 16 == 0:
         return BLOCK_M, NUM_WARPS
     return BLOCK_M // 4, 4
@@ -56,7 +63,16 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from optim_adafactor._jit_helpers import col_tile, momentum_store, row_tile, sr_counters
+    from optim_adafactor._jit_helpers import (
+        col_tile,
+        momentum_store,
+        row_tile,
+        sr_counters,
+        store_update,
+    )
+    from optim_adafactor._quant_kernels import load_momentum, store_momentum
+
+    _QB = tl.constexpr(QBLOCK)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _stats_kernel(  # type: ignore[no-untyped-def]
@@ -133,6 +149,10 @@ if HAS_TRITON:
         SR: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_M: tl.constexpr,
+        scale_ptr=None,
+        qseed=0,
+        QUANT: tl.constexpr = False,
+        QSR: tl.constexpr = False,
     ):
         """`m = β1 m + g·rs_i·cf_j`; `p = p - wd_lr·p - (m or g·rs_i·cf_j)`; store in p's dtype.
 
@@ -143,8 +163,16 @@ if HAS_TRITON:
         With SR, the fp32 result gets uniform 16-bit noise added to its bit pattern and is
         truncated to bf16 (unbiased stochastic rounding); the noise of each 8 columns of a
         row comes from one Philox draw (`sr_counters`: counted over the batch's rows).
+
+        QUANT (needs HAS_M): `m` is int8 codes with per-block scales (`optim_adafactor.quant`),
+        decoded after the load and re-encoded (QSR: stochastically, `qseed` the hash constant)
+        before the store, in the same pass; BLOCK_M is a multiple of 128. p steps by the fp32
+        `m` before it is encoded.
         """
         pid_b, _, rows, row_mask, base = row_tile(n_rows, n_cols, BLOCK_N)
+        # QUANT: each row's first scale (global row · blocks per row); -1 on masked rows
+        n_blocks = tl.cdiv(n_cols, _QB)
+        srow = tl.where(row_mask, (pid_b.to(tl.int64) * n_rows + rows) * n_blocks, -1)
         rs = tl.load(rs_ptr + pid_b.to(tl.int64) * n_rows + rows, mask=row_mask, other=0.0)
         wd_lr = 0.0
         if HAS_DECAY:
@@ -155,13 +183,23 @@ if HAS_TRITON:
             cf = tl.load(cf_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
             upd = g * rs[:, None] * cf[None, :]
             ctr = sr_counters(pid_b * n_rows + rows, start, n_cols, BLOCK_M)
-            momentum_store(p_ptr, m_ptr, offs, mask, upd, beta1, wd_lr, seed, ctr, HAS_M,
-                           HAS_DECAY, SR)  # fmt: skip
+            if QUANT:  # masked lanes: g = 0 and the codes load as 0, so m = 0 (absmax)
+                m = load_momentum(m_ptr, scale_ptr, offs, mask, srow, start, n_blocks, True,
+                                  BLOCK_N, BLOCK_M)  # fmt: skip
+                m = beta1 * m + upd
+                store_momentum(m, m_ptr, scale_ptr, offs, mask, srow, start, n_blocks, qseed,
+                               True, QSR, BLOCK_N, BLOCK_M)  # fmt: skip
+                p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                store_update(p_ptr, offs, mask, p, m, wd_lr, seed, ctr, HAS_DECAY, SR)
+            else:
+                momentum_store(p_ptr, m_ptr, offs, mask, upd, beta1, wd_lr, seed, ctr, HAS_M,
+                               HAS_DECAY, SR)  # fmt: skip
 
     def gpu_launch_configs() -> list[dict[str, Any]]:
         """Every launch the launchers below make on a GPU (for tools/gpu_compile.py).
 
-        Parameters/gradients in bf16, fp16 and fp32 (state fp32), every flag combination, and
+        Parameters/gradients in bf16, fp16 and fp32 (state fp32; the momentum fp32 or int8),
+        every flag combination, and
         column counts that are and are not multiples of 16 (Triton specializes on that: an odd
         `n_cols` makes the masks unaligned and the loads scalar).
         """
@@ -181,15 +219,21 @@ if HAS_TRITON:
                 args = {"g_ptr": dtype, "rf_ptr": f32, "cf_ptr": f32, "upart_ptr": f32,
                         "n_row_blocks": 256, **dims}  # fmt: skip
                 launches.append({"kernel": _sumsq_kernel, "args": args, "options": opts})
-                for has_m in (False, True):
+                # momentum: none, fp32, int8 with nearest and stochastic codes
+                for has_m, quant, qsr in ((False,) * 3, (True, False, False), (True, True, False),
+                                          (True, True, True)):  # fmt: skip
+                    qbm, qwarps = launch_config(n_cols, quant=quant)
+                    q = {"m_ptr": torch.int8 if quant else f32, "scale_ptr": f32 if quant else None,
+                         "qseed": 123456789 if qsr else 0, "QUANT": quant, "QSR": qsr,
+                         "BLOCK_M": qbm}  # fmt: skip
                     for has_decay in (False, True):
                         for sr in (False, True) if dtype == torch.bfloat16 else (False,):
-                            args = {"g_ptr": dtype, "p_ptr": dtype, "m_ptr": f32, "rs_ptr": f32,
+                            args = {"g_ptr": dtype, "p_ptr": dtype, "rs_ptr": f32,
                                     "cf_ptr": f32, "decay_ptr": f32, "beta1": 0.9, "seed": 12345,
                                     "HAS_M": has_m, "HAS_DECAY": has_decay, "SR": sr,
-                                    **dims}  # fmt: skip
+                                    **dims, **q}  # fmt: skip
                             launches.append({"kernel": _apply_kernel, "args": args,
-                                             "options": opts})  # fmt: skip
+                                             "options": {"num_warps": qwarps}})  # fmt: skip
         return launches
 
 
@@ -285,24 +329,31 @@ def launch_apply(
     seed: int,
     *,
     sr: bool,
+    scale: Tensor | None = None,
+    qseed: int | None = None,
 ) -> None:
-    """`_apply_kernel` on contiguous (B, n, m) `g3`, `p3` (and the fp32 momentum `exp_avg`).
+    """`_apply_kernel` on contiguous (B, n, m) `g3`, `p3` (and the momentum `exp_avg`).
 
     `rs` (B, n) row scales and `cf` (B, m) column factors in fp32; `decay` a 1-element fp32
     `weight_decay · lr_t` or None; `sr` rounds bf16 parameters stochastically with `seed`.
+    An int8 `exp_avg` (codes) comes with its fp32 block `scale`s and, for stochastic codes,
+    `qseed` (`quant.quant_seed`).
     """
     b, n, m = g3.shape
-    nbytes = g3.dtype.itemsize + 2 * p3.dtype.itemsize + (8 if exp_avg is not None else 0)
+    quant = exp_avg is not None and exp_avg.dtype == torch.int8
+    m_bytes = 0.0 if exp_avg is None else 2 * exp_avg.dtype.itemsize + (8 / QBLOCK if quant else 0)
+    nbytes = g3.dtype.itemsize + 2 * p3.dtype.itemsize + m_bytes
     if b * n * m == 0 or planned(_apply_kernel, g3, nbytes):
         return
-    bm, warps = launch_config(m)
+    bm, warps = launch_config(m, quant=quant)
     rs = rs.reshape(b, n).contiguous()
     _apply_kernel[(b, -(-n // BLOCK_N))](
         g3, p3, exp_avg if exp_avg is not None else g3, rs, cf.reshape(b, m).contiguous(),
         decay if decay is not None else rs,
         0.0 if beta1 is None else beta1, seed, n, m,
         HAS_M=exp_avg is not None, HAS_DECAY=decay is not None, SR=sr,
-        BLOCK_N=BLOCK_N, BLOCK_M=bm, num_warps=warps,
+        BLOCK_N=BLOCK_N, BLOCK_M=bm, scale_ptr=scale, qseed=qseed or 0, QUANT=quant,
+        QSR=quant and qseed is not None, num_warps=warps,
     )  # fmt: skip
 
 

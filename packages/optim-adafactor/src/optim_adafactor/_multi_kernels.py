@@ -51,6 +51,31 @@ def launch_config(aligned: bool, *, stats: bool = False) -> tuple[int, int, int]
     return 16, max(16, BLOCK_M // 8), 4
 
 
+def apply_tile(aligned: bool, *, quant: bool) -> tuple[int, int, int]:
+    """(SUB, BLOCK_M, num_warps) of the apply kernel (`launch_config`'s, or for int8 whole blocks).
+
+    An int8 momentum takes tiles of whole 128-column blocks on 4 warps: 8 x 128 (aligned) or
+    4 x 128 (unaligned). That apply decodes, encodes and stores the parameter; at 8 x 256 on 8
+    warps it spilled 8-32 bytes on sm_80/sm_90 (tools/gpu_compile.py, triton 3.7.1). 8 x 128
+    is the tile of optim-came's momentum kernel, which decodes and encodes too, and 4 x 128 its
+    unaligned apply tile (`quant.quant_tile`).
+    """
+    if quant:
+        return (8, 128, 4) if aligned else (4, 128, 4)
+    return launch_config(aligned)
+
+
+def apply_maxnreg(aligned: bool, *, quant: bool) -> int | None:
+    """Register cap (`maxnreg`) of an apply launch; None: ptxas's own choice.
+
+    The int8 apply on aligned rows with fp32 gradients and parameters: ptxas's own choice on
+    sm_80 is 96 registers with 16 bytes spilled; capped at 128 (4 blocks of 128 threads per
+    SM) it spills nothing, as the other int8 launches, which take 72-128 registers anyway
+    (tools/gpu_compile.py, triton 3.7.1).
+    """
+    return 128 if quant and aligned else None
+
+
 def stages(aligned: bool) -> int:
     """`num_stages` of the row-item loops: 3 (loads staged in shared memory) for aligned rows.
 
@@ -68,7 +93,6 @@ if HAS_TRITON:
     from optim_adafactor._multi_stats_kernels import (
         _GEO,
         _MOM,
-        _NADDR,
         _P,
         _ROW,
         _mt_cols_kernel,
@@ -76,24 +100,31 @@ if HAS_TRITON:
         _mt_stats_kernel,
         apply_scalars,
     )
+    from optim_adafactor._quant_kernels import load_momentum, quant_args, store_momentum
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _mt_apply_kernel(  # type: ignore[no-untyped-def]
-        addr, geo, gaddr, items, cfbuf, scal, g0, p0, beta1, seed_base,
+        addr, geo, gaddr, items, cfbuf, scal, g0, p0, m0, beta1, seed_base,
         HAS_M: tl.constexpr, HAS_DECAY: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr,
         SUB: tl.constexpr, BLOCK_M: tl.constexpr, STAGES: tl.constexpr,
+        NADDR: tl.constexpr = 4, QUANT: tl.constexpr = False, QSR: tl.constexpr = False,
     ):  # fmt: skip
         """`m = β1 m + g·rs_i·cf_j`; `p = p - wd·lr_t·p - (m or g·rs_i·cf_j)` in p's dtype.
 
         One row item per program, streamed (`evict_first`: nothing is read twice).
         `rs_i = scale / √(r_i / mean(r))`. The decay is `p - wd·lr_t·p` (HF's form). With SR
         the bf16 store is stochastically rounded, seeded as `FactoredOptimizer._kernel_seed`.
+        QUANT: `m` is int8 codes with per-block scales (address 4 of the matrix, NADDR = 5),
+        decoded after the load and re-encoded (QSR: stochastically, seeded as the PyTorch path)
+        before the store, in the same pass; BLOCK_M is a multiple of 128.
         """
         mat, r0, r1, m, cf_off = row_item(items, geo, _GEO)
         g_ptr = tl.load(gaddr + mat).to(g0.dtype)
-        p_ptr = tl.load(addr + mat * _NADDR + _P).to(p0.dtype)
-        m_ptr = tl.load(addr + mat * _NADDR + _MOM).to(tl.pointer_type(tl.float32))
-        row_ptr = tl.load(addr + mat * _NADDR + _ROW).to(tl.pointer_type(tl.float32))
+        p_ptr = tl.load(addr + mat * NADDR + _P).to(p0.dtype)
+        m_ptr = tl.load(addr + mat * NADDR + _MOM).to(m0.dtype)
+        row_ptr = tl.load(addr + mat * NADDR + _ROW).to(tl.pointer_type(tl.float32))
+        q_ptr, qseed = quant_args(addr, geo, mat, seed_base, NADDR, QUANT, QSR)
+        n_blocks = tl.cdiv(m, 128)
         if ALIGNED:
             # `m` reloaded: a hint on a helper's return value is lost when the helper is
             # inlined, and without it every load and store of the tile is scalar
@@ -112,7 +143,15 @@ if HAS_TRITON:
                 g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
                 cf = tl.load(cfbuf + cf_off + cols, mask=col_mask, other=0.0)
                 upd = g.to(tl.float32) * rs[:, None] * cf[None, :]
-                if HAS_M:
+                if QUANT:  # masked lanes: g = 0 and the codes load as 0, so m = 0 (absmax)
+                    srow = tl.where(row_mask, rows.to(tl.int64) * n_blocks, -1)
+                    mom = load_momentum(m_ptr, q_ptr, offs, mask, srow, c0, n_blocks, True, SUB,
+                                        BLOCK_M)  # fmt: skip
+                    mom = beta1 * mom + upd
+                    store_momentum(mom, m_ptr, q_ptr, offs, mask, srow, c0, n_blocks, qseed, True,
+                                   QSR, SUB, BLOCK_M)  # fmt: skip
+                    upd = mom
+                elif HAS_M:
                     mom = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
                     mom = beta1 * mom + upd
                     tl.store(m_ptr + offs, mom, mask=mask)
@@ -126,8 +165,8 @@ if HAS_TRITON:
         """Every launch `step_batch` makes on a GPU (for tools/gpu_compile.py).
 
         Parameter/gradient dtypes bf16, fp16 and fp32, aligned and unaligned batches (the tile
-        and `tl.multiple_of` hints differ), every flag combination. Tables are int64, buffers
-        and state fp32.
+        and `tl.multiple_of` hints differ), every flag combination, the momentum fp32 or int8
+        (nearest and stochastic codes). Tables are int64, buffers and statistics fp32.
         """
         i64, f32 = torch.int64, torch.float32
         launches: list[dict[str, Any]] = []
@@ -143,16 +182,23 @@ if HAS_TRITON:
                             "beta2": 0.999, "eps1": 1e-30, "HAS_P": has_p, "NADDR": 4,
                             **tile}  # fmt: skip
                     launches.append({"kernel": _mt_stats_kernel, "args": args, "options": opts})
-                sub, bm, warps = launch_config(aligned)
-                opts = {"num_warps": warps}
-                tile = {"ALIGNED": aligned, "SUB": sub, "BLOCK_M": bm, "STAGES": stages(aligned)}
-                for has_m in (False, True):
+                # momentum: none, fp32, int8 with nearest and stochastic codes
+                for has_m, quant, qsr in ((False,) * 3, (True, False, False), (True, True, False),
+                                          (True, True, True)):  # fmt: skip
+                    sub, bm, warps = apply_tile(aligned, quant=quant)
+                    tile = {"ALIGNED": aligned, "SUB": sub, "BLOCK_M": bm,
+                            "STAGES": stages(aligned), "NADDR": 4 + quant, "QUANT": quant,
+                            "QSR": qsr}  # fmt: skip
                     for has_decay in (False, True):
                         for sr in (False, True) if dtype == torch.bfloat16 else (False,):
                             args = {"addr": i64, "geo": i64, "gaddr": i64, "items": i64,
                                     "cfbuf": f32, "scal": f32, "g0": dtype, "p0": dtype,
-                                    "beta1": 0.9, "seed_base": 12345, "HAS_M": has_m,
+                                    "m0": torch.int8 if quant else f32, "beta1": 0.9,
+                                    "seed_base": 12345, "HAS_M": has_m,
                                     "HAS_DECAY": has_decay, "SR": sr, **tile}  # fmt: skip
+                            opts = {"num_warps": warps}
+                            cap = apply_maxnreg(aligned, quant=quant)
+                            opts |= {"maxnreg": cap} if cap is not None else {}
                             launches.append({"kernel": _mt_apply_kernel, "args": args,
                                              "options": opts})  # fmt: skip
         launches += [
@@ -208,8 +254,10 @@ def batch_key(w: Work) -> tuple[object, ...]:
     """Works with equal keys share one set of launches (options, step, dtypes, alignment)."""
     if not w.factored:
         return ("vec", id(w.opts), w.step, w.param.dtype, w.grad.dtype)
-    tensors = [w.param, w.grad] + ([w.state["exp_avg"]] if "exp_avg" in w.state else [])
-    return (id(w.opts), w.step, w.param.dtype, w.grad.dtype, mt.aligned(tensors))
+    m = w.state.get("exp_avg")
+    tensors = [w.param, w.grad] + ([m] if m is not None else [])
+    m_dtype = None if m is None else m.dtype
+    return (id(w.opts), w.step, w.param.dtype, w.grad.dtype, m_dtype, mt.aligned(tensors))
 
 
 def tables_for(
@@ -302,11 +350,14 @@ def step_batch(opt: Adafactor, works: list[Work], cache: dict[tuple[object, ...]
         return
     o, step, p0, g0 = w0.opts, w0.step, w0.param, w0.grad
     is_aligned = bool(batch_key(w0)[-1])
-    sub, bm, warps = launch_config(is_aligned)
     has_m = o.beta1 is not None
+    m0 = w0.state["exp_avg"] if has_m else p0
+    quant = m0.dtype == torch.int8  # codes + scales (address 4): tiles of whole 128-blocks
+    sub, bm, warps = apply_tile(is_aligned, quant=quant)
+    naddr = 5 if quant else 4
     mats = [
         (w.param, w.state["exp_avg"] if has_m else w.param, w.state["exp_avg_sq_row"],
-         w.state["exp_avg_sq_col"])
+         w.state["exp_avg_sq_col"], *([w.state["exp_avg_scale"]] if quant else []))
         for w in works
     ]  # fmt: skip
     tables = tables_for(cache, mats, works, is_aligned)
@@ -315,21 +366,24 @@ def step_batch(opt: Adafactor, works: list[Work], cache: dict[tuple[object, ...]
     coef = (1.0 - o.beta1 if has_m else 1.0) * (-1.0 if o.maximize else 1.0)
     sr = o.stochastic_rounding and p0.dtype == torch.bfloat16
     seed_base = (opt._sr_seed + 1_000_003 * step) % (2**31 - 1)
-    elem = mt.size(g0.dtype) + 2 * mt.size(p0.dtype) + (8 if has_m else 0)
+    elem = mt.size(g0.dtype) + 2 * mt.size(p0.dtype) + (2 * mt.size(m0.dtype) if has_m else 0.0)
+    elem += 8 / 128 if quant else 0.0  # block scales, read and written
     for group, gaddr in zip(tables.groups, tables.gaddr([w.grad for w in works]), strict=True):
         launch_stats(tables, group, gaddr, g0, p0, beta2=beta2, eps1=eps1,
-                     has_p=o.needs_param_rms, naddr=4, is_aligned=is_aligned)  # fmt: skip
+                     has_p=o.needs_param_rms, naddr=naddr, is_aligned=is_aligned)  # fmt: skip
         launch_cols(tables, group, beta2=beta2, eps1=eps1, col_mult=1.0, cf_scale=1.0,
-                    naddr=4, col=3, has_w=True, is_aligned=is_aligned)  # fmt: skip
+                    naddr=naddr, col=3, has_w=True, is_aligned=is_aligned)  # fmt: skip
         launch_scalars(tables, group, o.relative_step_size(step), eps2=o.eps2,
                        clip_threshold=o.clip_threshold, coef=coef, weight_decay=o.weight_decay,
                        has_p=o.needs_param_rms)  # fmt: skip
         if not mt.planned(_mt_apply_kernel, group.row_work, elem * group.row_work.total):
             _mt_apply_kernel[(len(group.rows),)](
                 group.addr, group.geo, gaddr, group.rows, buf["cf"], group.scal,
-                g0, p0, o.beta1 if has_m else 0.0, seed_base, HAS_M=has_m,
+                g0, p0, m0, o.beta1 if has_m else 0.0, seed_base, HAS_M=has_m,
                 HAS_DECAY=o.weight_decay != 0, SR=sr, ALIGNED=is_aligned, SUB=sub, BLOCK_M=bm,
-                STAGES=stages(is_aligned), num_warps=warps,
+                STAGES=stages(is_aligned), NADDR=naddr, QUANT=quant,
+                QSR=quant and o.stochastic_rounding, num_warps=warps,
+                maxnreg=apply_maxnreg(is_aligned, quant=quant),
             )  # fmt: skip
     for i, w in enumerate(works):
         opt._step_sizes[w.param] = (buf["scal"], i)

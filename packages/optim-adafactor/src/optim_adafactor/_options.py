@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+import torch
 from torch import Tensor
 
 from optim_adafactor.checks import (
@@ -23,6 +24,9 @@ from optim_adafactor.checks import (
 
 Semantics = Literal["hf", "t2t", "torch"]
 SEMANTICS: tuple[str, ...] = get_args(Semantics)
+
+#: Storage of the momentum `exp_avg` (`state_dtype`): fp32, or blockwise int8 (`quant`).
+STATE_DTYPES = (torch.float32, torch.int8)
 
 #: T2T multiplies the relative step by this when parameter scaling is off.
 T2T_UNSCALED_FACTOR = 0.05
@@ -45,6 +49,7 @@ class GroupOptions:
     warmup_init: bool
     maximize: bool
     stochastic_rounding: bool
+    state_dtype: torch.dtype = torch.float32
 
     @property
     def needs_param_rms(self) -> bool:
@@ -172,6 +177,19 @@ def parse_group(group: Mapping[str, Any], *, first: bool = False) -> GroupOption
         if beta1 is not None:
             raise ValueError(f"`beta1` ({beta1}) must be None with semantics='torch' (no momentum)")
 
+    state_dtype = group.get("state_dtype", torch.float32)
+    if state_dtype not in STATE_DTYPES:
+        raise TypeError(
+            f"`state_dtype` ({state_dtype!r}) must be torch.float32 or torch.int8 (the storage "
+            "of the momentum `exp_avg`; int8: blockwise 8-bit codes with fp32 scales; the "
+            "factored statistics are always fp32)"
+        )
+    if state_dtype == torch.int8 and beta1 is None:
+        raise ValueError(
+            "`state_dtype=torch.int8` stores the momentum `exp_avg` in 8 bits, but `beta1` is "
+            "None (no momentum): set `beta1` (e.g. 0.9) or keep `state_dtype=torch.float32`"
+        )
+
     return GroupOptions(
         semantics=semantics,
         lr=lr,
@@ -186,4 +204,5 @@ def parse_group(group: Mapping[str, Any], *, first: bool = False) -> GroupOption
         warmup_init=warmup_init,
         maximize=group["maximize"],
         stochastic_rounding=group["stochastic_rounding"],
+        state_dtype=state_dtype,
     )

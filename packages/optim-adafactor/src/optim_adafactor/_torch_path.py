@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from optim_adafactor import quant
 from optim_adafactor.base import StepWork, decay_
 from optim_adafactor.checks import Scalar
 from optim_adafactor.factored import add_scaled_, ema_, factored_sumsq, factors
@@ -162,13 +163,15 @@ def apply(w: Work, usq: Tensor | None, buf: Tensor, *, u_in_buf: bool) -> None:
         assert w.rf is not None
         assert w.cf is not None
         row_scale = w.rf * (scale * (1.0 - beta1) if beta1 is not None else scale)
-        torch.mul(g, row_scale.unsqueeze(-1), out=buf)
         if beta1 is None:
+            torch.mul(g, row_scale.unsqueeze(-1), out=buf)
             p.addcmul_(buf, w.cf.unsqueeze(-2), value=-1.0)
-        else:
-            m = st["exp_avg"]
-            m.mul_(beta1).addcmul_(buf, w.cf.unsqueeze(-2))
-            p.sub_(m)
+            return
+        m = quant.load_state(w, buf)  # int8: the codes dequantized into `w.m_buf`
+        torch.mul(g, row_scale.unsqueeze(-1), out=buf)
+        m.mul_(beta1).addcmul_(buf, w.cf.unsqueeze(-2))
+        p.sub_(m)  # the fp32 momentum steps p, as in the fused kernels
+        quant.store_state(w, m, buf)  # int8: blockwise codes of m; m and buf are scratch now
         return
     u = buf if u_in_buf else _materialise_update(w, buf)
     if beta1 is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from optim_adafactor import _kernels
+from optim_adafactor import _kernels, quant
 from optim_adafactor._kernels import as_3d, available
 from optim_adafactor._torch_path import Work, step_scale
 from optim_adafactor.factored import ema_
@@ -70,4 +70,6 @@ def apply(
         decay = torch.empty(1, dtype=torch.float32, device=g3.device).fill_(wd_lr)
     m_state = w.state.get("exp_avg") if beta1 is not None else None
     sr = o.stochastic_rounding and w.param.dtype == torch.bfloat16
-    _kernels.launch_apply(g3, p3, m_state, rs, w.cf, decay, beta1, seed, sr=sr)
+    qseed = None if w.quant_seed is None else quant.quant_seed(w.quant_seed, quant.shard_offset(w))
+    _kernels.launch_apply(g3, p3, m_state, rs, w.cf, decay, beta1, seed, sr=sr,
+                          scale=w.state.get("exp_avg_scale"), qseed=qseed)  # fmt: skip

@@ -70,6 +70,13 @@ class StepWork:
     rowema_sum: Tensor | None = None
     rf: Tensor | None = None
     cf: Tensor | None = None
+    # an int8 first moment (`quant`): stochastic-rounding seed of its codes, and workspaces of
+    # the PyTorch path (dequantized values, signs, fp32 noise and int32 hash; None: allocate)
+    quant_seed: int | None = None
+    m_buf: Tensor | None = None
+    sign_buf: Tensor | None = None
+    noise_buf: Tensor | None = None
+    hash_buf: Tensor | None = None
 
     @property
     def reduce_factors(self) -> bool:

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from optim_adafactor import _foreach_path, _torch_path
+from optim_adafactor import _foreach_path, _torch_path, quant
 from optim_adafactor._options import GroupOptions, Semantics, parse_group
 from optim_adafactor._torch_path import Work
 from optim_adafactor.base import Backend, FactoredOptimizer, StepWork, stat_dtype
@@ -54,8 +54,14 @@ class Adafactor(FactoredOptimizer):
             (`torch.optim.Adafactor`: lr caps rho_t, ε1 clamps instead of adding,
             `p *= 1 - lr·wd`, no momentum; see `Adafactor.from_torch_args`).
         backend: "auto" (Triton on CUDA when available, PyTorch elsewhere), "torch" or "triton".
-        stochastic_rounding: Write bf16 parameters with stochastic rounding (unbiased).
+        stochastic_rounding: Write bf16 parameters, and int8 `exp_avg` codes, with unbiased
+            stochastic rounding.
         maximize: Ascend instead of descend.
+        state_dtype: Storage of the momentum `exp_avg` (needs `beta1`): torch.float32
+            (default) or torch.int8 (factored parameters: blockwise 8-bit codes plus one fp32
+            scale per 128 elements of a row, see `optim_adafactor.quant`; unfactored ones keep
+            fp32). Math and statistics stay fp32; the parameter steps by the fp32 momentum
+            before it is quantized.
     """
 
     _torch_path: ClassVar[ModuleType] = _torch_path
@@ -79,6 +85,7 @@ class Adafactor(FactoredOptimizer):
         backend: Backend = "auto",
         stochastic_rounding: bool = False,
         maximize: bool = False,
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
         defaults: dict[str, Any] = {
             "lr": lr,
@@ -93,6 +100,7 @@ class Adafactor(FactoredOptimizer):
             "semantics": semantics,
             "stochastic_rounding": stochastic_rounding,
             "maximize": maximize,
+            "state_dtype": state_dtype,
         }
         # lr_t of each parameter's last step: a value, or (table, row) of a multi-tensor step
         self._step_sizes: dict[Tensor, Scalar | tuple[Tensor, int]] = {}
@@ -156,16 +164,33 @@ class Adafactor(FactoredOptimizer):
         kw: dict[str, Any] = {"dtype": stat_dtype(p), "device": p.device}
         state["step"] = 0
         if opts.beta1 is not None:
-            state["exp_avg"] = torch.zeros(p.shape, **kw)
+            m_dtype = self._state_dtype("exp_avg", p, opts)
+            state["exp_avg"] = torch.zeros(p.shape, dtype=m_dtype, device=p.device)
+            if m_dtype == torch.int8:
+                state["exp_avg_scale"] = torch.zeros(quant.scale_shape(p.shape), **kw)
         if self._is_factored(p, opts):
             state["exp_avg_sq_row"] = torch.zeros(p.shape[:-1], **kw)
             state["exp_avg_sq_col"] = torch.zeros(p.shape[:-2] + p.shape[-1:], **kw)
         else:
             state["exp_avg_sq"] = torch.zeros(p.shape, **kw)
 
+    def _state_dtype(self, key: str, p: Tensor, opts: GroupOptions) -> torch.dtype:
+        """Statistics: fp32 (float64 for float64 params); `exp_avg`: int8 if asked and factored."""
+        if key == "exp_avg" and opts.state_dtype == torch.int8 and self._is_factored(p, opts):
+            return torch.int8
+        return stat_dtype(p)
+
     def _refresh_state(self, p: Tensor, state: dict[str, Any], opts: GroupOptions) -> None:
-        if opts.beta1 is not None and "exp_avg" not in state:  # momentum enabled later
+        """Momentum enabled later: a zero `exp_avg`; `state_dtype` changed: convert it."""
+        if opts.beta1 is not None and "exp_avg" not in state:
             state["exp_avg"] = torch.zeros(p.shape, dtype=stat_dtype(p), device=p.device)
+        if "exp_avg" in state:
+            quant.convert_(p, state, self._state_dtype("exp_avg", p, opts))
+
+    def _adapt_loaded_state(self, p: Tensor, state: dict[str, Any], opts: GroupOptions) -> None:
+        """A loaded `exp_avg` in another form than the group's `state_dtype`: convert it."""
+        if isinstance(state.get("exp_avg"), Tensor):
+            quant.convert_(local_tensor(p), state, self._state_dtype("exp_avg", p, opts))
 
     def _convert_loaded_state(self, state: dict[str, Any]) -> None:
         """HF's and torch.optim.Adafactor's state dicts: drop / rename their own entries."""
@@ -179,7 +204,10 @@ class Adafactor(FactoredOptimizer):
     def _make_work(self, **common: Any) -> StepWork:
         p, opts = common["param"], common["opts"]
         eps1 = opts.eps1 if opts.eps1 is not None else torch.finfo(p.dtype).eps
-        return Work(**common, eps1=eps1)
+        w = Work(**common, eps1=eps1)
+        if "exp_avg" in w.state:
+            quant.prepare(self, w)
+        return w
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)

@@ -20,8 +20,10 @@ import torch
 from torch import Tensor
 
 from optim_adafactor import factored
-from optim_came import _quant
+from optim_adafactor import quant as _quant
 from optim_came._torch_path import Work, clip_scale
+
+quant_seed = _quant.quant_seed  # the hash constant of a seed (`optim_adafactor.quant`)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -44,11 +46,6 @@ def launch_config(n_cols: int, *, quant: bool = False) -> tuple[int, int]:
     return (max(bm, _quant.QBLOCK), NUM_WARPS) if quant else (bm, warps)
 
 
-def quant_seed(seed: int | None) -> int:
-    """The additive constant of `_quant.hash_uniform`'s first round, masked to 32 bits."""
-    return 0 if seed is None else (seed * 0x85EBCA6B + 0x27D4EB2F) & 0xFFFFFFFF
-
-
 def available(device: torch.device) -> bool:
     """Whether the kernels can run on `device` (CUDA, or CPU under the interpreter)."""
     return HAS_TRITON and factored.triton_available(device)
@@ -58,116 +55,9 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from optim_adafactor.quant import load_momentum, store_momentum
+
     _QB = tl.constexpr(_quant.QBLOCK)
-    _QMAX_SQ = tl.constexpr(float(_quant.QMAX * _quant.QMAX))
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def _per_block(v, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):  # type: ignore[no-untyped-def]
-        """(BLOCK_N, BLOCK_M // QBLOCK) values, one per block -> each on its block's elements."""
-        nb: tl.constexpr = BLOCK_M // _QB
-        if nb == 1:  # no 3-D detour (it costs registers on scalar-load tiles)
-            return tl.broadcast_to(v, (BLOCK_N, BLOCK_M))
-        return tl.reshape(tl.broadcast_to(v[:, :, None], (BLOCK_N, nb, _QB)), (BLOCK_N, BLOCK_M))
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def _scale_ptrs(scale_ptr, srow, c0, n_blocks, BLOCK_M: tl.constexpr):  # type: ignore[no-untyped-def]
-        """(pointers, mask) of the (rows, BLOCK_M // QBLOCK) scales of the tile at column `c0`.
-
-        `srow`: offset of each row's first scale (global row · blocks per row), -1 on masked
-        rows; `c0` a multiple of QBLOCK. A block holds a valid element iff its row is valid and
-        it starts before the row's end (`blk < n_blocks`), so no reduction of the element mask.
-        """
-        blk = c0 // _QB + tl.arange(0, BLOCK_M // _QB)
-        bmask = (srow >= 0)[:, None] & (blk < n_blocks)[None, :]
-        return scale_ptr + srow[:, None] + blk[None, :], bmask
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def _dequant(  # type: ignore[no-untyped-def]
-        m_ptr, scale_ptr, offs, mask, srow, c0, n_blocks, BLOCK_N: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-    ):  # fmt: skip
-        """fp32 values of the int8 codes at `offs` (`_quant.dequantize`: q·|q| · scale/127²).
-
-        One scale load and one division per block (a row's block k starts at column
-        k·QBLOCK), broadcast over its elements; the products round as the reference's.
-        """
-        q = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.float32)
-        if BLOCK_M == _QB:  # one block per row: a vector of scales, as the row statistics
-            sc = tl.load(scale_ptr + srow + c0 // _QB, mask=srow >= 0, other=0.0)[:, None]
-        else:
-            ptrs, bmask = _scale_ptrs(scale_ptr, srow, c0, n_blocks, BLOCK_M)
-            sc = tl.load(ptrs, mask=bmask, other=0.0)
-        step = tl.div_rn(sc, _QMAX_SQ)  # fl(scale / 127²), per block
-        return (q * tl.abs(q)) * _per_block(step, BLOCK_N, BLOCK_M)
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def _quant_store(  # type: ignore[no-untyped-def]
-        m, m_ptr, scale_ptr, offs, mask, srow, c0, n_blocks, qseed, QSR: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    ):  # fmt: skip
-        """Encode fp32 `m` (BLOCK_N x BLOCK_M, whole blocks; masked lanes 0) as `_quant.quantize_`.
-
-        Per block: absmax -> scale, `inv = 127²/absmax` (one division per block); per element
-        `a = |m|·inv`, `lo = floor(√a)` by the fast sqrt. Nearest: up by one code iff
-        `a - (lo + 1/2)² > 1/4` (the reference's division-free test of `(a - lo²)/(2lo+1) >
-        1/2`, exact in fp32). QSR: `lo` corrected to the exact floor, up iff the element's noise
-        (murmur3 of its flat index in uint32, `_quant.hash_uniform`) is below
-        `fl((a - lo²)/(2lo+1))`.
-        Divisions round to nearest (`div_rn`), so the codes equal the PyTorch path's.
-        """
-        am = tl.abs(m)
-        nb: tl.constexpr = BLOCK_M // _QB
-        amax = tl.max(tl.reshape(am, (BLOCK_N, nb, _QB)), axis=2)
-        ptrs, bmask = _scale_ptrs(scale_ptr, srow, c0, n_blocks, BLOCK_M)
-        tl.store(ptrs, amax, mask=bmask)
-        nonzero = amax > 0
-        inv = tl.div_rn(tl.full(amax.shape, _QMAX_SQ, tl.float32), tl.where(nonzero, amax, 1.0))
-        inv = tl.where(nonzero, inv, 0.0)
-        a = tl.minimum(am * _per_block(inv, BLOCK_N, BLOCK_M), _QMAX_SQ)
-        lo = tl.floor(tl.sqrt(a))  # the floor of √a, or one off where a is within ulps of k²
-        if QSR:
-            lo = lo - tl.where(lo * lo > a, 1.0, 0.0)  # exact floor: frac needs it
-            lo = lo + tl.where((lo + 1.0) * (lo + 1.0) <= a, 1.0, 0.0)
-            lo = tl.minimum(tl.maximum(lo, 0.0), 127.0)
-            # murmur3's finaliser in uint32 (low 32 bits; `qseed` may be an int, a constexpr or
-            # an int64): wraps modulo 2^32, shifts are logical
-            h = (offs * 0x9E3779B1 + qseed).to(tl.uint32)
-            h = h ^ (h >> 16)
-            h = h * 0x85EBCA6B
-            h = h ^ (h >> 13)
-            h = h * 0xC2B2AE35
-            h = h ^ (h >> 16)
-            up = (h >> 8).to(tl.float32) * (2.0**-24) < tl.div_rn(a - lo * lo, 2.0 * lo + 1.0)
-        else:
-            # lo one too large (a just below k²) or too small (a just above) still gives k,
-            # the nearest code, so the floor needs no correction here
-            half = lo + 0.5
-            up = a - half * half > 0.25  # (lo + 1/2)² is exact, so is the difference
-        q = tl.minimum(lo + tl.where(up, 1.0, 0.0), 127.0)
-        q = tl.where(m < 0, -q, q)
-        tl.store(m_ptr + offs, q.to(tl.int8), mask=mask)
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def _load_momentum(  # type: ignore[no-untyped-def]
-        m_ptr, scale_ptr, offs, mask, srow, c0, n_blocks, QUANT: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    ):  # fmt: skip
-        """fp32 `exp_avg` at `offs`: int8 codes decoded (QUANT, `_dequant`), else upcast."""
-        if QUANT:
-            return _dequant(m_ptr, scale_ptr, offs, mask, srow, c0, n_blocks, BLOCK_N, BLOCK_M)
-        return tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def _store_momentum(  # type: ignore[no-untyped-def]
-        m, m_ptr, scale_ptr, offs, mask, srow, c0, n_blocks, qseed, QUANT: tl.constexpr,
-        QSR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    ):  # fmt: skip
-        """Store fp32 `m` as `exp_avg`: int8 codes (QUANT, `_quant_store`), else in its dtype."""
-        if QUANT:
-            _quant_store(m, m_ptr, scale_ptr, offs, mask, srow, c0, n_blocks, qseed, QSR,
-                         BLOCK_N, BLOCK_M)  # fmt: skip
-        else:
-            tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _momentum_kernel(  # type: ignore[no-untyped-def]
@@ -193,8 +83,8 @@ if HAS_TRITON:
         `rs = rf · clip`; the instability is `β1² d²` (see `_torch_path.momentum`).
         One program owns BLOCK_N rows (row sums without atomics) and writes one row-block
         partial of the column sums; fp32 math, m stored back in its own dtype. QUANT: m is
-        int8 codes with per-block scales (`_quant`), decoded after the load and re-encoded
-        (QSR: stochastically) before the store; BLOCK_M is a multiple of the block.
+        int8 codes with per-block scales (`optim_adafactor.quant`), decoded after the load
+        and re-encoded (QSR: stochastically) before the store; BLOCK_M is a multiple of the block.
         """
         pid_b, pid_r, rows, row_mask, base = factored.row_tile(n_rows, n_cols, BLOCK_N)
         part = (pid_b * n_row_blocks + pid_r).to(tl.int64)
@@ -208,12 +98,12 @@ if HAS_TRITON:
             )
             g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # upcast first
             cf = tl.load(cf_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
-            m = _load_momentum(m_ptr, scale_ptr, offs, mask, srow, start, tl.cdiv(n_cols, _QB),
-                               QUANT, BLOCK_N, BLOCK_M)  # fmt: skip
+            m = load_momentum(m_ptr, scale_ptr, offs, mask, srow, start, tl.cdiv(n_cols, _QB),
+                              QUANT, BLOCK_N, BLOCK_M)  # fmt: skip
             d = m - g * rs[:, None] * cf[None, :]
             m = m - (1.0 - beta1) * d
-            _store_momentum(m, m_ptr, scale_ptr, offs, mask, srow, start, tl.cdiv(n_cols, _QB),
-                            qseed, QUANT, QSR, BLOCK_N, BLOCK_M)  # fmt: skip
+            store_momentum(m, m_ptr, scale_ptr, offs, mask, srow, start, tl.cdiv(n_cols, _QB),
+                           qseed, QUANT, QSR, BLOCK_N, BLOCK_M)  # fmt: skip
             d2 = d * d  # masked lanes: g = m = 0, so d = 0
             acc_row += tl.sum(d2, axis=1)
             tl.store(colpart_ptr + part * n_cols + cols, tl.sum(d2, axis=0), mask=col_mask)
@@ -255,8 +145,8 @@ if HAS_TRITON:
                 start, rows, row_mask, base, n_cols, BLOCK_M
             )
             cr = tl.load(cr_ptr + pid_b.to(tl.int64) * n_cols + cols, mask=col_mask, other=0.0)
-            m = _load_momentum(m_ptr, scale_ptr, offs, mask, srow, start, tl.cdiv(n_cols, _QB),
-                               QUANT, BLOCK_N, BLOCK_M)  # fmt: skip
+            m = load_momentum(m_ptr, scale_ptr, offs, mask, srow, start, tl.cdiv(n_cols, _QB),
+                              QUANT, BLOCK_N, BLOCK_M)  # fmt: skip
             p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             upd = m * rrs[:, None] * cr[None, :]
             ctr = factored.sr_counters(pid_b * n_rows + rows, start, n_cols, BLOCK_M)
@@ -366,8 +256,8 @@ def momentum(w: Work, usq: Tensor, buf: Tensor | None = None, *, u_in_buf: bool 
             g3, mom, (w.rf * w.clip).reshape(b, n).contiguous(),
             w.cf.reshape(b, m).contiguous(), rowsum, colpart, o.beta1, n, m, blocks,
             BLOCK_N=BLOCK_N, BLOCK_M=bm, scale_ptr=st.get("exp_avg_scale"),
-            qseed=quant_seed(w.quant_seed), QUANT=quant, QSR=w.quant_seed is not None,
-            num_warps=warps,
+            qseed=quant_seed(w.quant_seed, _quant.shard_offset(w)), QUANT=quant,
+            QSR=w.quant_seed is not None, num_warps=warps,
         )  # fmt: skip
     beta1_sq = o.beta1 * o.beta1
     lead = w.param.shape[:-2]

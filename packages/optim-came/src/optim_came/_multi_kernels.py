@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from optim_adafactor import multi_tensor as mt
+from optim_adafactor.quant import quant_tile
 from optim_came._multi_vec_kernels import step_vectors
 
 if TYPE_CHECKING:
@@ -39,26 +40,11 @@ if HAS_TRITON:
         span,
         sr_counters,
         store_update,
-        tensor_seed,
         tile,
     )
-    from optim_came._kernels import _dequant, _load_momentum, _store_momentum
+    from optim_adafactor.quant import dequant, load_momentum, quant_args, store_momentum
 
     _GEO = tl.constexpr(mt.GEO)
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def _quant_args(  # type: ignore[no-untyped-def]
-        addr, geo, mat, seed_base, NADDR: tl.constexpr, QUANT: tl.constexpr, QSR: tl.constexpr
-    ):
-        """(scale pointer, hash constant) of an int8 matrix (`_kernels.quant_seed` in-kernel)."""
-        q_ptr = addr.to(tl.pointer_type(tl.float32))  # unused unless QUANT
-        qseed = tl.zeros((), dtype=tl.int64)
-        if QUANT:
-            q_ptr = tl.load(addr + mat * NADDR + 6).to(tl.pointer_type(tl.float32))
-            if QSR:
-                seed = tensor_seed(seed_base, tl.load(geo + mat * _GEO + 8)).to(tl.int64)
-                qseed = (seed * 0x85EBCA6B + 0x27D4EB2F) & 0xFFFFFFFF
-        return q_ptr, qseed
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _mt_momentum_kernel(  # type: ignore[no-untyped-def]
@@ -92,7 +78,7 @@ if HAS_TRITON:
         m_ptr = tl.load(addr + mat * NADDR + 1).to(m0.dtype)
         row_ptr = tl.load(addr + mat * NADDR + 2).to(tl.pointer_type(tl.float32))
         res_ptr = tl.load(addr + mat * NADDR + 4).to(tl.pointer_type(tl.float32))
-        q_ptr, qseed = _quant_args(addr, geo, mat, seed_base, NADDR, QUANT, QSR)
+        q_ptr, qseed = quant_args(addr, geo, mat, seed_base, NADDR, QUANT, QSR)
         n_blocks = tl.cdiv(m, 128)
         if ALIGNED:
             m = tl.multiple_of(m, 16)
@@ -111,12 +97,12 @@ if HAS_TRITON:
                 mask, offs = tile(rows, row_mask, cols, col_mask, m)
                 g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
                 srow = tl.where(row_mask, rows.to(tl.int64) * n_blocks, -1)
-                mom = _load_momentum(m_ptr, q_ptr, offs, mask, srow, c0, n_blocks, QUANT, SUB,
-                                     BLOCK_M)  # fmt: skip
+                mom = load_momentum(m_ptr, q_ptr, offs, mask, srow, c0, n_blocks, QUANT, SUB,
+                                    BLOCK_M)  # fmt: skip
                 d = mom - g.to(tl.float32) * rs[:, None] * cf[None, :]  # upcast first
                 mom = mom - (1.0 - beta1) * d
-                _store_momentum(mom, m_ptr, q_ptr, offs, mask, srow, c0, n_blocks, qseed, QUANT,
-                                QSR, SUB, BLOCK_M)  # fmt: skip
+                store_momentum(mom, m_ptr, q_ptr, offs, mask, srow, c0, n_blocks, qseed, QUANT,
+                               QSR, SUB, BLOCK_M)  # fmt: skip
                 d2 = d * d  # masked lanes: g = m = 0, so d = 0
                 cacc += d2
                 tl.store(rowpart + roff + (rows - r0) * tiles + c0 // BLOCK_M,
@@ -157,7 +143,7 @@ if HAS_TRITON:
         p_ptr = tl.load(addr + mat * NADDR + 0).to(p0.dtype)
         m_ptr = tl.load(addr + mat * NADDR + 1).to(m0.dtype)
         res_ptr = tl.load(addr + mat * NADDR + 4).to(tl.pointer_type(tl.float32))
-        q_ptr, _ = _quant_args(addr, geo, mat, 0, NADDR, QUANT, False)
+        q_ptr, _ = quant_args(addr, geo, mat, 0, NADDR, QUANT, False)
         n_blocks = tl.cdiv(m, 128)
         if ALIGNED:
             # `m` reloaded: a hint on a helper's return value is lost when the helper is
@@ -176,7 +162,7 @@ if HAS_TRITON:
                 cr = tl.load(cfbuf + cf_off + cols, mask=col_mask, other=0.0)
                 if QUANT:
                     srow = tl.where(row_mask, rows.to(tl.int64) * n_blocks, -1)
-                    mom = _dequant(m_ptr, q_ptr, offs, mask, srow, c0, n_blocks, SUB, BLOCK_M)
+                    mom = dequant(m_ptr, q_ptr, offs, mask, srow, c0, n_blocks, SUB, BLOCK_M)
                 else:
                     mom = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
                 p = tl.load(p_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
@@ -250,19 +236,6 @@ if HAS_TRITON:
 
 
 # ---------------------------------------------------------------------------------- launcher
-def quant_tile(
-    sub: int, bm: int, warps: int, *, quant: bool, apply: bool = False
-) -> tuple[int, int, int]:
-    """(SUB, BLOCK_M, num_warps) of a launch; int8 `exp_avg`: 8 x 128 on 4 warps (whole blocks).
-
-    `apply` on unaligned rows (scalar loads): 4 x 128, 4 elements per thread as the 16 x 32
-    tile it replaces (8 x 128 took 156 registers on sm_80 and spilled 16 bytes with SR).
-    """
-    if quant and bm != 256:
-        return (4, 128, 4) if apply and bm < 128 else (8, 128, 4)
-    return sub, bm, warps
-
-
 def momentum_maxnreg(g_dtype: torch.dtype, m_dtype: torch.dtype, *, aligned: bool) -> int | None:
     """Register cap (`maxnreg`) of a `_mt_momentum_kernel` launch; None: ptxas's own choice.
 

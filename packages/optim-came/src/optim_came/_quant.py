@@ -1,184 +1,29 @@
-"""Blockwise 8-bit storage of CAME's first moment (`state_dtype=torch.int8`), PyTorch reference.
+"""CAME's blockwise 8-bit `exp_avg` (`state_dtype=torch.int8`): `optim_adafactor.quant`.
 
-`exp_avg` of a >= 2-D parameter is int8 codes shaped like the parameter plus `exp_avg_scale`,
-one fp32 absmax per block of `QBLOCK` elements of a row; blocks never cross rows, so a row shard
-(shard-zero, FSDP2) quantizes exactly as the whole tensor. Code `q` in [-127, 127] stands for
-`sign(q)·(q/127)²·scale`: denser near zero like bitsandbytes' dynamic map, but encoded and
-decoded arithmetically (a square root, a square) instead of a table search, which keeps a fused
-kernel's per-element work small. Rounding is nearest, or stochastic with noise hashed from
-(seed, global element index), so shards and resumes draw the same noise.
+The format, the PyTorch reference and the kernels' helpers live in optim-adafactor (Adafactor's
+momentum uses them too); these are the names CAME's modules and tests use.
 """
 
-from __future__ import annotations
+from optim_adafactor.quant import (
+    QBLOCK,
+    QMAX,
+    dequantize,
+    hash_uniform,
+    num_blocks,
+    quant_seed,
+    quantize_,
+    scale_shape,
+)
+from optim_adafactor.quant import blocked as _blocked
 
-import math
-from collections.abc import Sequence
-
-import torch
-from torch import Tensor
-from torch.nn import functional as F
-
-QBLOCK = 128  # elements per scale; divides every shipped column tile (>= 128, powers of two)
-QMAX = 127
-_QMAX_SQ = float(QMAX * QMAX)
-_MASK32 = 0xFFFFFFFF
-
-
-def num_blocks(cols: int) -> int:
-    """Blocks per row of `cols` elements (the last one partial when `cols % QBLOCK`)."""
-    return -(-cols // QBLOCK)
-
-
-def scale_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    """Shape of `exp_avg_scale` for a parameter of `shape` (>= 2-D): rows x blocks."""
-    return (*shape[:-1], num_blocks(shape[-1]))
-
-
-def _blocked(x: Tensor) -> Tensor:
-    """(..., m) -> (..., blocks, QBLOCK), zero-padded at the end of each row when needed."""
-    m = x.shape[-1]
-    nb = num_blocks(m)
-    pad = nb * QBLOCK - m
-    if pad:
-        x = F.pad(x, (0, pad))
-    return x.reshape(*x.shape[:-1], nb, QBLOCK)
-
-
-def _block_views(x: Tensor) -> list[tuple[Tensor, slice]]:
-    """Views of `x` (..., m) as whole blocks (..., k, QBLOCK) and the partial last block.
-
-    The partial block (when `m % QBLOCK`) is a (..., 1, m % QBLOCK) view. Each view comes with
-    the range of blocks it covers: no copy, no padding.
-    """
-    m = x.shape[-1]
-    full = m // QBLOCK
-    views = []
-    if full:
-        head = x[..., : full * QBLOCK]
-        views.append((head.view(*head.shape[:-1], full, QBLOCK), slice(0, full)))
-    if m % QBLOCK:
-        views.append((x[..., full * QBLOCK :].unsqueeze(-2), slice(full, full + 1)))
-    return views
-
-
-def _mul_blocks_(x: Tensor, per_block: Tensor) -> Tensor:
-    """`x *= per_block` broadcast over each block's elements, in place."""
-    for view, blocks in _block_views(x):
-        view.mul_(per_block[..., blocks].unsqueeze(-1))
-    return x
-
-
-def dequantize(
-    codes: Tensor, scale: Tensor, *, out: Tensor | None = None, scratch: Tensor | None = None
-) -> Tensor:
-    """Values of int8 `codes` (..., m) with per-block `scale` (..., blocks), in scale's dtype.
-
-    `out`, `scratch`: tensors of that dtype shaped like `codes` to write the values into and to
-    use for a temporary (fresh ones when None), so that a step allocates nothing.
-    """
-    out = torch.empty(codes.shape, dtype=scale.dtype, device=codes.device) if out is None else out
-    out.copy_(codes)
-    out.mul_(torch.abs(out, out=scratch) if scratch is not None else out.abs())  # q·|q|
-    return _mul_blocks_(out, scale / _QMAX_SQ)
-
-
-def _int32(v: int) -> int:
-    """The int32 with the low 32 bits of `v` (two's complement)."""
-    v &= _MASK32
-    return v - (1 << 32) if v >= 1 << 31 else v
-
-
-def hash_uniform(
-    seed: int,
-    offset: int,
-    shape: Sequence[int],
-    device: torch.device,
-    *,
-    out: Tensor | None = None,
-    scratch: Tensor | None = None,
-) -> Tensor:
-    """Uniform [0, 1) noise for the elements `offset + arange(numel)` of a flat tensor.
-
-    murmur3's 32-bit finaliser of `index ^ seed'` (low 32 bits of the index); 24 bits of it
-    become an exact fp32 in [0, 1). Computed in place in int32, whose multiplication and
-    addition wrap modulo 2^32 like the kernels' masked 64-bit arithmetic; the arithmetic right
-    shifts are masked into logical ones. `out` (fp32) and `scratch` (int32), `shape`-sized
-    workspaces (None: allocated), receive the noise and hold the hash.
-    """
-    numel = math.prod(shape)
-    if numel >= 1 << 31:  # int64 -> int32 keeps the low 32 bits
-        h = torch.arange(numel, dtype=torch.int64, device=device).to(torch.int32)
-    elif scratch is not None:
-        h = torch.arange(numel, dtype=torch.int32, device=device, out=scratch.view(-1))
-    else:
-        h = torch.arange(numel, dtype=torch.int32, device=device)
-    out = torch.empty(numel, dtype=torch.float32, device=device) if out is None else out
-    h.add_(_int32(offset)).mul_(_int32(0x9E3779B1)).add_(_int32(seed * 0x85EBCA6B + 0x27D4EB2F))
-    shifted = out.view(-1).view(torch.int32)  # the output's bytes, until the end
-    for mul, shift in ((0x85EBCA6B, 16), (0xC2B2AE35, 13), (None, 16)):
-        torch.bitwise_right_shift(h, shift, out=shifted).bitwise_and_((1 << (32 - shift)) - 1)
-        h.bitwise_xor_(shifted)
-        if mul is not None:
-            h.mul_(_int32(mul))
-    h.bitwise_right_shift_(8).bitwise_and_((1 << 24) - 1)
-    return out.view(-1).copy_(h).mul_(2.0**-24).view(*shape)
-
-
-def quantize_(
-    x: Tensor,
-    codes: Tensor,
-    scale: Tensor,
-    *,
-    noise: Tensor | None = None,
-    scratch: Tensor | None = None,
-    signs: Tensor | None = None,
-    sr_scratch: Tensor | None = None,
-) -> None:
-    """Write `x` (..., m) into int8 `codes` (same shape) and fp32 `scale` (..., blocks).
-
-    `noise`: uniform [0, 1) values shaped like `x` for stochastic rounding (None: nearest).
-    `scratch`: an fp32 tensor shaped like `x` for temporaries; when given, an fp32 `x` is
-    overwritten too (the step passes the momentum it no longer needs). None: `x` is left
-    intact. `signs`: a bool tensor shaped like `x` for the signs; `sr_scratch`: one more fp32
-    tensor like `x`, for stochastic rounding (None: allocated). With them, nothing N-sized is
-    allocated (on CPU a fresh tensor's page faults cost more than an elementwise op).
-
-    Every op is element-wise or a per-block reduction over views (no padding, no per-block
-    tensors), in place in `x` and `scratch`:
-
-    - `a = |x| · (127²/absmax)` clamped to 127², then `lo = floor(√a)` by an fp32 sqrt, which
-      can round up to `k` just below `a = k²`;
-    - nearest: up one code iff `(a - lo²)/(2lo+1) > 0.5`, tested as `a - (lo + 1/2)² > 1/4`:
-      the subtraction is exact (`(lo + 1/2)²` lies on `a`'s ulp grid and the result needs fewer
-      bits than `a`), and the fp32 quotient could only round onto 0.5 from a distance below its
-      half-ulp, which `a`'s grid never reaches. A `lo` one too large (`a` just below `k²`)
-      gives `k` either way;
-    - stochastic: `lo` corrected to the exact floor, then the fp32 quotient as written,
-      compared with the noise.
-    """
-    if scratch is None or x.dtype != torch.float32 or scratch.dtype != torch.float32:
-        x = x.to(torch.float32, copy=True)
-        scratch = torch.empty_like(x)
-    a = torch.abs(x, out=scratch)
-    absmax = torch.empty(scale.shape, dtype=torch.float32, device=x.device)
-    for view, blocks in _block_views(a):
-        absmax[..., blocks] = view.amax(dim=-1)
-    scale.copy_(absmax)
-    # fl(127²/absmax) correctly rounded, as the kernels' div_rn: torch's `scalar / tensor`
-    # multiplies by a rounded reciprocal, one ulp off in about a quarter of the blocks
-    inv = torch.where(absmax > 0, torch.full_like(absmax, _QMAX_SQ).div_(absmax), 0.0)
-    negative = torch.signbit(x, out=signs) if signs is not None else torch.signbit(x)
-    _mul_blocks_(a, inv).clamp_(max=_QMAX_SQ)  # a in code² units, [0, 127²]
-    lo = torch.sqrt(a, out=x).floor_()
-    if noise is None:
-        half = lo.add_(0.5)  # lo + 1/2: a - (lo + 1/2)² = a - lo² - lo - 1/4, exact
-        d = torch.addcmul(a, half, half, value=-1.0, out=a)
-        q = half.add_(torch.gt(d, 0.25, out=d))  # ties round down; the int8 cast drops the 1/2
-    else:
-        d = torch.addcmul(a, lo, lo, value=-1.0, out=sr_scratch)  # < 0: lo is one too large
-        lo.sub_(torch.lt(d, 0.0, out=d))
-        frac = torch.addcmul(a, lo, lo, value=-1.0, out=a)  # (a - lo²) / (2lo + 1) in [0, 1)
-        frac.div_(torch.mul(lo, 2.0, out=d).add_(1.0))
-        q = lo.add_(torch.lt(noise, frac, out=frac)).clamp_(max=QMAX)
-    codes.copy_(q)  # truncates toward zero
-    codes.mul_(negative.view(torch.int8).mul_(-2).add_(1))  # the signs, as ±1 int8
+__all__ = [
+    "QBLOCK",
+    "QMAX",
+    "_blocked",
+    "dequantize",
+    "hash_uniform",
+    "num_blocks",
+    "quant_seed",
+    "quantize_",
+    "scale_shape",
+]

@@ -18,7 +18,8 @@ from torch import Tensor
 
 from optim_adafactor.base import StepWork, decay_
 from optim_adafactor.factored import add_scaled_, ema_, factored_sumsq, factors
-from optim_came import _quant
+from optim_adafactor.quant import load_state as load_momentum
+from optim_adafactor.quant import store_state as store_momentum
 
 
 @dataclass(slots=True, kw_only=True)
@@ -30,46 +31,6 @@ class Work(StepWork):
     res_rowema_sum: Tensor | None = None
     res_rf: Tensor | None = None
     res_cf: Tensor | None = None
-    quant_seed: int | None = None  # seed of the stochastic rounding of int8 `exp_avg` codes
-    m_buf: Tensor | None = None  # workspace of the dequantized int8 `exp_avg` (None: allocate)
-    sign_buf: Tensor | None = None  # bool workspace of the quantizer's signs (None: allocate)
-    noise_buf: Tensor | None = None  # fp32 and int32 workspaces of stochastic rounding's noise
-    hash_buf: Tensor | None = None
-
-
-def load_momentum(w: Work, scratch: Tensor | None = None) -> Tensor:
-    """`exp_avg` in fp32: the state itself, or the int8 codes dequantized into `w.m_buf`.
-
-    `scratch`: a workspace shaped like the parameter, free for a temporary.
-    """
-    m: Tensor = w.state["exp_avg"]
-    if m.dtype != torch.int8:
-        return m
-    scale = w.state["exp_avg_scale"]
-    if scratch is not None and scratch.dtype != scale.dtype:
-        scratch = None
-    return _quant.dequantize(m, scale, out=w.m_buf, scratch=scratch)
-
-
-def store_momentum(w: Work, m: Tensor, scratch: Tensor | None = None) -> None:
-    """Write fp32 `m` back into an int8 `exp_avg` (a no-op when `m` is the state itself).
-
-    `scratch`: a workspace shaped like `m`; when given, `m` is overwritten as well.
-    """
-    codes = w.state["exp_avg"]
-    if codes.dtype != torch.int8:
-        return
-    noise = None
-    if w.quant_seed is not None:  # noise of the global elements: a row shard draws its own
-        offset = w.shard.row_offset * math.prod(m.shape[1:]) if w.shard is not None else 0
-        noise = _quant.hash_uniform(
-            w.quant_seed, offset, m.shape, m.device, out=w.noise_buf, scratch=w.hash_buf
-        )
-    sr_scratch = None if w.hash_buf is None else w.hash_buf.view(torch.float32)  # hash done
-    scale = w.state["exp_avg_scale"]
-    _quant.quantize_(
-        m, codes, scale, noise=noise, scratch=scratch, signs=w.sign_buf, sr_scratch=sr_scratch
-    )
 
 
 def grad_stats(w: Work, buf: Tensor) -> None:

@@ -9,10 +9,11 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import Tensor
 
+from optim_adafactor import quant
 from optim_adafactor.base import Backend, FactoredOptimizer, StepWork, stat_dtype
 from optim_adafactor.dtensor import local_tensor
 from optim_adafactor.sharding import Bucket
-from optim_came import _quant, _torch_path
+from optim_came import _torch_path
 from optim_came._options import GroupOptions, parse_group
 from optim_came._torch_path import Work
 
@@ -54,7 +55,8 @@ class CAME(FactoredOptimizer):
         state_dtype: storage of the first moment `exp_avg`: torch.float32 (default),
             torch.bfloat16 (2 bytes less per element) or torch.int8 (>= 2-D parameters:
             blockwise 8-bit codes plus one fp32 scale per 128 elements of a row, ~1.03 bytes
-            per element, see `_quant`; vectors keep fp32). Math and statistics stay fp32.
+            per element, see `optim_adafactor.quant`; vectors keep fp32). Math and statistics
+            stay fp32.
         stochastic_rounding: Write bf16 parameters, and int8 `exp_avg` codes, with unbiased
             stochastic rounding.
         backend: "auto" (Triton on CUDA when available, PyTorch elsewhere), "torch" or
@@ -107,7 +109,7 @@ class CAME(FactoredOptimizer):
         m_dtype = self._state_dtype("exp_avg", p, opts)
         state["exp_avg"] = torch.zeros(p.shape, dtype=m_dtype, device=p.device)
         if m_dtype == torch.int8:
-            state["exp_avg_scale"] = torch.zeros(_quant.scale_shape(p.shape), **kw)
+            state["exp_avg_scale"] = torch.zeros(quant.scale_shape(p.shape), **kw)
         if p.dim() >= 2:
             rows, cols = p.shape[:-1], p.shape[:-2] + p.shape[-1:]
             state["exp_avg_sq_row"] = torch.zeros(rows, **kw)
@@ -130,19 +132,7 @@ class CAME(FactoredOptimizer):
 
     def _refresh_state(self, p: Tensor, state: dict[str, Any], opts: GroupOptions) -> None:
         """Convert `exp_avg` when `state_dtype` changed in the group (or in a loaded state)."""
-        dtype = self._state_dtype("exp_avg", p, opts)
-        m = state["exp_avg"]
-        if m.dtype == dtype:
-            return
-        if m.dtype == torch.int8:  # int8 -> float: dequantize, drop the scales
-            m = _quant.dequantize(m.to(p.device), state.pop("exp_avg_scale").to(p.device))
-        if dtype == torch.int8:
-            codes = torch.empty(p.shape, dtype=torch.int8, device=p.device)
-            scale = torch.empty(_quant.scale_shape(p.shape), dtype=stat_dtype(p), device=p.device)
-            _quant.quantize_(m.to(device=p.device, dtype=torch.float32), codes, scale)
-            state["exp_avg"], state["exp_avg_scale"] = codes, scale
-        else:
-            state["exp_avg"] = m.to(device=p.device, dtype=dtype)
+        quant.convert_(p, state, self._state_dtype("exp_avg", p, opts))
 
     def _adapt_loaded_state(self, p: Tensor, state: dict[str, Any], opts: GroupOptions) -> None:
         """A loaded `exp_avg` in another form than the group's `state_dtype`: convert it."""
@@ -154,15 +144,7 @@ class CAME(FactoredOptimizer):
 
     def _make_work(self, **common: Any) -> StepWork:
         w = Work(**common)
-        if w.state["exp_avg"].dtype == torch.int8:
-            if w.opts.stochastic_rounding:
-                w.quant_seed = self._kernel_seed(w)
-            if not w.fused:  # workspaces of the dequantized exp_avg and the quantizer
-                w.m_buf = self._workspace(w.grad, slot=1)
-                w.sign_buf = self._workspace(w.grad, dtype=torch.bool)
-                if w.quant_seed is not None:
-                    w.noise_buf = self._workspace(w.grad, dtype=torch.float32, slot=2)
-                    w.hash_buf = self._workspace(w.grad, dtype=torch.int32)
+        quant.prepare(self, w)
         return w
 
     # ------------------------------------------------------------------ the step

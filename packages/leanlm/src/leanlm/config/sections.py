@@ -190,7 +190,9 @@ class TrainConfig:
     """For `optimizer = "came"`: the dtype of its one full-size state, the first moment
     (optim-came's `state_dtype`): `fp32` (4 B per parameter), `bf16` (2 B), or `int8`
     (blockwise 8-bit codes with one fp32 scale per 128 elements of a row, about 1.04 B; see the
-    optim-came README for its quality and its CPU step time)."""
+    optim-came README for its quality and its CPU step time). `optimizer = "adafactor"` takes
+    `int8` too: Adafactor then keeps a momentum (β1 = `betas[0]`) in those 8-bit codes (fp32:
+    no momentum)."""
     compile: bool = False
     """`torch.compile` each decoder layer of the trained model (its `forward`, in place, before
     the engine wraps or shards it, as torchtitan compiles per block before FSDP; the engine's
@@ -212,7 +214,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (norm weights are not decayed)."""
     betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas; CAME takes β1 from here (β2, β3 = 0.999, 0.9999); Adafactor ignores them."""
+    """AdamW betas; CAME takes β1 from here (β2, β3 = 0.999, 0.9999); Adafactor ignores them
+    unless `state_dtype = "int8"` (then β1 = `betas[0]`)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 = no clipping)."""
     eval_every: int = 50
@@ -280,11 +283,13 @@ class TrainConfig:
                     f"engine {self.resolved_engine!r}, zero_stage {self.zero_stage}",
                 )
 
-        if self.state_dtype != "fp32" and self.optimizer != "came":
+        adafactor_int8 = self.optimizer == "adafactor" and self.state_dtype == "int8"
+        if self.state_dtype != "fp32" and self.optimizer != "came" and not adafactor_int8:
             raise ConfigError(
                 "state_dtype",
                 f'({self.state_dtype!r}) is for `optimizer = "came"`, got optimizer '
-                f'{self.optimizer!r}: leave it at "fp32"',
+                f'{self.optimizer!r}: leave it at "fp32" (`optimizer = "adafactor"` takes '
+                '"int8" only: momentum with β1 = `betas[0]`, kept in 8 bits)',
             )
 
         if self.zero_offload_optimizer and self.resolved_engine != "zero":

@@ -43,7 +43,8 @@ def optimizer_over(
     recommended settings for an external schedule). CAME uses `betas[0]` as its β1 with its
     default β2 = 0.999 and β3 = 0.9999, and `instability_init=1.0` (no early update spike; see
     the optim-came README), and keeps its first moment in `state_dtype` ("fp32", "bf16" or
-    "int8"; the other optimizers take only "fp32"). AdamW uses `betas` as given.
+    "int8"); Adafactor takes "int8" too, for a momentum with β1 = `betas[0]` in 8 bits (else
+    no momentum); AdamW takes only "fp32" and uses `betas` as given.
 
     Raises:
         ValueError: for an unknown `name`.
@@ -61,7 +62,9 @@ def optimizer_over(
     if name == "adafactor":
         from optim_adafactor import Adafactor
 
+        int8 = state_dtype == "int8"  # a momentum (β1 = betas[0]) in 8 bits
         return Adafactor(
-            groups, lr=lr, relative_step=False, scale_parameter=False, warmup_init=False
-        )
+            groups, lr=lr, relative_step=False, scale_parameter=False, warmup_init=False,
+            beta1=betas[0] if int8 else None, state_dtype=torch.int8 if int8 else torch.float32,
+        )  # fmt: skip
     raise ValueError(f"`optimizer` ({name!r}) must be one of {list(OPTIMIZERS)}")
