@@ -3,7 +3,7 @@
 # imported names (leanlm_testing.exports.check_lazy_exports checks it).
 from .block_sparse import BlockSparseLinear, block_sparse_linear
 from .config import SparsityConfig
-from .convert import to_block_sparse_
+from .convert import to_block_sparse_, to_masked_linear_
 from .export import load_compressed_, load_masks_, save_compressed, save_pretrained_sparse
 from .layout import BlockLayout
 from .masks import block_mask, nm_mask, unstructured_mask
@@ -43,6 +43,7 @@ __all__ = [
     "sparsify_",
     "sparsity_report",
     "to_block_sparse_",
+    "to_masked_linear_",
     "to_semi_structured_",
     "unstructured_mask",
 ]

@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from sparse_kernels._bsr_launch import (
-    BLOCK_SIZES,
     aligned,
     cdiv,
     check_sdd,
@@ -32,6 +31,7 @@ from sparse_kernels._bsr_launch import (
     sdd_plan,
 )
 from sparse_kernels._triton import HAS_TRITON, INTERPRET, available
+from sparse_kernels.config import BLOCK_SIZES
 from sparse_kernels.layout import BlockLayout
 
 _INTERPRET_BLOCK_M = 16  # the interpreter pays ~0.5 ms per program and per op: small tiles

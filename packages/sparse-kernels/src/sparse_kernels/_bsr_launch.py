@@ -13,8 +13,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-BLOCK_SIZES = (16, 32, 64, 128)
-"""Tile edges the kernels take (power of two; 128 is the largest whose dW tile fits registers)."""
+from sparse_kernels.config import BLOCK_SIZES  # the tile edges the kernels take
+
 _SHARED_BUDGET = 160 * 1024  # bytes of shared memory a config may plan for (A100: 163 KB)
 
 

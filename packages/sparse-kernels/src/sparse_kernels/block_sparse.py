@@ -20,10 +20,16 @@ revived by any optimizer, and forward, dX and dW all cost `density x dense` FLOP
 
 fp32 on the Triton path follows `torch.get_float32_matmul_precision()` as `nn.Linear` does:
 "highest" runs IEEE fp32 dots, "high"/"medium" TF32 (`_bsr_launch.dot_precision`).
+
+Under autocast (`torch.autocast` enabled for x's device type) the layer computes as `nn.Linear`
+does: x, values and bias are cast to the autocast dtype before the kernels (which then run with
+autocast off), the output has that dtype, and the gradients, computed in that dtype, reach
+fp32 `values` and `bias` through the casts as fp32 tensors. Without autocast nothing is cast.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Literal
 
@@ -34,8 +40,8 @@ from sparse_kernels import _bsr_hopper as H
 from sparse_kernels import _bsr_hopper_dw as HW
 from sparse_kernels import _bsr_kernels as K
 from sparse_kernels import _bsr_torch as T
-from sparse_kernels._bsr_launch import BLOCK_SIZES
 from sparse_kernels._triton import HAS_TRITON, available
+from sparse_kernels.config import BLOCK_SIZES
 from sparse_kernels.layout import INDEX_FIELDS, BlockLayout, blocks_to_dense, dense_to_blocks
 from sparse_kernels.masks import block_scores
 
@@ -112,6 +118,11 @@ class _BlockSparseMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        with _autocast_off(dy.device.type):  # backward called inside autocast: no recasts
+            return _BlockSparseMM._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         x, values = ctx.saved_tensors
         layout: BlockLayout = ctx.layout
         dy = dy.contiguous()
@@ -136,6 +147,18 @@ class _BlockSparseMM(torch.autograd.Function):
         return dx, dv, db, None, None
 
 
+def _autocasting(device_type: str) -> bool:
+    """Whether autocast is on for `device_type` (False for types without autocast: meta)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """Autocast disabled for `device_type` if it is enabled, else a no-op context."""
+    if _autocasting(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def block_sparse_linear(
     x: Tensor,
     values: Tensor,
@@ -154,19 +177,37 @@ def block_sparse_linear(
         backend: `"auto"`, `"torch"` or `"triton"`.
 
     Returns:
-        (..., out_features) in x's dtype.
+        (..., out_features) in x's dtype; under autocast for x's device type, in the autocast
+        dtype (x, values and bias are cast to it first, as `nn.Linear`'s are).
     """
     chosen = _resolved(backend, x.device, layout.block_size)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    y: Tensor
-    if torch.is_grad_enabled() and (
-        x.requires_grad or values.requires_grad or (bias is not None and bias.requires_grad)
-    ):
-        y = _BlockSparseMM.apply(x2, values, bias, layout, chosen)  # type: ignore[no-untyped-call]
-    else:  # nothing to differentiate (no_grad, inference): the same kernels, no autograd node
-        y = _forward(x2, values, bias, layout, chosen)[0]
+    device_type = x.device.type
+    if _autocasting(device_type):
+        # nn.Linear's autocast rule: every operand in the autocast dtype; the casts are autograd
+        # ops, so dvalues / dbias come back to the fp32 parameters through them
+        dtype = torch.get_autocast_dtype(device_type)
+        x2, values = x2.to(dtype), values.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        with torch.autocast(device_type, enabled=False):  # the kernels see uniform dtypes
+            y = _call(x2, values, bias, layout, chosen)
+    else:
+        y = _call(x2, values, bias, layout, chosen)
     return y.reshape(*lead, layout.out_features)
+
+
+def _call(
+    x2: Tensor, values: Tensor, bias: Tensor | None, layout: BlockLayout, chosen: str
+) -> Tensor:
+    """(tokens, out_features): through `_BlockSparseMM` when a gradient is needed."""
+    if torch.is_grad_enabled() and (
+        x2.requires_grad or values.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        y: Tensor = _BlockSparseMM.apply(x2, values, bias, layout, chosen)  # type: ignore[no-untyped-call]
+        return y
+    # nothing to differentiate (no_grad, inference): the same kernels, no autograd node
+    return _forward(x2, values, bias, layout, chosen)[0]
 
 
 class BlockSparseLinear(nn.Module):
@@ -313,8 +354,9 @@ class BlockSparseLinear(nn.Module):
         return blocks_to_dense(self.values, self.layout)
 
     def to_linear(self) -> nn.Linear:
-        """An `nn.Linear` with the same weight (zeros included) and bias."""
-        linear = nn.Linear(
+        """An `nn.Linear` with the same weight (zeros included) and bias (no RNG draw)."""
+        linear: nn.Linear = nn.utils.skip_init(  # type: ignore[no-untyped-call]
+            nn.Linear,
             self.in_features,
             self.out_features,
             bias=self.bias is not None,

@@ -12,6 +12,10 @@ Granularity = Literal["layer", "row"]
 
 _NM = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 
+BLOCK_SIZES = (16, 32, 64, 128)
+"""Tile edges the block-sparse Triton kernels take (power of two; 128 is the largest whose dW
+tile fits registers). Here, in plain Python, so a config check needs no torch."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Pattern:

@@ -1,4 +1,4 @@
-"""Swap a model's Linear layers for `BlockSparseLinear` (only the active tiles stored)."""
+"""Swap a model's Linear layers for `BlockSparseLinear` (only the active tiles stored), and back."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from torch import nn
 
 from sparse_kernels.block_sparse import Backend, BlockSparseLinear
-from sparse_kernels.masks import block_scores
-from sparse_kernels.sparsify import get_mask, select_targets
+from sparse_kernels.masks import block_scores, expand_blocks
+from sparse_kernels.sparsify import apply_mask_, get_mask, select_targets
 
 
 def to_block_sparse_(
@@ -63,7 +63,38 @@ def to_block_sparse_(
             block_mask=block_mask,
             backend=backend,
         )
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, new)
+        _replace(model, name, new)
         out[name] = new
     return out
+
+
+def to_masked_linear_(model: nn.Module) -> dict[str, nn.Linear]:
+    """Replace every `BlockSparseLinear` of `model` in place by a masked `nn.Linear`.
+
+    The inverse of `to_block_sparse_` on masked Linears: each new Linear carries the mask of the
+    stored tiles (`apply_mask_`, cropped to the weight's shape) and holds the dense weight with
+    zeros outside them, in the tiles' dtype and device, and the bias. The effective weights,
+    masks and biases are exactly those of the block-sparse modules, so the model saves and
+    reloads as one `sparsify_` pruned (`save_pretrained_sparse`, `load_masks_`).
+
+    Args:
+        model: the model (a `BlockSparseLinear` itself is not replaced; pass its parent).
+
+    Returns:
+        Qualified name -> the new Linear.
+    """
+    out = {}
+    for name, layer in list(model.named_modules()):
+        if not isinstance(layer, BlockSparseLinear) or not name:
+            continue
+        linear = layer.to_linear()
+        shape = (layer.out_features, layer.in_features)
+        apply_mask_(linear, expand_blocks(layer.layout.block_mask(), layer.block_size, shape))
+        _replace(model, name, linear)
+        out[name] = linear
+    return out
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, module)
