@@ -33,10 +33,12 @@ sparsify_'s masks, the weights are zero outside them, the stored tiles trained, 
 finite, and before training block-sparse and masked models gave the same loss.
 
 Precision: `--dtype bf16` trains bf16 parameters (no fp32 masters), `fp32` fp32 ones (the stage's
-default, `mixed_precision = "no"`). The stage's `mixed_precision = "bf16"` (fp32 masters under
-autocast) cannot run block-sparse layers today: `BlockSparseLinear` is not autocast-aware, and
-its Triton launchers (sm_80 and sm_90) raise a TypeError when o_proj receives bf16 inputs for fp32
-tiles (seen under TRITON_INTERPRET=1 with CPU autocast).
+default, `mixed_precision = "no"`). bf16 parameters because, when this script was written,
+`BlockSparseLinear` was not autocast-aware: under the stage's `mixed_precision = "bf16"` (fp32
+masters under autocast) its Triton launchers (sm_80 and sm_90) raised a TypeError when o_proj
+received bf16 inputs for fp32 tiles (seen under TRITON_INTERPRET=1 with CPU autocast). It now
+casts x, tiles and bias to the autocast dtype as `nn.Linear` does, and the stage converts with
+`[sparsify] block_sparse_layers`.
 """
 
 from __future__ import annotations

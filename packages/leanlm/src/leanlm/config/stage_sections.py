@@ -13,6 +13,7 @@ import prune_distill
 from leanlm.config.configio import ConfigError, library_errors, non_negative, positive
 from leanlm.config.sections import TrainConfig
 from sparse_kernels import SparsityConfig  # plain Python: loading a config loads no torch
+from sparse_kernels.config import BLOCK_SIZES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -138,6 +139,17 @@ class SparsifyConfig(TrainConfig):
     implementations' algorithm; SparseGPT at Llama-3-8B shapes: 1.1 GiB of Hessians instead of
     36.5 GiB). Layers at `model.model.layers` only. `false`: score every layer on the dense
     model in one pass, every layer's statistics at once."""
+    block_sparse_layers: Literal["auto", True, False] = "auto"
+    """For `pattern = "block"`: fine-tune with sparse-kernels' `BlockSparseLinear` layers (only the
+    kept tiles stored, trained by its Triton kernels on CUDA, by PyTorch ops on a CPU) instead of
+    masked dense Linears. After the one-shot pruning and its evaluation, `to_block_sparse_`
+    converts the masked Linears; before the model is saved, `to_masked_linear_` turns them back,
+    so the output folder is the same as without. `true` needs `block_size` 16, 32, 64 or 128
+    (the kernels' tiles) and the `ddp` engine (ZeRO and FSDP2 do not take the layers yet);
+    `"auto"` converts when all that holds, there is a fine-tune and the run's device is CUDA;
+    `false` never converts. With AdamW the updates are those of the masked fine-tune; with
+    `came` / `adafactor` the factored second-moment statistics of a block-sparse layer are kept
+    per b x b tile (its parameter is (tiles, b, b)), not per weight matrix."""
     steps: int = 50
     lr: float = 1e-3
     warmup_steps: int = 5
@@ -149,6 +161,48 @@ class SparsifyConfig(TrainConfig):
         positive(self, "calibration_samples", "calibration_batch_size")
         with library_errors(self, keys={"n": "pattern", "m": "pattern"}):
             self.sparsity_config  # noqa: B018  (sparse-kernels checks the pruning settings)
+        self._check_block_sparse_layers()
+
+    def _check_block_sparse_layers(self) -> None:
+        value = self.block_sparse_layers
+        if not (isinstance(value, bool) or value == "auto"):
+            raise ConfigError(
+                "block_sparse_layers", f'must be "auto", true or false, got {value!r}'
+            )
+        if value is not True:
+            return
+        if self.pattern != "block":
+            raise ConfigError(
+                "block_sparse_layers",
+                f'(true) needs `pattern = "block"`, got {self.pattern!r}: set it to false or '
+                '"auto", or use the block pattern',
+            )
+        if self.block_size not in BLOCK_SIZES:
+            raise ConfigError(
+                "block_sparse_layers",
+                f"(true) needs `block_size` in {list(BLOCK_SIZES)} (the block-sparse kernels' "
+                f'tiles), got {self.block_size}: change `block_size` or set it to "auto"/false',
+            )
+        if self.resolved_engine != "ddp":
+            raise ConfigError(
+                "block_sparse_layers",
+                f"(true) is not supported with engine {self.resolved_engine!r} (its shards and "
+                "its gathered save do not take the (tiles, b, b) block-sparse parameters yet): "
+                'use `engine = "ddp"`, or set it to "auto"/false to fine-tune masked Linears',
+            )
+
+    def block_sparse_on(self, device_type: str) -> bool:
+        """Whether the fine-tune runs block-sparse layers on a `device_type` device."""
+        value = self.block_sparse_layers
+        if value != "auto":
+            return bool(value) and self.steps > 0
+        return (
+            device_type == "cuda"
+            and self.steps > 0
+            and self.pattern == "block"
+            and self.block_size in BLOCK_SIZES
+            and self.resolved_engine == "ddp"
+        )
 
     @property
     def sparsity_config(self) -> SparsityConfig:

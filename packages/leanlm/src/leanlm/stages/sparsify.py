@@ -6,6 +6,14 @@ they hold through the optimizer's steps and checkpoints. The one-shot perplexity
 before the fine-tune. The folder is `save_pretrained_sparse`'s (zeros baked in, plain
 `from_pretrained` works, plus bit-packed masks), with the compact `save_compressed` format next
 to it and its size reported.
+
+With `pattern = "block"` and `block_sparse_layers` on (`SparsifyConfig.block_sparse_on`), the
+fine-tune trains sparse-kernels' `BlockSparseLinear` layers: `to_block_sparse_` converts the
+masked Linears after the one-shot evaluation (a resumed run does the same before its checkpoint
+loads, so the parameter names match), and `to_masked_linear_` converts them back before the
+save, so the folder is exactly the masked fine-tune's format. With CAME / Adafactor the factored
+statistics of those layers are per b x b tile (their parameter is (tiles, b, b)); AdamW's
+updates are the masked fine-tune's.
 """
 
 from __future__ import annotations
@@ -26,11 +34,15 @@ COMPRESSED_FILE = "compressed.safetensors"
 def _save_sparse(
     model: torch.nn.Module, folder: Path, state_dict: dict[str, torch.Tensor] | None
 ) -> None:
-    """`save_pretrained_sparse` of the trained model (of a gathered copy when it is sharded)."""
-    from sparse_kernels import save_pretrained_sparse
+    """`save_pretrained_sparse` of the trained model (of a gathered copy when it is sharded).
+
+    Block-sparse layers (`block_sparse_layers`, never sharded) become masked Linears first.
+    """
+    from sparse_kernels import save_pretrained_sparse, to_masked_linear_
 
     if state_dict is not None:  # FSDP2: `model` holds this process's shards only
         model = _unsharded_copy(model, state_dict)
+    to_masked_linear_(model)
     save_pretrained_sparse(model, folder)
 
 
@@ -109,7 +121,9 @@ class Sparsify(Stage):
         metrics: dict[str, Any]
         if cfg.steps:  # the fine-tune keeps fp32 weights (the engines' masters), masks kept
             model = model.to(TRAIN_DTYPE)
+            converted = _to_block_sparse(ctx, model, cfg)
             metrics = train(ctx, model, cfg, causal_lm_loss, save=_save_sparse)
+            metrics["block_sparse_layers"] = converted
         else:
             metrics = _save_one_shot(ctx, model, one_shot)
         final = load_model(ctx.model_dir)
@@ -140,6 +154,32 @@ class Sparsify(Stage):
         return ctx.result(
             metrics, notes=[note], perplexity_points={"one-shot": one_shot.perplexity}
         )
+
+
+def _to_block_sparse(ctx: StageContext, model: torch.nn.Module, cfg: SparsifyConfig) -> int:
+    """Convert the masked Linears to `BlockSparseLinear` if the config says so; how many.
+
+    A Linear left without any tile stays masked: its block-sparse tensors would be empty, and
+    accelerate's checkpoints drop empty tensors (so a resume could not load them).
+    """
+    import re
+
+    from sparse_kernels import masks, to_block_sparse_
+    from sparse_kernels.block_sparse import resolve_backend
+
+    acc = ctx.accelerator
+    if not cfg.block_sparse_on(acc.device.type):
+        return 0
+    kept = [f"^{re.escape(name)}$" for name, mask in masks(model).items() if bool(mask.any())]
+    if not kept:
+        return 0
+    layers = to_block_sparse_(model, block_size=cfg.block_size, targets=kept, backend="auto")
+    backend = resolve_backend("auto", acc.device, cfg.block_size)
+    acc.print(
+        f"[sparsify] fine-tuning {len(layers)} block-sparse layers "
+        f"({cfg.block_size}x{cfg.block_size} tiles, sparse-kernels' {backend} path)"
+    )
+    return len(layers)
 
 
 def _save_one_shot(ctx: StageContext, model: torch.nn.Module, evaluation: Any) -> dict[str, Any]:

@@ -1,0 +1,149 @@
+"""`[sparsify] block_sparse_layers`: the fine-tune trains sparse-kernels' `BlockSparseLinear`
+layers (issue 24) and saves the same folder as the masked fine-tune."""
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import sparse_kernels
+from leanlm.config import ConfigError, RunConfig, SparsifyConfig, dumps_toml, from_dict, load_toml
+from leanlm.run.pipeline import run_pipeline
+from sparse_kernels import BlockSparseLinear
+
+
+@pytest.mark.parametrize(
+    ("sparsify", "text"),
+    [
+        ({"block_sparse_layers": True}, "(true) needs `pattern = \"block\"`, got '2:4'"),
+        (
+            {"block_sparse_layers": True, "pattern": "block", "block_size": 8},
+            "needs `block_size` in [16, 32, 64, 128] (the block-sparse kernels' tiles), got 8",
+        ),
+        (
+            {"block_sparse_layers": True, "pattern": "block", "zero_stage": 2},
+            "(true) is not supported with engine 'zero'",
+        ),
+        (
+            {"block_sparse_layers": True, "pattern": "block", "engine": "fsdp2"},
+            "(true) is not supported with engine 'fsdp2'",
+        ),
+        ({"block_sparse_layers": "yes"}, "must be one of ['auto', True, False]"),
+    ],
+)
+def test_bad_block_sparse_layers_name_the_key(sparsify, text):
+    data = {"init_model": "m", "stages": ["sparsify"], "sparsify": sparsify}
+    with pytest.raises(ConfigError) as info:
+        from_dict(RunConfig, data)
+    assert info.value.key == "sparsify.block_sparse_layers"
+    assert text in str(info.value)
+
+
+def test_block_sparse_layers_auto_converts_on_cuda_only_where_allowed(tmp_path):
+    block = SparsifyConfig(pattern="block")
+    assert block.block_sparse_layers == "auto"
+    assert block.block_sparse_on("cuda")
+    assert not block.block_sparse_on("cpu")
+    assert not SparsifyConfig().block_sparse_on("cuda")  # 2:4
+    for other in ({"block_size": 8}, {"engine": "fsdp2"}, {"zero_stage": 1}, {"steps": 0}):
+        assert not dataclasses.replace(block, **other).block_sparse_on("cuda"), other
+    forced = SparsifyConfig(pattern="block", block_sparse_layers=True)
+    assert forced.block_sparse_on("cpu")
+    assert not dataclasses.replace(block, block_sparse_layers=False).block_sparse_on("cuda")
+    # a TOML file round-trips it
+    run = RunConfig(init_model="m", stages=("sparsify",), sparsify=forced)
+    path = tmp_path / "run.toml"
+    path.write_text(dumps_toml(run))
+    assert "block_sparse_layers = true" in path.read_text()
+    assert load_toml(path).sparsify.block_sparse_layers is True
+
+
+def _config(tiny_pretrained, **sparsify):
+    settings = {
+        "pattern": "block",
+        "block_size": 16,
+        "sparsity": 0.75,  # tile density < 0.3: the PyTorch path's BSR products, not dense ones
+        "method": "magnitude",
+        "optimizer": "adamw",
+        "steps": 4,
+        "warmup_steps": 1,
+        "micro_batch_size": 4,
+        "eval_every": 4,
+        "eval_batch_size": 4,
+        "checkpoint_every": 2,
+        "calibration_samples": 8,
+    }
+    return dataclasses.replace(
+        tiny_pretrained.config,
+        init_model=str(tiny_pretrained.model),
+        stages=("sparsify",),
+        sparsify=SparsifyConfig(**(settings | sparsify)),
+    )
+
+
+def _masks(run_dir):
+    folder = run_dir / "sparsify" / "model"  # a plain from_pretrained, then its masks
+    return sparse_kernels.load_masks_(AutoModelForCausalLM.from_pretrained(folder), folder)
+
+
+def _weights(run_dir):
+    return load_file(run_dir / "sparsify" / "model" / "model.safetensors")
+
+
+def test_block_sparse_fine_tune_equals_the_masked_one_and_saves_the_same_folder(
+    tmp_path, tiny_pretrained, monkeypatch
+):
+    calls = []  # BlockSparseLinear forwards with a gradient (the fine-tune's, not evaluations)
+    real_forward = BlockSparseLinear.forward
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            calls.append(self.values.shape)
+        return real_forward(self, x)
+
+    monkeypatch.setattr(BlockSparseLinear, "forward", forward)
+    block, masked = tmp_path / "block", tmp_path / "masked"
+    config = _config(tiny_pretrained, block_sparse_layers=True)
+    (result,) = run_pipeline(config, block)
+    layers = 2 * 7  # 2 decoder layers x (q, k, v, o, gate, up, down)
+    # k and v (16 x 32: 2 tiles, round(0.75 x 2) = 2 pruned) keep no tile: they stay masked
+    converted = 2 * 5
+    assert result.metrics["block_sparse_layers"] == converted
+    assert len(calls) == converted * 4  # 4 steps x 1 micro-batch
+    (plain,) = run_pipeline(_config(tiny_pretrained, block_sparse_layers=False), masked)
+    assert plain.metrics["block_sparse_layers"] == 0
+    assert len(calls) == converted * 4
+
+    # the same folder: the same files, keys and masks; a plain from_pretrained reloads it
+    files = {p.name for p in (block / "sparsify" / "model").iterdir()}
+    assert files == {p.name for p in (masked / "sparsify" / "model").iterdir()}
+    got, want = _weights(block), _weights(masked)
+    assert got.keys() == want.keys()
+    found, reference = _masks(block), _masks(masked)
+    assert len(found) == layers
+    assert found.keys() == reference.keys()
+    for name, mask in found.items():
+        assert torch.equal(mask, reference[name]), name
+        assert (got[f"{name}.weight"][~mask] == 0).all(), name  # exact zeros outside the tiles
+    # AdamW: the block-sparse updates are the masked ones (sums in another order)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5, msg=key)
+    assert any(not torch.equal(got[k], want[k]) for k in want)  # another product ran
+    assert (block / "sparsify" / "compressed.safetensors").exists()
+
+    # resumed from the step-2 checkpoint (rebuilt masks, converted again): the same bits
+    resumed = tmp_path / "resumed"
+    shutil.copytree(block, resumed)
+    for name in ("result.json", "model", "compressed.safetensors"):
+        path = resumed / "sparsify" / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    calls.clear()
+    run_pipeline(config, resumed, resume=True)
+    assert len(calls) == converted * 2  # steps 3 and 4 only
+    again = _weights(resumed)
+    assert again.keys() == got.keys()
+    for key in got:
+        assert torch.equal(again[key], got[key]), key
