@@ -2,6 +2,7 @@
 layers (issue 24) and saves the same folder as the masked fine-tune."""
 
 import dataclasses
+import json
 import shutil
 
 import pytest
@@ -23,14 +24,6 @@ from sparse_kernels import BlockSparseLinear
             {"block_sparse_layers": True, "pattern": "block", "block_size": 8},
             "needs `block_size` in [16, 32, 64, 128] (the block-sparse kernels' tiles), got 8",
         ),
-        (
-            {"block_sparse_layers": True, "pattern": "block", "zero_stage": 2},
-            "(true) is not supported with engine 'zero'",
-        ),
-        (
-            {"block_sparse_layers": True, "pattern": "block", "engine": "fsdp2"},
-            "(true) is not supported with engine 'fsdp2'",
-        ),
         ({"block_sparse_layers": "yes"}, "must be one of ['auto', True, False]"),
     ],
 )
@@ -48,10 +41,14 @@ def test_block_sparse_layers_auto_converts_on_cuda_only_where_allowed(tmp_path):
     assert block.block_sparse_on("cuda")
     assert not block.block_sparse_on("cpu")
     assert not SparsifyConfig().block_sparse_on("cuda")  # 2:4
-    for other in ({"block_size": 8}, {"engine": "fsdp2"}, {"zero_stage": 1}, {"steps": 0}):
+    for other in ({"block_size": 8}, {"steps": 0}):
         assert not dataclasses.replace(block, **other).block_sparse_on("cuda"), other
+    for engine in ({"engine": "fsdp2"}, {"zero_stage": 1}, {"zero_stage": 3}):  # every engine
+        assert dataclasses.replace(block, **engine).block_sparse_on("cuda"), engine
     forced = SparsifyConfig(pattern="block", block_sparse_layers=True)
     assert forced.block_sparse_on("cpu")
+    for engine in ({"engine": "fsdp2"}, {"zero_stage": 2}):
+        assert dataclasses.replace(forced, **engine).block_sparse_on("cpu"), engine
     assert not dataclasses.replace(block, block_sparse_layers=False).block_sparse_on("cuda")
     # a TOML file round-trips it
     run = RunConfig(init_model="m", stages=("sparsify",), sparsify=forced)
@@ -147,3 +144,77 @@ def test_block_sparse_fine_tune_equals_the_masked_one_and_saves_the_same_folder(
     assert again.keys() == got.keys()
     for key in got:
         assert torch.equal(again[key], got[key]), key
+
+
+def _leanlm_run(config, out):
+    """`leanlm run` of `config` into `out` on 2 processes (torchrun); its output."""
+    from leanlm_testing.cli_runs import run_leanlm
+
+    toml = out.parent / f"{out.name}.toml"
+    toml.write_text(dumps_toml(config))
+    done = run_leanlm("run", toml, "--out", out, "--processes", "2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout + done.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("sharding", "optimizer", "label"),
+    [({"zero_stage": 3}, "adamw", "ZeRO-3"), ({"engine": "fsdp2"}, "came", "FSDP2")],
+    ids=["zero3-adamw", "fsdp2-came"],
+)
+def test_sharded_block_sparse_fine_tune_saves_the_ddp_runs_folder_and_resumes(
+    tmp_path, tiny_pretrained, capsys, sharding, optimizer, label
+):
+    # Global batch 4 either way: the ddp run on 1 process x 2 sequences x 2 accumulation
+    # steps, the sharded run on 2 gloo processes x 2 sequences (FSDP2 splits every
+    # (tiles, b, b) parameter by tiles; ZeRO-3 keeps these tiny ones whole, below its
+    # `min_shard_numel`, and frees the gathered weights between uses: tiles split under ZeRO
+    # are tested in integration_tests/test_sparse_under_zero.py). The folder is written from
+    # the gathered state dict, through a copy with the same block-sparse layers converted back
+    # (a masked copy cannot load it).
+    block = {"block_sparse_layers": True, "micro_batch_size": 2, "lr": 1e-2}
+    block |= {"optimizer": optimizer}
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_pipeline(_config(tiny_pretrained, **block, grad_accum_steps=2), one)
+    log = _leanlm_run(_config(tiny_pretrained, **block, **sharding), two)
+    assert f"on 2 process(es) {label}" in log
+    assert "[sparsify] fine-tuning 10 block-sparse layers" in log
+    for run, parallel in ((one, "none"), (two, label)):
+        metrics = json.loads((run / "sparsify" / "result.json").read_text())["metrics"]
+        assert (metrics["block_sparse_layers"], metrics["parallel"]) == (2 * 5, parallel)
+    files = {p.name for p in (two / "sparsify" / "model").iterdir()}
+    assert files == {p.name for p in (one / "sparsify" / "model").iterdir()}
+    found, reference = _masks(two), _masks(one)
+    assert found.keys() == reference.keys()
+    got, want = _weights(two), _weights(one)
+    assert got.keys() == want.keys()
+    pretrained = load_file(tiny_pretrained.model / "model.safetensors")
+    for name, mask in found.items():
+        assert torch.equal(mask, reference[name]), name
+        assert (got[f"{name}.weight"][~mask] == 0).all(), name
+        moved = (got[f"{name}.weight"] - pretrained[f"{name}.weight"] * mask).abs().max()
+        assert moved > 1e-4 or not mask.any(), name  # the fine-tune's updates were saved
+    tolerance = {"atol": 1e-6, "rtol": 1e-5}  # the repo's sharded-vs-one-process sparse runs'
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], **tolerance, msg=key)
+
+    # Resumed from the step-2 sharded checkpoint (written by 2 processes) on 1 process with
+    # the same global batch, in this process (the engine's checkpoint format; the layers are
+    # converted again before it loads): it ends where the 2-process run ended.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(two, resumed)
+    folder = "zero" if "zero_stage" in sharding else "fsdp2"
+    assert (resumed / "sparsify" / "checkpoints" / "step-00000002" / folder).is_dir()
+    for name in ("result.json", "model", "compressed.safetensors"):
+        path = resumed / "sparsify" / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    alone = _config(tiny_pretrained, **block, **sharding, grad_accum_steps=2)
+    capsys.readouterr()
+    (result,) = run_pipeline(alone, resumed, resume=True)
+    assert "[sparsify] resuming from step-00000002" in capsys.readouterr().out
+    assert result.metrics["block_sparse_layers"] == 2 * 5
+    again = _weights(resumed)
+    assert again.keys() == got.keys()
+    for key in got:
+        torch.testing.assert_close(again[key], got[key], **tolerance, msg=key)

@@ -145,11 +145,14 @@ class SparsifyConfig(TrainConfig):
     masked dense Linears. After the one-shot pruning and its evaluation, `to_block_sparse_`
     converts the masked Linears; before the model is saved, `to_masked_linear_` turns them back,
     so the output folder is the same as without. `true` needs `block_size` 16, 32, 64 or 128
-    (the kernels' tiles) and the `ddp` engine (ZeRO and FSDP2 do not take the layers yet);
-    `"auto"` converts when all that holds, there is a fine-tune and the run's device is CUDA;
-    `false` never converts. With AdamW the updates are those of the masked fine-tune; with
-    `came` / `adafactor` the factored second-moment statistics of a block-sparse layer are kept
-    per b x b tile (its parameter is (tiles, b, b)), not per weight matrix."""
+    (the kernels' tiles); `"auto"` converts when that holds, there is a fine-tune and the run's
+    device is CUDA; `false` never converts. Every `engine` takes the layers: `ddp`, `zero`
+    (stages 1-3: shard-zero cuts each (tiles, b, b) parameter by whole tiles) and `fsdp2`
+    (`Shard(0)`: by tiles too); a sharded run saves its gathered state dict through a copy with
+    the same block-sparse layers, so the folder is the same. With AdamW the updates are those
+    of the masked fine-tune; with `came` / `adafactor` the factored second-moment statistics of
+    a block-sparse layer are kept per b x b tile (its parameter is (tiles, b, b)), not per
+    weight matrix."""
     steps: int = 50
     lr: float = 1e-3
     warmup_steps: int = 5
@@ -183,13 +186,6 @@ class SparsifyConfig(TrainConfig):
                 f"(true) needs `block_size` in {list(BLOCK_SIZES)} (the block-sparse kernels' "
                 f'tiles), got {self.block_size}: change `block_size` or set it to "auto"/false',
             )
-        if self.resolved_engine != "ddp":
-            raise ConfigError(
-                "block_sparse_layers",
-                f"(true) is not supported with engine {self.resolved_engine!r} (its shards and "
-                "its gathered save do not take the (tiles, b, b) block-sparse parameters yet): "
-                'use `engine = "ddp"`, or set it to "auto"/false to fine-tune masked Linears',
-            )
 
     def block_sparse_on(self, device_type: str) -> bool:
         """Whether the fine-tune runs block-sparse layers on a `device_type` device."""
@@ -201,7 +197,6 @@ class SparsifyConfig(TrainConfig):
             and self.steps > 0
             and self.pattern == "block"
             and self.block_size in BLOCK_SIZES
-            and self.resolved_engine == "ddp"
         )
 
     @property

@@ -11,7 +11,9 @@ With `pattern = "block"` and `block_sparse_layers` on (`SparsifyConfig.block_spa
 fine-tune trains sparse-kernels' `BlockSparseLinear` layers: `to_block_sparse_` converts the
 masked Linears after the one-shot evaluation (a resumed run does the same before its checkpoint
 loads, so the parameter names match), and `to_masked_linear_` converts them back before the
-save, so the folder is exactly the masked fine-tune's format. With CAME / Adafactor the factored
+save, so the folder is exactly the masked fine-tune's format. Every engine takes them: a
+sharded run (ZeRO, FSDP2) loads its gathered state dict into a CPU copy built with the same
+block-sparse layers, which is converted back the same way. With CAME / Adafactor the factored
 statistics of those layers are per b x b tile (their parameter is (tiles, b, b)); AdamW's
 updates are the masked fine-tune's.
 """
@@ -36,11 +38,12 @@ def _save_sparse(
 ) -> None:
     """`save_pretrained_sparse` of the trained model (of a gathered copy when it is sharded).
 
-    Block-sparse layers (`block_sparse_layers`, never sharded) become masked Linears first.
+    Block-sparse layers (`block_sparse_layers`) become masked Linears first, in the model or
+    in its gathered copy.
     """
     from sparse_kernels import save_pretrained_sparse, to_masked_linear_
 
-    if state_dict is not None:  # FSDP2: `model` holds this process's shards only
+    if state_dict is not None:  # ZeRO, FSDP2: `model` holds this process's shards only
         model = _unsharded_copy(model, state_dict)
     to_masked_linear_(model)
     save_pretrained_sparse(model, folder)
@@ -49,9 +52,11 @@ def _save_sparse(
 def _unsharded_copy(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> Any:
     """A plain CPU model of `model`'s architecture and masks holding the gathered `state_dict`.
 
-    The masks (buffers, which FSDP2 leaves whole on every process) are attached first so that
-    the copy has the same parametrized keys (`...parametrizations.weight.original`); a tied
-    weight comes once in `state_dict` and reaches its other name through the tie.
+    The masks (buffers, which the engines leave whole on every process) are attached first so
+    that the copy has the same parametrized keys (`...parametrizations.weight.original`), and
+    each `BlockSparseLinear` of `model` is one in the copy too, with the same tiles (its
+    `values` (tiles, b, b) and index buffers are keys of `state_dict`); a tied weight comes once
+    in `state_dict` and reaches its other name through the tie.
 
     Raises:
         RuntimeError: `state_dict` does not cover the copy (a key missing that no tie explains,
@@ -60,13 +65,25 @@ def _unsharded_copy(model: torch.nn.Module, state_dict: dict[str, torch.Tensor])
     import torch
     from transformers import AutoModelForCausalLM
 
-    from sparse_kernels import apply_mask_, masks
+    from sparse_kernels import BlockSparseLinear, apply_mask_, masks
 
     config: Any = model.config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.generation_config = model.generation_config
     for name, mask in masks(model).items():
         apply_mask_(plain.get_submodule(name), mask.cpu())
+    for name, layer in model.named_modules():
+        if isinstance(layer, BlockSparseLinear):
+            tiles = layer.layout.block_mask().cpu()
+            copy = BlockSparseLinear(
+                layer.in_features,
+                layer.out_features,
+                block_mask=tiles,
+                block_size=layer.block_size,
+                bias=layer.bias is not None,
+                backend="torch",
+            )
+            plain.set_submodule(name, copy)
     missing, unexpected = plain.load_state_dict(state_dict, strict=False)
     params = dict(plain.named_parameters(remove_duplicate=False))
     loaded = {id(p) for name, p in params.items() if name in state_dict}
