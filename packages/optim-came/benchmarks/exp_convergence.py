@@ -8,15 +8,7 @@ Command (from the repository root; RESULTS.md's numbers were taken with it):
 
 `--quick` is a ~1 minute smoke run (40 steps, one seed, the shared lr only). `--optimizers`
 picks a subset (comma-separated names); `--shared-only` skips the lr sweep (every optimizer at
-the shared lr). The 8-bit comparison of RESULTS.md ran:
-
-    nice -n 10 python packages/optim-came/benchmarks/exp_convergence.py --shared-only \
-        --optimizers "AdamW,CAME ii=1,CAME ii=1 int8,CAME ii=1 int8 SR" --cache /tmp/came8.json
-
-and the comparison with bitsandbytes' AdamW8bit (bitsandbytes installed next to the packages):
-    nice -n 10 python packages/optim-came/benchmarks/exp_convergence.py --shared-only --seeds 5 \
-        --optimizers "AdamW,AdamW8bit,AdamW8bit all,CAME ii=1,CAME ii=1 int8,CAME ii=1 int8 SR" \
-        --cache /tmp/came8bnb.json
+the shared lr). RESULTS.md gives the exact command of each of its tables.
 
 Setup: a byte-level Llama built from `LlamaConfig` (leanlm_testing's `tiny_llama`: 2 layers,
 hidden 64, GQA 4/2 heads, tied 256-entry embeddings, 0.11M parameters) trained on the bytes of
@@ -38,6 +30,9 @@ Optimizers:
 - CAME ii=1: the same with `instability_init=1.0`, the setting the leanlm pipeline uses.
 - CAME ii=1 int8 (SR): the same with `state_dtype=torch.int8` (blockwise 8-bit `exp_avg`), codes
   rounded to nearest (stochastically).
+- Adafactor b1: Adafactor's entry plus `beta1=0.9` (fp32 momentum); "Adafactor b1 int8 (SR)":
+  the same with `state_dtype=torch.int8`, codes rounded to nearest (stochastically). Their lr
+  grid reaches 3e-2: their seed-0 best of Adafactor's grid was its edge, 1e-2.
 
 Protocol: every seed runs at the shared lr; a sweep over a small lr grid with seed 0 picks each
 optimizer's own lr (lowest validation loss), and the other seeds then run at that lr too.
@@ -69,25 +64,41 @@ import torch
 from leanlm_testing import bench
 
 SHARED_LR = 3e-3
-# name -> lr grid of the seed-0 sweep (each includes SHARED_LR).
-GRIDS: dict[str, tuple[float, ...]] = {
-    "AdamW": (1e-3, 3e-3, 1e-2),
-    "Adafactor": (1e-3, 3e-3, 1e-2),
-    "CAME": (1e-4, 3e-4, 1e-3, 3e-3),
-    "CAME ii=1": (1e-3, 3e-3, 1e-2),
-    "CAME ii=1 int8": (1e-3, 3e-3, 1e-2),
-    "CAME ii=1 int8 SR": (1e-3, 3e-3, 1e-2),
-    "AdamW8bit": (1e-3, 3e-3, 1e-2),
-    "AdamW8bit all": (1e-3, 3e-3, 1e-2),
-}
-COLORS = {"AdamW": "C0", "Adafactor": "C1", "CAME": "C3", "CAME ii=1": "C2",
-          "CAME ii=1 int8": "C4", "CAME ii=1 int8 SR": "C5", "AdamW8bit": "C6",
-          "AdamW8bit all": "C7"}  # fmt: skip
+LRS = (1e-3, 3e-3, 1e-2)  # the usual seed-0 sweep grid (every grid includes SHARED_LR)
 ADAM: dict[str, Any] = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}  # both AdamWs
-BNB = {"AdamW8bit": {}, "AdamW8bit all": {"min_8bit_size": 0}}  # need bitsandbytes
+HF = {"relative_step": False, "scale_parameter": False}  # Trainer(optim="adafactor")
+B1 = {**HF, "beta1": 0.9}  # the same with momentum
+INT8 = {"state_dtype": torch.int8}  # blockwise 8-bit exp_avg, codes rounded to nearest
+SR = {"stochastic_rounding": True}  # codes rounded stochastically (the parameters are fp32)
 TAIL = 50  # steps averaged for the final training loss
 SMOOTH = 25  # moving-average window of the plotted training loss
 VAL_WINDOWS = 256
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One optimizer of the comparison."""
+
+    cls: str  # "AdamW", "Adafactor", "CAME" or "AdamW8bit" (bitsandbytes)
+    kwargs: dict[str, Any]  # besides lr
+    grid: tuple[float, ...]  # lr grid of the seed-0 sweep
+    color: str  # of the plot
+
+
+OPTIMIZERS = {
+    "AdamW": Entry("AdamW", ADAM, LRS, "C0"),
+    "Adafactor": Entry("Adafactor", HF, LRS, "C1"),
+    "Adafactor b1": Entry("Adafactor", B1, (*LRS, 3e-2), "C8"),
+    "Adafactor b1 int8": Entry("Adafactor", B1 | INT8, (*LRS, 3e-2), "C9"),
+    "Adafactor b1 int8 SR": Entry("Adafactor", B1 | INT8 | SR, (*LRS, 3e-2), "olive"),
+    "CAME": Entry("CAME", {}, (1e-4, 3e-4, 1e-3, 3e-3), "C3"),
+    "CAME ii=1": Entry("CAME", {"instability_init": 1.0}, LRS, "C2"),
+    "CAME ii=1 int8": Entry("CAME", {"instability_init": 1.0} | INT8, LRS, "C4"),
+    "CAME ii=1 int8 SR": Entry("CAME", {"instability_init": 1.0} | INT8 | SR, LRS, "C5"),
+    "AdamW8bit": Entry("AdamW8bit", ADAM, LRS, "C6"),
+    "AdamW8bit all": Entry("AdamW8bit", ADAM | {"min_8bit_size": 0}, LRS, "C7"),
+}
+BNB = [name for name, e in OPTIMIZERS.items() if e.cls == "AdamW8bit"]  # need bitsandbytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,24 +125,12 @@ def make_optimizer(
     from optim_adafactor import Adafactor
     from optim_came import CAME
 
-    if name == "AdamW":
-        return torch.optim.AdamW(params, lr=lr, **ADAM)
-    if name in BNB:
-        adamw8bit: Callable[..., torch.optim.Optimizer] = bitsandbytes().optim.AdamW8bit
-        return adamw8bit(params, lr=lr, **ADAM, **BNB[name])
-    if name == "Adafactor":
-        return Adafactor(params, lr=lr, relative_step=False, scale_parameter=False)
-    if name == "CAME":
-        return CAME(params, lr=lr)
-    if name == "CAME ii=1":
-        return CAME(params, lr=lr, instability_init=1.0)
-    if name == "CAME ii=1 int8":  # blockwise 8-bit exp_avg, rounded to nearest
-        return CAME(params, lr=lr, instability_init=1.0, state_dtype=torch.int8)
-    if name == "CAME ii=1 int8 SR":  # the same, codes rounded stochastically
-        return CAME(
-            params, lr=lr, instability_init=1.0, state_dtype=torch.int8, stochastic_rounding=True
-        )
-    raise ValueError(f"`name` ({name!r}) must be one of {sorted(GRIDS)}")
+    if (entry := OPTIMIZERS.get(name)) is None:
+        raise ValueError(f"`name` ({name!r}) must be one of {list(OPTIMIZERS)}")
+    classes: dict[str, Callable[..., torch.optim.Optimizer]] = {
+        "AdamW": torch.optim.AdamW, "Adafactor": Adafactor, "CAME": CAME}  # fmt: skip
+    make = bitsandbytes().optim.AdamW8bit if entry.cls == "AdamW8bit" else classes[entry.cls]
+    return make(params, lr=lr, **entry.kwargs)
 
 
 def bitsandbytes() -> ModuleType:
@@ -274,12 +273,12 @@ def plot(
             smoothed = [smooth(s, SMOOTH) for s in seeds]
             mean = [statistics.fmean(col) for col in zip(*smoothed, strict=True)]
             x = range(1, steps + 1)
-            ax.plot(x, mean, color=COLORS[name], lw=1.2, label=f"{name} (lr {lr:g})")
+            ax.plot(x, mean, color=OPTIMIZERS[name].color, lw=1.2, label=f"{name} (lr {lr:g})")
             ax.fill_between(
                 x,
                 [min(col) for col in zip(*smoothed, strict=True)],
                 [max(col) for col in zip(*smoothed, strict=True)],
-                color=COLORS[name],
+                color=OPTIMIZERS[name].color,
                 alpha=0.2,
                 lw=0,
             )
@@ -308,10 +307,10 @@ def main() -> None:
     parser.add_argument("--shared-only", action="store_true", help="no lr sweep: shared lr only")
     parser.add_argument("--optimizers", default=None, help="comma-separated; default: all")
     args = parser.parse_args()
-    names = list(GRIDS) if args.optimizers is None else args.optimizers.split(",")
-    if unknown := sorted(set(names) - set(GRIDS)):
-        raise ValueError(f"`--optimizers` has unknown names {unknown}; choose from {list(GRIDS)}")
-    if BNB.keys() & set(names):
+    names = list(OPTIMIZERS) if args.optimizers is None else args.optimizers.split(",")
+    if unknown := sorted(set(names) - set(OPTIMIZERS)):
+        raise ValueError(f"`--optimizers` has unknown names {unknown}; choose from {[*OPTIMIZERS]}")
+    if set(BNB) & set(names):
         try:
             bitsandbytes()
         except ValueError:
@@ -322,7 +321,8 @@ def main() -> None:
     steps, seeds = (40, 1) if args.quick else (args.steps, args.seeds)
     if steps < 10 or seeds < 1:
         raise ValueError(f"`--steps` ({steps}) must be >= 10 and `--seeds` ({seeds}) >= 1")
-    grids = {n: (SHARED_LR,) if args.quick or args.shared_only else GRIDS[n] for n in names}
+    shared_only = args.quick or args.shared_only
+    grids = {n: (SHARED_LR,) if shared_only else OPTIMIZERS[n].grid for n in names}
     cache = Cache(args.cache)
     start = time.perf_counter()
 
