@@ -4,6 +4,7 @@ layers (issue 24) and saves the same folder as the masked fine-tune."""
 import dataclasses
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,10 @@ from transformers import AutoModelForCausalLM
 import sparse_kernels
 from leanlm.config import ConfigError, RunConfig, SparsifyConfig, dumps_toml, from_dict, load_toml
 from leanlm.run.pipeline import run_pipeline
+from leanlm.stages.sparsify import CHOICE_FILE, block_sparse_choice
 from sparse_kernels import BlockSparseLinear
+
+_BLOCK_SPARSE_ON = SparsifyConfig.block_sparse_on
 
 
 @pytest.mark.parametrize(
@@ -90,8 +94,24 @@ def _weights(run_dir):
     return load_file(run_dir / "sparsify" / "model" / "model.safetensors")
 
 
+def _auto_as_on(monkeypatch, device_type):
+    """`"auto"` resolves as on a `device_type` device (the run itself stays on the CPU)."""
+    monkeypatch.setattr(
+        SparsifyConfig, "block_sparse_on", lambda cfg, _: _BLOCK_SPARSE_ON(cfg, device_type)
+    )
+
+
+def _resume_copy(run_dir, to):
+    """A copy of `run_dir` whose sparsify stage stopped after its step-2 checkpoint."""
+    shutil.copytree(run_dir, to)
+    for name in ("result.json", "model", "compressed.safetensors"):
+        path = to / "sparsify" / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return to
+
+
 def test_block_sparse_fine_tune_equals_the_masked_one_and_saves_the_same_folder(
-    tmp_path, tiny_pretrained, monkeypatch
+    tmp_path, tiny_pretrained, monkeypatch, capsys
 ):
     calls = []  # BlockSparseLinear forwards with a gradient (the fine-tune's, not evaluations)
     real_forward = BlockSparseLinear.forward
@@ -103,14 +123,16 @@ def test_block_sparse_fine_tune_equals_the_masked_one_and_saves_the_same_folder(
 
     monkeypatch.setattr(BlockSparseLinear, "forward", forward)
     block, masked = tmp_path / "block", tmp_path / "masked"
-    config = _config(tiny_pretrained, block_sparse_layers=True)
+    config = _config(tiny_pretrained)  # "auto": converts on CUDA, so here as if on one
+    _auto_as_on(monkeypatch, "cuda")
     (result,) = run_pipeline(config, block)
     layers = 2 * 7  # 2 decoder layers x (q, k, v, o, gate, up, down)
     # k and v (16 x 32: 2 tiles, round(0.75 x 2) = 2 pruned) keep no tile: they stay masked
     converted = 2 * 5
     assert result.metrics["block_sparse_layers"] == converted
     assert len(calls) == converted * 4  # 4 steps x 1 micro-batch
-    (plain,) = run_pipeline(_config(tiny_pretrained, block_sparse_layers=False), masked)
+    _auto_as_on(monkeypatch, "cpu")
+    (plain,) = run_pipeline(config, masked)  # the same config: "auto" on a CPU, masked
     assert plain.metrics["block_sparse_layers"] == 0
     assert len(calls) == converted * 4
 
@@ -131,19 +153,66 @@ def test_block_sparse_fine_tune_equals_the_masked_one_and_saves_the_same_folder(
     assert any(not torch.equal(got[k], want[k]) for k in want)  # another product ran
     assert (block / "sparsify" / "compressed.safetensors").exists()
 
-    # resumed from the step-2 checkpoint (rebuilt masks, converted again): the same bits
-    resumed = tmp_path / "resumed"
-    shutil.copytree(block, resumed)
-    for name in ("result.json", "model", "compressed.safetensors"):
-        path = resumed / "sparsify" / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    # Resumed from the step-2 checkpoint (rebuilt masks, converted again) where "auto" would
+    # not convert (no GPU): the run keeps its first run's choice and the same bits.
+    resumed = _resume_copy(block, tmp_path / "resumed")
     calls.clear()
+    capsys.readouterr()
     run_pipeline(config, resumed, resume=True)
+    out = capsys.readouterr().out
+    assert '"auto": true as in the run this one resumes (on cpu it would be false' in out
+    assert "[sparsify] resuming from step-00000002" in out
     assert len(calls) == converted * 2  # steps 3 and 4 only
     again = _weights(resumed)
     assert again.keys() == got.keys()
     for key in got:
         assert torch.equal(again[key], got[key]), key
+    # and the reverse: the masked run resumed where "auto" would convert stays masked
+    _auto_as_on(monkeypatch, "cuda")
+    resumed = _resume_copy(masked, tmp_path / "resumed-masked")
+    (result,) = run_pipeline(config, resumed, resume=True)
+    out = capsys.readouterr().out
+    # (the device is still the CPU: only "auto"'s resolution is patched)
+    assert '"auto": false as in the run this one resumes (on cpu it would be true' in out
+    assert "[sparsify] resuming from step-00000002" in out
+    assert result.metrics["block_sparse_layers"] == 0
+    assert len(calls) == converted * 2  # no block-sparse forward
+    again = _weights(resumed)
+    for key in want:
+        assert torch.equal(again[key], want[key]), key
+
+
+def test_an_explicit_block_sparse_layers_against_the_recorded_choice_is_a_config_error(tmp_path):
+    # A run's first start records its choice under its config hash; a resume keeps it with
+    # "auto", and an explicit value that contradicts it (its checkpoints could not load) stops.
+    def context(config_hash, resume):
+        acc = SimpleNamespace(device=torch.device("cpu"), is_main_process=True, print=print)
+        return SimpleNamespace(
+            stage_dir=tmp_path, config_hash=config_hash, resume=resume, accelerator=acc
+        )
+
+    def recorded():
+        return json.loads((tmp_path / CHOICE_FILE).read_text())
+
+    forced = SparsifyConfig(pattern="block", block_sparse_layers=True)
+    auto, off = (dataclasses.replace(forced, block_sparse_layers=v) for v in ("auto", False))
+    assert block_sparse_choice(context("abc", resume=False), forced)  # on a CPU, forced
+    assert recorded() == {"block_sparse_layers": True, "config_hash": "abc"}
+    with pytest.raises(ConfigError) as info:
+        block_sparse_choice(context("abc", resume=True), off)
+    assert info.value.key == "sparsify.block_sparse_layers"
+    message = str(info.value)
+    assert "is false, but this run's fine-tune started with true" in message
+    assert "its checkpoints hold block-sparse layers, which a masked fine-tune cannot" in message
+    assert f"delete `{tmp_path / 'checkpoints'}`" in message
+    assert recorded()["block_sparse_layers"] is True  # the error changed nothing
+    assert block_sparse_choice(context("abc", resume=True), auto)  # on a CPU "auto" is false
+    # another config's record is not this run's (its checkpoints are discarded): decided anew
+    assert not block_sparse_choice(context("xyz", resume=True), auto)
+    assert recorded() == {"block_sparse_layers": False, "config_hash": "xyz"}
+    with pytest.raises(ConfigError, match="is true, but this run's fine-tune started with false"):
+        block_sparse_choice(context("xyz", resume=True), forced)
+    assert block_sparse_choice(context("xyz", resume=False), forced)  # a fresh start decides
 
 
 def _leanlm_run(config, out):

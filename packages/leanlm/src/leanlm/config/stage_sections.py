@@ -146,7 +146,11 @@ class SparsifyConfig(TrainConfig):
     converts the masked Linears; before the model is saved, `to_masked_linear_` turns them back,
     so the output folder is the same as without. `true` needs `block_size` 16, 32, 64 or 128
     (the kernels' tiles); `"auto"` converts when that holds, there is a fine-tune and the run's
-    device is CUDA; `false` never converts. Every `engine` takes the layers: `ddp`, `zero`
+    device is CUDA; `false` never converts. The choice is recorded in the stage folder
+    (`block_sparse_layers.json`) and a resumed run keeps it, so its checkpoints load: with
+    `"auto"` a run started on a GPU continues block-sparse on a CPU (PyTorch ops) and one started
+    on a CPU stays masked on a GPU; an explicit `true` / `false` that contradicts the record is a
+    `ConfigError`. Every `engine` takes the layers: `ddp`, `zero`
     (stages 1-3: shard-zero cuts each (tiles, b, b) parameter by whole tiles) and `fsdp2`
     (`Shard(0)`: by tiles too); a sharded run saves its gathered state dict through a copy with
     the same block-sparse layers, so the folder is the same. With AdamW the updates are those

@@ -11,15 +11,18 @@ With `pattern = "block"` and `block_sparse_layers` on (`SparsifyConfig.block_spa
 fine-tune trains sparse-kernels' `BlockSparseLinear` layers: `to_block_sparse_` converts the
 masked Linears after the one-shot evaluation (a resumed run does the same before its checkpoint
 loads, so the parameter names match), and `to_masked_linear_` converts them back before the
-save, so the folder is exactly the masked fine-tune's format. Every engine takes them: a
-sharded run (ZeRO, FSDP2) loads its gathered state dict into a CPU copy built with the same
-block-sparse layers, which is converted back the same way. With CAME / Adafactor the factored
-statistics of those layers are per b x b tile (their parameter is (tiles, b, b)); AdamW's
-updates are the masked fine-tune's.
+save, so the folder is exactly the masked fine-tune's format. The choice is recorded in the
+stage folder (`CHOICE_FILE`) before the fine-tune, and a resumed run keeps it whatever its
+device (`block_sparse_choice`). Every engine takes them: a sharded run (ZeRO, FSDP2) loads its
+gathered state dict into a CPU copy built with the same block-sparse layers, which is converted
+back the same way. With CAME / Adafactor the factored statistics of those layers are per b x b
+tile (their parameter is (tiles, b, b)); AdamW's updates are the masked fine-tune's.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -31,6 +34,9 @@ if TYPE_CHECKING:
     import torch
 
 COMPRESSED_FILE = "compressed.safetensors"
+CHOICE_FILE = "block_sparse_layers.json"
+"""In the stage folder: whether the fine-tune runs block-sparse layers, and the stage's config
+hash it was chosen under (`block_sparse_choice`)."""
 
 
 def _save_sparse(
@@ -114,6 +120,7 @@ class Sparsify(Stage):
         cfg: SparsifyConfig = ctx.section
         acc = ctx.accelerator
         start = time.perf_counter()
+        block_sparse = block_sparse_choice(ctx, cfg)  # before any work: it may be a ConfigError
         # the checkpoint's dtype (bf16 stays bf16); sparse-kernels computes the statistics and
         # SparseGPT's solve in fp32 whatever the weights' dtype
         model, batches = load_input_with_calibration(ctx)
@@ -138,7 +145,7 @@ class Sparsify(Stage):
         metrics: dict[str, Any]
         if cfg.steps:  # the fine-tune keeps fp32 weights (the engines' masters), masks kept
             model = model.to(TRAIN_DTYPE)
-            converted = _to_block_sparse(ctx, model, cfg)
+            converted = _to_block_sparse(ctx, model, cfg) if block_sparse else 0
             metrics = train(ctx, model, cfg, causal_lm_loss, save=_save_sparse)
             metrics["block_sparse_layers"] = converted
         else:
@@ -173,8 +180,62 @@ class Sparsify(Stage):
         )
 
 
+def block_sparse_choice(ctx: StageContext, cfg: SparsifyConfig) -> bool:
+    """Whether the fine-tune runs `BlockSparseLinear` layers; the main process records it.
+
+    A fresh run takes `cfg.block_sparse_on` for its device. A resumed run keeps the choice
+    recorded (`CHOICE_FILE`) under the same config hash, so that its checkpoints, whose
+    parameter names differ with the choice, load: `"auto"` follows the record (a run started
+    on a GPU continues block-sparse on a CPU, through the PyTorch path, and one started on a
+    CPU stays masked on a GPU).
+
+    Raises:
+        ConfigError: an explicit `true` / `false` that contradicts the recorded choice.
+    """
+    if not cfg.steps or cfg.pattern != "block":
+        return False  # no fine-tune, or never block-sparse (the config refuses `true`)
+    acc = ctx.accelerator
+    chosen = cfg.block_sparse_on(acc.device.type)
+    path = ctx.stage_dir / CHOICE_FILE
+    recorded = _recorded_choice(path, ctx.config_hash) if ctx.resume else None
+    if recorded is not None and recorded != chosen:
+        value = cfg.block_sparse_layers
+        if value != "auto":
+            was, now = ("block-sparse", "masked") if recorded else ("masked", "block-sparse")
+            raise ConfigError(
+                "sparsify.block_sparse_layers",
+                f"is {json.dumps(value)}, but this run's fine-tune started with "
+                f"{json.dumps(recorded)} (`{path}`): its checkpoints hold {was} layers, which a "
+                f"{now} fine-tune cannot load. Resume with the setting they were written with "
+                f'("auto" follows it), or delete `{ctx.stage_dir / "checkpoints"}` and that '
+                "file to restart the fine-tune",
+            )
+        acc.print(
+            f'[sparsify] block_sparse_layers = "auto": {json.dumps(recorded)} as in the run '
+            f"this one resumes (on {acc.device.type} it would be {json.dumps(chosen)})"
+        )
+        chosen = recorded
+    if acc.is_main_process:
+        ctx.stage_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".tmp-{path.name}")
+        tmp.write_text(json.dumps({"block_sparse_layers": chosen, "config_hash": ctx.config_hash}))
+        os.replace(tmp, path)
+    return chosen
+
+
+def _recorded_choice(path: Path, config_hash: str) -> bool | None:
+    """The choice recorded in `path` under `config_hash`, or `None` (none, or another config's)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    if data.get("config_hash") != config_hash:
+        return None  # another config's: its checkpoints are discarded, not resumed
+    return bool(data["block_sparse_layers"])
+
+
 def _to_block_sparse(ctx: StageContext, model: torch.nn.Module, cfg: SparsifyConfig) -> int:
-    """Convert the masked Linears to `BlockSparseLinear` if the config says so; how many.
+    """Convert the masked Linears to `BlockSparseLinear`; how many.
 
     A Linear left without any tile stays masked: its block-sparse tensors would be empty, and
     accelerate's checkpoints drop empty tensors (so a resume could not load them).
@@ -185,8 +246,6 @@ def _to_block_sparse(ctx: StageContext, model: torch.nn.Module, cfg: SparsifyCon
     from sparse_kernels.block_sparse import resolve_backend
 
     acc = ctx.accelerator
-    if not cfg.block_sparse_on(acc.device.type):
-        return 0
     kept = [f"^{re.escape(name)}$" for name, mask in masks(model).items() if bool(mask.any())]
     if not kept:
         return 0
