@@ -4,7 +4,7 @@
 #
 #     run(command="bash tools/gpu_checks.sh", carry=[".whl"], timeout_s=595)
 #
-# The steps' limits add up to 570 s; the steps of 2026-11-27 took about 6 minutes on an H100.
+# The steps' limits add up to 580 s; the steps of 2026-11-27 took about 6 minutes on an H100.
 #
 # Only the carried wheels below are installed (into a folder); the packages are imported from packages/*/src
 # through PYTHONPATH, on the machine's own torch, triton and transformers (their versions are
@@ -71,7 +71,7 @@ sys.exit(not any(e.value == "leanlm_testing.pytest_plugin" for e in m.entry_poin
 then
   plugin=()
 fi
-step tests 110 "$PY" -m pytest "${plugin[@]}" -o minversion=7.0 -W default \
+step tests 100 "$PY" -m pytest "${plugin[@]}" -o minversion=7.0 -W default \
   --continue-on-collection-errors -m gpu -q -rfE --durations=15 packages/optim-adafactor/tests \
   packages/optim-came/tests packages/prune-distill/tests packages/shard-zero/tests \
   packages/sparse-kernels/tests packages/leanlm-testing/tests
@@ -91,12 +91,15 @@ step bench-adafactor 30 "$PY" packages/optim-adafactor/benchmarks/bench_adafacto
   --device "$DEVICE" --repeats 5
 # Then the 50% rows again replayed from CUDA graphs: graph replay has no host work per call, so
 # replay ~ plain says a row is device-bound, replay much faster says host-bound (issue 24's decode
-# rows and the sm90 per-call floor).
-step bench-sparse 80 bash -c '"$0" packages/sparse-kernels/benchmarks/bench_sparse.py --device "$1" \
+# rows and the sm90 per-call floor). Then bench_24.py: torch's 2:4 path split into its suspects
+# (library, forced CUTLASS, direct cuSPARSELt with alg 0 / searched, per-call compression; kernels
+# per call from the profiler): why 2:4 ran at 0.10-0.35x cuBLAS. Its log lines follow bench-sparse's
+# (`run` brings back 8 files).
+step bench-sparse 100 bash -c '"$0" packages/sparse-kernels/benchmarks/bench_sparse.py --device "$1" \
   --blocks 64 128 --prefill-tokens 4096 --decode-tokens 1 16 --rep-ms 40 \
   && "$0" packages/sparse-kernels/benchmarks/bench_sparse.py --device "$1" --blocks 128 64 \
-  --sparsities 0.5 --prefill-tokens 4096 --decode-tokens 1 16 --no-24 --rep-ms 25 --cuda-graphs' \
-  "$PY" "$DEVICE"
+  --sparsities 0.5 --prefill-tokens 4096 --decode-tokens 1 16 --no-24 --rep-ms 25 --cuda-graphs; \
+  "$0" packages/sparse-kernels/benchmarks/bench_24.py --device "$1"' "$PY" "$DEVICE"
 # The sparsify stage's fine-tune, dense vs masked vs block-sparse layers (tokens/s, peak memory).
 step sparse-finetune 75 "$PY" packages/leanlm/benchmarks/bench_sparse_finetune.py --device "$DEVICE"
 # Each engine at world 1 in a fresh process (1.1B on a GPU); zero3's allocator trace replayed

@@ -120,3 +120,26 @@ def test_state_bytes_counts_every_state_tensor_and_a_shared_one_once():
     assert bench.state_bytes(opt) == 12 + 10 + 256 * 4
     opt.state[params[1]]["m"] = torch.empty(5, 7, device="meta")  # counted from the shape
     assert bench.state_bytes(opt) == 12 + 140 + 256 * 4
+
+
+def test_kernel_times_counts_what_one_call_runs():
+    a = torch.randn(256, 256)
+    b = torch.zeros(8)
+
+    def step():
+        torch.mm(a, a)
+        torch.mm(a, a)
+        b.add_(1)
+
+    rows = bench.kernel_times(step, "cpu", calls=3, warmup=2)
+    by_name = {name: (launches, us) for name, launches, us in rows}
+    assert by_name["aten::mm"][0] == 2  # per call, not per profiled window
+    assert by_name["aten::add_"][0] == 1
+    assert [us for *_, us in rows] == sorted((us for *_, us in rows), reverse=True)
+    assert rows[0][0] == "aten::mm"  # two 256^3 products outlast an 8-element add
+    assert b[0] == 5  # warmup + profiled calls, each once
+
+
+def test_kernel_times_needs_a_call():
+    with pytest.raises(ValueError, match="`calls` must be >= 1, got 0"):
+        bench.kernel_times(lambda: None, "cpu", calls=0)

@@ -12,11 +12,13 @@ the rounds, its ratio to AdamW's measured in the same run, the optimizer step al
 the rounds, after a backward), the optimizer state in bytes per parameter (counted from the
 state tensors by `bench.state_bytes`) and the peak memory a step allocates above what the
 resident models and states hold (CUDA only: `max_memory_allocated` after
-`reset_peak_memory_stats`). CAME runs with a bf16 first moment (`came`), fp32 (`came-fp32`) or
-int8 (`came-int8`); CAME and Adafactor stochastically round the bf16 parameters, AdamW is torch's
-fused one (foreach on CPU, where fused is not built). `adamw8bit` (not in the default list) is
-bitsandbytes' `AdamW8bit` with AdamW's lr and defaults; without bitsandbytes it is left out with a
-note.
+`reset_peak_memory_stats`). A second table profiles one optimizer step of each (after the timed
+rounds): its six longest kernels (CPU: operators) with launches and time, to join with the
+bytes per kernel of `tools/launch_plan.py`. CAME runs with a bf16 first moment (`came`), fp32
+(`came-fp32`) or int8 (`came-int8`); CAME and Adafactor stochastically round the bf16 parameters,
+AdamW is torch's fused one (foreach on CPU, where fused is not built). `adamw8bit` (not in the
+default list) is bitsandbytes' `AdamW8bit` with AdamW's lr and defaults; without bitsandbytes it
+is left out with a note.
 """
 
 from __future__ import annotations
@@ -160,6 +162,19 @@ def main() -> None:
             f"| {name} | {med * 1e3:.1f} | {med / anchor:.2f} | {opt * 1e3:.2f} | "
             f"{opt / anchor_opt:.2f} | {per:.2f} | {peak} |"
         )
+
+    # Where each optimizer step's time goes: the kernels of one step after a backward
+    print(f"\n# one optimizer step, profiled ({'GPU kernels' if cuda else 'CPU operators'}; top 6)")
+    print("| optimizer | kernel | launches | ms | share of the step |")
+    print("|---|---|---:|---:|---:|")
+    for name in names:
+        models[name](input_ids=ids, labels=ids).loss.backward()
+        rows = bench.kernel_times(optimizers[name].step, device, warmup=0)
+        optimizers[name].zero_grad(set_to_none=True)
+        total = sum(us for *_, us in rows)
+        for kernel, launches, us in rows[:6]:
+            share = us / total
+            print(f"| {name} | {kernel[:80]} | {launches:.0f} | {us / 1e3:.3f} | {share:.1%} |")
 
 
 if __name__ == "__main__":

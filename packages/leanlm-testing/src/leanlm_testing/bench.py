@@ -27,6 +27,7 @@ __all__ = [
     "git_revision",
     "header",
     "interleaved_medians",
+    "kernel_times",
     "median_seconds",
     "peak_rss_mib",
     "reset_peak_rss",
@@ -233,6 +234,38 @@ def interleaved_medians(
             wait()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def kernel_times(
+    fn: Callable[[], object], device: str | torch.device, *, calls: int = 1, warmup: int = 1
+) -> list[tuple[str, float, float]]:
+    """What one call of `fn` runs, longest first: (name, launches, microseconds) per call.
+
+    `torch.profiler` over `calls` calls after `warmup` unprofiled ones. On CUDA: the GPU
+    kernels, copies and memsets with their device time (where a step's time goes, kernel by
+    kernel); elsewhere the operators with their own CPU time.
+    """
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+
+    if calls < 1:
+        raise ValueError(f"`calls` must be >= 1, got {calls}")
+    cuda = torch.device(device).type == "cuda"
+    sync = synchronizer(device)
+    for _ in range(warmup):
+        fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        sync()
+    rows = []
+    for evt in prof.key_averages():
+        if evt.device_type != (DeviceType.CUDA if cuda else DeviceType.CPU):
+            continue  # on CUDA: the host side of the launches
+        us = evt.self_device_time_total if cuda else evt.self_cpu_time_total
+        if us > 0:
+            rows.append((evt.key, evt.count / calls, us / calls))
+    return sorted(rows, key=lambda row: -row[2])
 
 
 def rss_kib(field: str = "VmRSS") -> int:
