@@ -13,21 +13,23 @@ the rounds, after a backward), the optimizer state in bytes per parameter (count
 state tensors by `bench.state_bytes`) and the peak memory a step allocates above what the
 resident models and states hold (CUDA only: `max_memory_allocated` after
 `reset_peak_memory_stats`). A second table profiles one optimizer step of each (after the timed
-rounds): its six longest kernels (CPU: operators) with launches and time, to join with the
-bytes per kernel of `tools/launch_plan.py`. CAME runs with a bf16 first moment (`came`), fp32
-(`came-fp32`) or int8 (`came-int8`); CAME and Adafactor stochastically round the bf16 parameters,
-AdamW is torch's fused one (foreach on CPU, where fused is not built). `adamw8bit` (not in the
-default list) is bitsandbytes' `AdamW8bit` with AdamW's lr and defaults; without bitsandbytes it
-is left out with a note.
+rounds): its six longest kernels (CPU: operators) with launches and time and, for ours on a GPU,
+the DRAM bytes the launch plan gives each kernel and the bandwidth that makes. CAME runs with a
+bf16 first moment (`came`), fp32 (`came-fp32`) or int8 (`came-int8`); CAME and Adafactor
+stochastically round the bf16 parameters, AdamW is torch's fused one (foreach on CPU, where fused
+is not built). `adamw8bit` (not in the default list) is bitsandbytes' `AdamW8bit` with AdamW's
+lr and defaults; without bitsandbytes it is left out with a note.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -57,16 +59,42 @@ def _adamw(params: list[torch.nn.Parameter], device: str) -> torch.optim.Optimiz
     return torch.optim.AdamW(params, lr=1e-4, foreach=True)
 
 
+#: ours: name -> (class, settings); all with lr 1e-4 and stochastic rounding of bf16 parameters
+OURS: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]] = {
+    "came": (CAME, {"state_dtype": torch.bfloat16}),
+    "came-fp32": (CAME, {}),
+    "came-int8": (CAME, {"state_dtype": torch.int8}),
+    "adafactor": (Adafactor, {"relative_step": False, "scale_parameter": False}),
+}
+
+
+def _ours(name: str, params: list[torch.nn.Parameter], **extra: Any) -> torch.optim.Optimizer:
+    cls, settings = OURS[name]
+    return cls(params, lr=1e-4, stochastic_rounding=True, **settings, **extra)
+
+
 OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter], str], torch.optim.Optimizer]] = {
     "adamw": _adamw,
-    "came": lambda p, _: CAME(p, lr=1e-4, state_dtype=torch.bfloat16, stochastic_rounding=True),
-    "came-fp32": lambda p, _: CAME(p, lr=1e-4, stochastic_rounding=True),
-    "came-int8": lambda p, _: CAME(p, lr=1e-4, state_dtype=torch.int8, stochastic_rounding=True),
-    "adafactor": lambda p, _: Adafactor(
-        p, lr=1e-4, relative_step=False, scale_parameter=False, stochastic_rounding=True
-    ),
+    **{name: functools.partial(lambda n, p, _: _ours(n, p), name) for name in OURS},
     "adamw8bit": lambda p, _: importlib.import_module("bitsandbytes").optim.AdamW8bit(p, lr=1e-4),
-}  # fmt: skip
+}
+
+
+def planned_bytes(name: str, shapes: list[torch.Size]) -> dict[str, int]:
+    """DRAM bytes per kernel of one fused step on a GPU, from the launch plan (ours only).
+
+    `optim_adafactor.multi_tensor.plan_launches` runs the optimizer's own launch code on meta
+    tensors (no GPU needed), so the same numbers come out of the CPU dry run.
+    """
+    from optim_adafactor.multi_tensor import plan_launches
+
+    if name not in OURS:
+        return {}
+    make = functools.partial(_ours, name, backend="triton")
+    per_kernel: dict[str, int] = {}
+    for launch in plan_launches(make, shapes, torch.bfloat16):
+        per_kernel[launch.kernel] = per_kernel.get(launch.kernel, 0) + launch.bytes
+    return per_kernel
 
 
 def main() -> None:
@@ -165,16 +193,25 @@ def main() -> None:
 
     # Where each optimizer step's time goes: the kernels of one step after a backward
     print(f"\n# one optimizer step, profiled ({'GPU kernels' if cuda else 'CPU operators'}; top 6)")
-    print("| optimizer | kernel | launches | ms | share of the step |")
-    print("|---|---|---:|---:|---:|")
+    print("| optimizer | kernel | launches | ms | share of the step | planned MB | GB/s |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    shapes = [p.shape for p in models[names[0]].parameters()]
     for name in names:
+        planned = planned_bytes(name, shapes)
         models[name](input_ids=ids, labels=ids).loss.backward()
         rows = bench.kernel_times(optimizers[name].step, device, warmup=0)
         optimizers[name].zero_grad(set_to_none=True)
         total = sum(us for *_, us in rows)
         for kernel, launches, us in rows[:6]:
-            share = us / total
-            print(f"| {name} | {kernel[:80]} | {launches:.0f} | {us / 1e3:.3f} | {share:.1%} |")
+            mb = gbs = "-"  # bytes only where the plan names this kernel (ours, on a GPU)
+            if kernel in planned:
+                mb, gbs = f"{planned[kernel] / 1e6:.0f}", f"{planned[kernel] / us / 1e3:.0f}"
+            print(
+                f"| {name} | {kernel[:80]} | {launches:.0f} | {us / 1e3:.3f} | {us / total:.1%} "
+                f"| {mb} | {gbs} |"
+            )
+        if planned:
+            print(f"| {name} | (plan: {sum(planned.values()) / 1e6:.0f} MB per step) | | | | | |")
 
 
 if __name__ == "__main__":
