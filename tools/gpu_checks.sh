@@ -91,14 +91,15 @@ step bench-adafactor 30 "$PY" packages/optim-adafactor/benchmarks/bench_adafacto
   --device "$DEVICE" --repeats 5
 # Then the 50% rows again replayed from CUDA graphs: graph replay has no host work per call, so
 # replay ~ plain says a row is device-bound, replay much faster says host-bound (issue 24's decode
-# rows and the sm90 per-call floor). Then bench_24.py: torch's 2:4 path split into its suspects
+# rows and the sm90 per-call floor); --kernel-times adds each call's kernel µs (profiler), so
+# replay time vs kernel time says what is left outside the kernels even without the host. Then bench_24.py: torch's 2:4 path split into its suspects
 # (library, forced CUTLASS, direct cuSPARSELt with alg 0 / searched, per-call compression; kernels
 # per call from the profiler): why 2:4 ran at 0.10-0.35x cuBLAS. Its log lines follow bench-sparse's
 # (`run` brings back 8 files).
 step bench-sparse 100 bash -c '"$0" packages/sparse-kernels/benchmarks/bench_sparse.py --device "$1" \
   --blocks 64 128 --prefill-tokens 4096 --decode-tokens 1 16 --rep-ms 40 \
   && "$0" packages/sparse-kernels/benchmarks/bench_sparse.py --device "$1" --blocks 128 64 \
-  --sparsities 0.5 --prefill-tokens 4096 --decode-tokens 1 16 --no-24 --rep-ms 25 --cuda-graphs; \
+  --sparsities 0.5 --prefill-tokens 4096 --decode-tokens 1 16 --no-24 --rep-ms 25 --cuda-graphs --kernel-times; \
   "$0" packages/sparse-kernels/benchmarks/bench_24.py --device "$1"' "$PY" "$DEVICE"
 # The sparsify stage's fine-tune, dense vs masked vs block-sparse layers (tokens/s, peak memory).
 step sparse-finetune 75 "$PY" packages/leanlm/benchmarks/bench_sparse_finetune.py --device "$DEVICE"

@@ -160,10 +160,11 @@ def test_a_run_moves_between_two_three_and_one_process_with_the_same_global_batc
     _leanlm_run(tmp_path, "two", two, processes=2)
     cut = _cut(tmp_path / "two", tmp_path / "cut", 2)
 
-    # the same config on 3 processes would make 18 sequences per step: refused, with the fix
-    log = _leanlm_run(tmp_path, "two", two, processes=3, out=cut, resume=True, fails=True)
-    assert "pretrain ran on 2, this run has 3" in log, log[-2000:]
-    assert "`grad_accum_steps` x processes" in log
+    if not sharding:  # checked before any engine starts: once is enough
+        # the same config on 3 processes would make 18 sequences per step: refused, with the fix
+        log = _leanlm_run(tmp_path, "two", two, processes=3, out=cut, resume=True, fails=True)
+        assert "pretrain ran on 2, this run has 3" in log, log[-2000:]
+        assert "`grad_accum_steps` x processes" in log
 
     three = tiny_config(pretrain={**common, "grad_accum_steps": 2})
     log = _leanlm_run(tmp_path, "three", three, processes=3, out=cut, resume=True)

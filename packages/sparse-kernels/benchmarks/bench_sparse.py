@@ -35,7 +35,9 @@ checked against cuBLAS on the masked dense weight: `check` = max |error| / max |
 On an A100 or H100 each point also gets a predicted time for the dense anchor and the sparse
 kernels (FLOPs, HBM and L2 bytes from the kernels' launch configuration; L2-resident re-reads
 at L2 bandwidth: `roofline.py` states the counts, `leanlm_testing.roofline` the constants, printed
-in the header) and measured / predicted.
+in the header) and measured / predicted. `--kernel-times` adds a column: the device µs of the
+kernels of one call, dense / sparse (`torch.profiler`); the time per call less that is spent
+outside the kernels (launches, host work, or the cold L2 that do_bench's flush leaves).
 """
 
 from __future__ import annotations
@@ -162,18 +164,41 @@ def make_timer(
     """Milliseconds per call: `do_bench` median on CUDA, `bench.median_seconds` elsewhere (dry run).
 
     With `--cuda-graphs`, `do_bench_cudagraph` replays the calls from a CUDA graph, which removes
-    the Python and launch overhead that dominates decode-sized calls (no L2 flush there).
+    the Python and launch overhead that dominates decode-sized calls (no L2 flush there). With
+    `--kernel-times`, each timed call is also profiled (`KERNEL_US`).
     """
+
+    def kernels(fn: Callable[[], Any]) -> None:
+        if args.kernel_times:  # device µs of the kernels of one call (CPU: operators' own time)
+            KERNEL_US.append(sum(us for *_, us in bench.kernel_times(fn, device, calls=3)))
+
     if device.type == "cuda":
         from triton.testing import do_bench, do_bench_cudagraph
 
         def cuda_ms(fn: Callable[[], Any]) -> float:
+            kernels(fn)
             if args.cuda_graphs:
                 return float(do_bench_cudagraph(fn, rep=args.rep_ms, return_mode="median"))
             return float(do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median"))
 
         return cuda_ms
-    return lambda fn: 1e3 * bench.median_seconds(fn, args.repeats)
+
+    def cpu_ms(fn: Callable[[], Any]) -> float:
+        kernels(fn)
+        return 1e3 * bench.median_seconds(fn, args.repeats)
+
+    return cpu_ms
+
+
+#: with --kernel-times, what the timer profiled for the current point: [dense µs, sparse µs]
+KERNEL_US: list[float] = []
+
+
+def kernel_cell() -> str:
+    """The --kernel-times cell of the current point ("" without the flag)."""
+    if not KERNEL_US:
+        return ""
+    return " " + " / ".join(f"{us:.1f}" for us in KERNEL_US) + " |"
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -289,8 +314,9 @@ def run_gpu(args: argparse.Namespace) -> None:
         "| phase | in->out | tokens | op | kernel | density | dense ms | sparse ms | speedup "
         "| dense TFLOP/s | useful TFLOP/s | efficiency | check | predicted dense / sparse ms "
         "(bound) | measured / predicted dense, sparse |"
+        + (" kernel µs dense / sparse |" if args.kernel_times else "")
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * (15 + args.kernel_times) + "|")
     gen = torch.Generator(device=device).manual_seed(0)
     weights: dict[tuple[int, int], torch.Tensor] = {}
     failed = 0
@@ -304,6 +330,7 @@ def run_gpu(args: argparse.Namespace) -> None:
         w = weights[key]
         x = torch.randn(pt.tokens, pt.in_f, generator=gen, device=device).to(dtype)
         dy = torch.randn(pt.tokens, pt.out_f, generator=gen, device=device).to(dtype)
+        KERNEL_US.clear()
         if pt.kind == "2:4":
             res: GpuResult | str = bench_24(pt, w, x, timer)
             label = "2:4 (torch semi-structured)"
@@ -312,7 +339,8 @@ def run_gpu(args: argparse.Namespace) -> None:
             label = f"triton block {pt.block} ({pt.kernels})"
         prefix = f"| {pt.phase} | {pt.in_f}->{pt.out_f} | {pt.tokens} | {pt.op} | {label} |"
         if isinstance(res, str):
-            print(f"{prefix} 0.500 | - | - | - | - | - | - | unavailable: {res} | - | - |")
+            print(f"{prefix} 0.500 | - | - | - | - | - | - | unavailable: {res} | - | - |"
+                  + (" - |" if args.kernel_times else ""))  # fmt: skip
             continue
         flag = "" if res.check <= args.tolerance else " FAIL"
         failed += bool(flag)
@@ -327,7 +355,7 @@ def run_gpu(args: argparse.Namespace) -> None:
         print(
             f"{prefix} {res.density:.3f} | {res.dense_ms:.4f} | {res.sparse_ms:.4f} | "
             f"{res.speedup:.2f}x | {res.dense_tflops:.1f} | {res.useful_tflops:.1f} | "
-            f"{res.efficiency:.2f} | {res.check:.1e}{flag} | {roof} |",
+            f"{res.efficiency:.2f} | {res.check:.1e}{flag} | {roof} |" + kernel_cell(),
             flush=True,
         )
     print(f"\n# parity checks above tolerance {args.tolerance}: {failed}")
@@ -357,6 +385,10 @@ def main() -> None:
     parser.add_argument(
         "--cuda-graphs", action="store_true", help="time CUDA-graph replays (no launch overhead)"
     )
+    parser.add_argument(
+        "--kernel-times", action="store_true",
+        help="profile each timed call too: a column with its kernels' device µs (torch.profiler)",
+    )  # fmt: skip
     parser.add_argument("--tolerance", type=float, default=2e-2, help="max check (bf16)")
     parser.add_argument(
         "--kernels", choices=("sm80", "sm90", "both"),

@@ -220,7 +220,7 @@ def _gemm_tile_cost(
     reads = m * b * nnzb * BF16
     tiles = m_tiles * nnzb * b * b * BF16
     out = m * out_f * BF16
-    hbm = operand + nnzb * b * b * BF16 + out
+    hbm = float(operand + nnzb * b * b * BF16 + out)
     if not R.fits_l2(gpu, operand):
         # sm_80: each program streams its slices from HBM. sm_90: a round of items (one per SM,
         # the token tiles of a block consecutive) spans sms / m_tiles blocks, which read the
