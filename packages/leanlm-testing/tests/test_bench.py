@@ -143,3 +143,21 @@ def test_kernel_times_counts_what_one_call_runs():
 def test_kernel_times_needs_a_call():
     with pytest.raises(ValueError, match="`calls` must be >= 1, got 0"):
         bench.kernel_times(lambda: None, "cpu", calls=0)
+
+
+@pytest.mark.gpu
+def test_kernel_times_lists_gpu_kernels_gpu():
+    a = torch.randn(1024, 1024, device="cuda")
+    b = torch.zeros(1, device="cuda")
+
+    def step():
+        a @ a
+        b.add_(1)
+
+    rows = bench.kernel_times(step, "cuda", calls=4)
+    assert rows, "no kernel seen"
+    assert not any(name.startswith("aten::") for name, *_ in rows)  # kernels, not operators
+    assert sum(launches for _, launches, _ in rows) >= 2  # the GEMM and the add, per call
+    assert rows[0][2] > 0  # device µs
+    torch.cuda.synchronize()
+    assert b.item() == 5  # warmup + 4 profiled calls
