@@ -28,6 +28,12 @@ def decay_param_groups(params: Iterable[torch.Tensor], weight_decay: float) -> l
     return [g for g in groups if g["params"]]
 
 
+def _all_on_cpu(params: list[Any]) -> bool:
+    """Every tensor of `params` (tensors or param-group dicts) is a floating CPU tensor."""
+    tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+    return bool(tensors) and all(t.device.type == "cpu" and t.is_floating_point() for t in tensors)
+
+
 def optimizer_over(
     name: OptimizerName,
     params: list[Any],
@@ -44,7 +50,8 @@ def optimizer_over(
     default β2 = 0.999 and β3 = 0.9999, and `instability_init=1.0` (no early update spike; see
     the optim-came README), and keeps its first moment in `state_dtype` ("fp32", "bf16" or
     "int8"); Adafactor takes "int8" too, for a momentum with β1 = `betas[0]` in 8 bits (else
-    no momentum); AdamW takes only "fp32" and uses `betas` as given.
+    no momentum); AdamW takes only "fp32" and uses `betas` as given, fused (torch's one-kernel
+    step) when every parameter is on the CPU.
 
     Raises:
         ValueError: for an unknown `name`.
@@ -58,7 +65,9 @@ def optimizer_over(
             groups, lr=lr, betas=(betas[0], 0.999, 0.9999), instability_init=1.0, state_dtype=dtype
         )
     if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=betas)
+        # torch's fused CPU kernel: 7-9x its default for-loop step (shard-zero's
+        # benchmarks/RESULTS.md §4), what a CPU run and ZeRO-Offload's host step run
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=_all_on_cpu(groups) or None)
     if name == "adafactor":
         from optim_adafactor import Adafactor
 
