@@ -104,7 +104,10 @@ step bench-sparse 100 bash -c '"$0" packages/sparse-kernels/benchmarks/bench_spa
 # The sparsify stage's fine-tune, dense vs masked vs block-sparse layers (tokens/s, peak memory).
 step sparse-finetune 75 "$PY" packages/leanlm/benchmarks/bench_sparse_finetune.py --device "$DEVICE"
 # Each engine at world 1 in a fresh process (1.1B on a GPU); zero3's allocator trace replayed
-# to its peak. Engines run one after another in ONE process measure each other's leftovers.
+# to its peak; one more profiled step per engine (launches, kernel time, top kernels: is stage 2's
+# extra time host work or kernels, issue 25). `plain` (measured twice) left out for the time.
+# Engines run one after another in ONE process measure each other's leftovers.
 step world1 100 "$PY" packages/shard-zero/benchmarks/bench_world1.py \
-  --engines plain,fsdp2,zero2,zero3 --steps 5 --warmup 2 --snapshot zero3 --timeout 45
+  --engines fsdp2,zero2,zero3 --steps 5 --warmup 2 --snapshot zero3 --profile fsdp2,zero2,zero3 \
+  --timeout 45
 cat "$OUT/summary.txt"

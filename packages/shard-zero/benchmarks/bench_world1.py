@@ -18,7 +18,9 @@ warm-ups. `--snapshot` engines additionally record the caching allocator's histo
 (`torch.cuda.memory._record_memory_history`) from before the model is built, replay its trace to the
 peak, and print what was live there, grouped by the first frame in shard_zero / torch.distributed
 / this script, with the bytes whose free was requested but not completed (a block held for another
-stream by `record_stream`) shown apart. `--profile` engines print torch.profiler's top kernels.
+stream by `record_stream`) shown apart. `--profile` engines run one more step under torch.profiler
+(after the timed ones, in the last round) and print its kernel launches, the device time of its
+kernels (the step time less that is host work or idle device) and the ten longest kernels.
 """
 
 from __future__ import annotations
@@ -192,14 +194,15 @@ def child(args: argparse.Namespace) -> dict:
     if record:
         out["snapshot"] = analyse_peak(torch.cuda.memory._snapshot())
         torch.cuda.memory._record_memory_history(enabled=None)
-    if args.profile and cuda:
-        from torch.profiler import ProfilerActivity, profile
+    if args.profile:  # after the timed steps: one more step, profiled
+        from leanlm_testing.bench import kernel_times
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            train_step()
-        out["profile"] = prof.key_averages().table(
-            sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60
-        )
+        rows = kernel_times(train_step, device, warmup=0)
+        out["profile"] = {
+            "launches": sum(n for _, n, _ in rows),
+            "kernel_ms": sum(us for *_, us in rows) / 1e3,
+            "top": [(name[:70], n, us / 1e3) for name, n, us in rows[:10]],
+        }
     dist.destroy_process_group()
     return out
 
@@ -263,7 +266,9 @@ def main() -> None:
     runs = [(r, n, False) for r in range(args.rounds) for n in names]
     runs += [(-1, n, True) for n in args.snapshot.split(",") if n]  # recorded: not in the table
     for r, name, snap in runs:
-        res = _run_child(args, name, snap, profile=snap and name in args.profile.split(","))
+        last = r == args.rounds - 1  # the profiled step follows the timed ones: last round only
+        profile = name in args.profile.split(",") and last and not snap
+        res = _run_child(args, name, snap, profile=profile)
         if res is None:
             continue
         if not snap:
@@ -285,7 +290,14 @@ def main() -> None:
             for key, gib, n in s["top"]:
                 print(f"    {gib:7.3f} GiB {n:5d} blocks  {key}")
         if "profile" in res:
-            print(res["profile"])
+            prof = res["profile"]
+            what = "CPU operators' own time" if res["device"] == "cpu" else "GPU device time"
+            print(
+                f"  profiled step: {prof['launches']:.0f} launches, {prof['kernel_ms']:.1f}"
+                f" ms of kernels ({what})"
+            )
+            for kname, n, ms in prof["top"]:
+                print(f"    {ms:8.3f} ms {n:5.0f}x  {kname}")
     print("\n| engine | step ms (median) | peak allocated GiB | peak reserved GiB | rounds |")
     print("|---|---:|---:|---:|---:|")
     for name, rs in results.items():
