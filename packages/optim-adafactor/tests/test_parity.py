@@ -22,7 +22,7 @@ import transformers.optimization as hf_optimization
 
 from leanlm_testing import assert_verbose_allclose
 from leanlm_testing.optim import assert_within_reference_error
-from optim_adafactor import Adafactor
+from optim_adafactor import Adafactor, factored
 
 STEPS = 50
 FLOOR = 2 * 2.0**-22  # 2x of 2 fp32 ulps, relative to the largest entry (see above)
@@ -138,9 +138,12 @@ HF_COMBOS = {
 SHAPE_NAMES = [*SHAPES, "noncontig"]
 
 
+@pytest.mark.parametrize("chunk", [None, 30], ids=["one_sweep", "row_chunks"])
 @pytest.mark.parametrize("shape_name", SHAPE_NAMES)
 @pytest.mark.parametrize("combo", list(HF_COMBOS))
-def test_matches_transformers(combo: str, shape_name: str) -> None:
+def test_matches_transformers(combo: str, shape_name: str, chunk, monkeypatch) -> None:
+    if chunk is not None:  # the CPU sweeps by chunks of rows: 1 or 4 rows, 30 + 10 of 40 x 1
+        monkeypatch.setattr(factored, "CPU_CHUNK", chunk)
     kw = HF_COMBOS[combo]
     run_against_float64(
         lambda ps: hf_optimization.Adafactor(ps, **kw),

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from leanlm_testing import optim_basics as basics
+from optim_adafactor import factored
 from optim_came import CAME, _quant
 
 KW = {"lr": 1e-2, "weight_decay": 0.1}
@@ -109,6 +110,27 @@ def test_state_layout_and_one_step_equals_the_fp32_step_then_quantized() -> None
         else:
             assert torch.equal(p, q)
             assert torch.equal(st["exp_avg"], ref_st["exp_avg"])
+
+
+@pytest.mark.parametrize("sr", [False, True])
+def test_row_chunks_step_as_one_sweep(sr: bool, monkeypatch) -> None:
+    """The CPU sweeps by chunks of rows: the same codes (the noise of the global elements), up
+    to a flip at a rounding boundary where a column sum added in another order moved m."""
+    runs = []
+    for chunk in (factored.CPU_CHUNK, 300):  # one sweep; one row of (10, 300) per chunk
+        monkeypatch.setattr(factored, "CPU_CHUNK", chunk)
+        params = _params()
+        opt = CAME(params, **KW, state_dtype=torch.int8, stochastic_rounding=sr)
+        opt._sr_seed = 5
+        _run(opt, params, range(5))
+        runs.append((params[0].detach(), opt.state[params[0]]))
+    (p, st), (q, chunked) = runs
+    assert len(factored.row_chunks(q)) == 10
+    diff = (st["exp_avg"].int() - chunked["exp_avg"].int()).abs()
+    assert diff.max() <= 1
+    assert diff.float().mean() < 1e-2
+    torch.testing.assert_close(chunked["exp_avg_scale"], st["exp_avg_scale"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("sr", [False, True])

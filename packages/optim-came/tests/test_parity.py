@@ -19,6 +19,7 @@ import torch
 came_pytorch = pytest.importorskip("came_pytorch")
 
 from leanlm_testing.optim import assert_within_reference_error  # noqa: E402
+from optim_adafactor import factored  # noqa: E402
 from optim_came import CAME  # noqa: E402
 
 SHAPES = {
@@ -51,9 +52,14 @@ def _run(opt_cls, shape, dtype, steps, **kw):
     return p.detach(), opt.state[p]
 
 
+@pytest.mark.parametrize("chunk", [None, 40], ids=["one_sweep", "row_chunks"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("shape_name", list(SHAPES))
-def test_matches_came_pytorch_over_100_steps(shape_name: str, weight_decay: float) -> None:
+def test_matches_came_pytorch_over_100_steps(
+    shape_name: str, weight_decay: float, chunk, monkeypatch
+) -> None:
+    if chunk is not None:  # the CPU sweeps by chunks of rows (1 or 2 rows; 40 + 1 of 41 x 1)
+        monkeypatch.setattr(factored, "CPU_CHUNK", chunk)
     shape = SHAPES[shape_name]
     kw = {"lr": 3e-3, "weight_decay": weight_decay}
     truth, true_state = _run(came_pytorch.CAME, shape, torch.float64, STEPS, **kw)

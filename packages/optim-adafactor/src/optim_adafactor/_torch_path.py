@@ -16,7 +16,14 @@ from torch import Tensor
 from optim_adafactor import quant
 from optim_adafactor.base import StepWork, decay_
 from optim_adafactor.checks import Scalar
-from optim_adafactor.factored import add_scaled_, ema_, factored_sumsq, factors
+from optim_adafactor.factored import (
+    add_scaled_,
+    ema_,
+    factored_sumsq,
+    factors,
+    gsq_sums,
+    row_chunks,
+)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -39,17 +46,18 @@ def local_stats(w: Work, buf: Tensor) -> None:
     if o.needs_param_rms:
         w.psq = torch.linalg.vector_norm(w.p32).square()
     beta2 = o.beta2(w.step)
-    torch.mul(g, g, out=buf)
     if w.factored:
         row = st["exp_avg_sq_row"]
-        row_in = buf.sum(dim=-1).div_(g.shape[-1])
+        # torch semantics: the sums of `_foreach_path`, which it equals bit for bit
+        rowsum, w.colsum = gsq_sums(g, buf, chunked=o.semantics != "torch")
+        row_in = rowsum.div_(g.shape[-1])
         if o.semantics == "torch":
             row.lerp_(row_in, 1.0 - beta2)
         else:
             ema_(row, row_in, beta2, w.eps1)
-        w.colsum = buf.sum(dim=-2)
         w.rowema_sum = row.sum(dim=-1)
     else:
+        torch.mul(g, g, out=buf)
         var = st["exp_avg_sq"]
         if o.semantics == "torch":
             var.lerp_(buf, 1.0 - beta2)
@@ -156,23 +164,27 @@ def apply(w: Work, usq: Tensor | None, buf: Tensor, *, u_in_buf: bool) -> None:
         u = buf if u_in_buf else _materialise_update(w, buf)
         add_scaled_(p, u, -scale)
         return
-    if o.weight_decay != 0:
-        decay_(p, o.weight_decay, w.lr_t)  # HF: p -= wd·lr_t·p (lr_t incl. param scale)
     beta1 = o.beta1
     if w.factored:
         assert w.rf is not None
         assert w.cf is not None
         row_scale = w.rf * (scale * (1.0 - beta1) if beta1 is not None else scale)
-        if beta1 is None:
-            torch.mul(g, row_scale.unsqueeze(-1), out=buf)
-            p.addcmul_(buf, w.cf.unsqueeze(-2), value=-1.0)
-            return
-        m = quant.load_state(w, buf)  # int8: the codes dequantized into `w.m_buf`
-        torch.mul(g, row_scale.unsqueeze(-1), out=buf)
-        m.mul_(beta1).addcmul_(buf, w.cf.unsqueeze(-2))
-        p.sub_(m)  # the fp32 momentum steps p, as in the fused kernels
-        quant.store_state(w, m, buf)  # int8: blockwise codes of m; m and buf are scratch now
+        for rows in row_chunks(buf):  # the whole phase on one chunk of rows at a time
+            b, p = buf[rows], w.p32[rows]
+            if o.weight_decay != 0:
+                decay_(p, o.weight_decay, w.lr_t)  # HF: p -= wd·lr_t·p (lr_t incl. param scale)
+            if beta1 is None:
+                torch.mul(g[rows], row_scale[rows].unsqueeze(-1), out=b)
+                p.addcmul_(b, w.cf.unsqueeze(-2), value=-1.0)
+                continue
+            m = quant.load_state(w, b, rows)  # int8: the codes dequantized into `w.m_buf`
+            torch.mul(g[rows], row_scale[rows].unsqueeze(-1), out=b)
+            m.mul_(beta1).addcmul_(b, w.cf.unsqueeze(-2))
+            p.sub_(m)  # the fp32 momentum steps p, as in the fused kernels
+            quant.store_state(w, m, b, rows)  # int8: codes of m; m and b are scratch now
         return
+    if o.weight_decay != 0:
+        decay_(p, o.weight_decay, w.lr_t)  # HF: p -= wd·lr_t·p (lr_t incl. param scale)
     u = buf if u_in_buf else _materialise_update(w, buf)
     if beta1 is None:
         add_scaled_(p, u, -scale)

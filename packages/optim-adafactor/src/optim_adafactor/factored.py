@@ -24,7 +24,9 @@ __all__ = [
     "ema_",
     "factored_sumsq",
     "factors",
+    "gsq_sums",
     "planned",
+    "row_chunks",
     "scaled_sumsq",
     "sq_stats",
     "triton_available",
@@ -90,6 +92,42 @@ def factors(row: Tensor, col: Tensor, row_mean: Tensor) -> tuple[Tensor, Tensor]
         `(rf, cf)` of shapes (..., n) and (..., m): `rsqrt(x_ij) ≈ rf_i · cf_j`.
     """
     return (row / row_mean).rsqrt_(), col.rsqrt()
+
+
+#: Elements of one row chunk of the PyTorch path's sweeps on the CPU (2 MiB of fp32): the ~10-30
+#: element-wise ops of a phase run on one chunk while it stays in the last-level cache.
+CPU_CHUNK = 1 << 19
+
+
+def row_chunks(t: Tensor) -> list[slice]:
+    """Row ranges over which the PyTorch path sweeps a phase of a factored tensor `t` (..., n, m).
+
+    A 2-D CPU tensor larger than `CPU_CHUNK` elements: consecutive ranges of whole rows of about
+    `CPU_CHUNK` elements (fixed by the shape, so a step's result never depends on the machine);
+    anything else: one range over all of it (`t[s]` is `t`).
+    """
+    n, m = t.shape[-2], t.shape[-1]
+    if t.device.type != "cpu" or t.dim() != 2 or t.numel() <= CPU_CHUNK:
+        return [slice(None)]
+    step = max(1, CPU_CHUNK // m)
+    return [slice(r, min(r + step, n)) for r in range(0, n, step)]
+
+
+def gsq_sums(g: Tensor, buf: Tensor, *, chunked: bool = True) -> tuple[Tensor, Tensor]:
+    """`buf = g²` and its row and column sums (..., n) and (..., m), chunk by chunk of rows.
+
+    `chunked=False`: in one sweep (the column sums of another order than the chunks' sum).
+    """
+    chunks = row_chunks(buf) if chunked else [slice(None)]
+    if len(chunks) == 1:
+        torch.mul(g, g, out=buf)
+        return buf.sum(dim=-1), buf.sum(dim=-2)
+    rowsum, colsum = buf.new_empty(buf.shape[:-1]), buf.new_zeros(buf.shape[-1])
+    for rows in chunks:
+        b = torch.mul(g[rows], g[rows], out=buf[rows])
+        torch.sum(b, dim=-1, out=rowsum[rows])
+        colsum.add_(b.sum(dim=-2))
+    return rowsum, colsum
 
 
 def triton_available(device: torch.device) -> bool:

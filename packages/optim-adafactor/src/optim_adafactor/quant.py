@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 from torch import Tensor
@@ -54,6 +54,7 @@ __all__ = [
 _QMAX_SQ = float(QMAX * QMAX)
 _MASK32 = 0xFFFFFFFF
 _HASH_MUL = 0x9E3779B1  # the multiplier of the element index in the hash's first round
+_ALL = slice(None)
 
 
 def num_blocks(cols: int) -> int:
@@ -199,7 +200,10 @@ def quantize_(
     # fl(127²/absmax) correctly rounded, as the kernels' div_rn: torch's `scalar / tensor`
     # multiplies by a rounded reciprocal, one ulp off in about a quarter of the blocks
     inv = torch.where(absmax > 0, torch.full_like(absmax, _QMAX_SQ).div_(absmax), 0.0)
-    negative = torch.signbit(x, out=signs) if signs is not None else torch.signbit(x)
+    # 0/1 into int8 (twice as fast as into bool on the CPU); -0.0 and 0.0 both code 0
+    negative = torch.lt(
+        x, 0.0, out=torch.empty_like(codes) if signs is None else signs.view(codes.dtype)
+    )
     _mul_blocks_(a, inv).clamp_(max=_QMAX_SQ)  # a in code² units, [0, 127²]
     lo = torch.sqrt(a, out=x).floor_()
     if noise is None:
@@ -213,7 +217,7 @@ def quantize_(
         frac.div_(torch.mul(lo, 2.0, out=d).add_(1.0))
         q = lo.add_(torch.lt(noise, frac, out=frac)).clamp_(max=QMAX)
     codes.copy_(q)  # truncates toward zero
-    codes.mul_(negative.view(torch.int8).mul_(-2).add_(1))  # the signs, as ±1 int8
+    codes.mul_(negative.mul_(-2).add_(1))  # the signs, as ±1 int8
 
 
 def quant_seed(seed: int | None, offset: int = 0) -> int:
@@ -282,38 +286,49 @@ def shard_offset(w: StepWork) -> int:
     return w.shard.row_offset * math.prod(w.param.shape[1:]) if w.shard is not None else 0
 
 
-def load_state(w: StepWork, scratch: Tensor | None = None) -> Tensor:
-    """`exp_avg` in fp32: the state itself, or the int8 codes dequantized into `w.m_buf`.
+def load_state(w: StepWork, scratch: Tensor | None = None, rows: slice = _ALL) -> Tensor:
+    """Rows `rows` of `exp_avg` in fp32: the state, or the int8 codes dequantized into `w.m_buf`.
 
-    `scratch`: a workspace shaped like the parameter, free for a temporary.
+    `scratch`: a workspace shaped like those rows, free for a temporary.
     """
-    m: Tensor = w.state["exp_avg"]
+    m: Tensor = _rows(w.state["exp_avg"], rows)
     if m.dtype != torch.int8:
         return m
-    scale = w.state["exp_avg_scale"]
+    scale = _rows(w.state["exp_avg_scale"], rows)
     if scratch is not None and scratch.dtype != scale.dtype:
         scratch = None
-    return dequantize(m, scale, out=w.m_buf, scratch=scratch)
+    return dequantize(m, scale, out=_rows(w.m_buf, rows), scratch=scratch)
 
 
-def store_state(w: StepWork, m: Tensor, scratch: Tensor | None = None) -> None:
-    """Write fp32 `m` back into an int8 `exp_avg` (a no-op when `m` is the state itself).
+def store_state(w: StepWork, m: Tensor, scratch: Tensor | None = None, rows: slice = _ALL) -> None:
+    """Write fp32 `m`, rows `rows` of the moment, back into an int8 `exp_avg` (else a no-op).
 
     `scratch`: a workspace shaped like `m`; when given, `m` is overwritten as well.
     """
-    codes = w.state["exp_avg"]
+    codes = _rows(w.state["exp_avg"], rows)
     if codes.dtype != torch.int8:
         return
-    noise = None
+    hash_buf, noise = _rows(w.hash_buf, rows), None
     if w.quant_seed is not None:  # noise of the global elements: a row shard draws its own
+        first = shard_offset(w) + (rows.start or 0) * math.prod(m.shape[1:])
         noise = hash_uniform(
-            w.quant_seed, shard_offset(w), m.shape, m.device, out=w.noise_buf, scratch=w.hash_buf
+            w.quant_seed, first, m.shape, m.device, out=_rows(w.noise_buf, rows), scratch=hash_buf
         )
-    sr_scratch = None if w.hash_buf is None else w.hash_buf.view(torch.float32)  # hash done
-    scale = w.state["exp_avg_scale"]
+    sr_scratch = None if hash_buf is None else hash_buf.view(torch.float32)  # hash done
+    scale = _rows(w.state["exp_avg_scale"], rows)
     quantize_(
-        m, codes, scale, noise=noise, scratch=scratch, signs=w.sign_buf, sr_scratch=sr_scratch
-    )
+        m, codes, scale, noise=noise, scratch=scratch, signs=_rows(w.sign_buf, rows),
+        sr_scratch=sr_scratch,
+    )  # fmt: skip
+
+
+@overload
+def _rows(t: Tensor, rows: slice) -> Tensor: ...
+@overload
+def _rows(t: None, rows: slice) -> None: ...
+def _rows(t: Tensor | None, rows: slice) -> Tensor | None:
+    """`t[rows]` (`t` itself for all rows: a 0-dim state takes no slice; None stays None)."""
+    return t if t is None or rows == _ALL else t[rows]
 
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None

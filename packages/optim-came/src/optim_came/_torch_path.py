@@ -17,7 +17,14 @@ import torch
 from torch import Tensor
 
 from optim_adafactor.base import StepWork, decay_
-from optim_adafactor.factored import add_scaled_, ema_, factored_sumsq, factors
+from optim_adafactor.factored import (
+    add_scaled_,
+    ema_,
+    factored_sumsq,
+    factors,
+    gsq_sums,
+    row_chunks,
+)
 from optim_adafactor.quant import load_state as load_momentum
 from optim_adafactor.quant import store_state as store_momentum
 
@@ -39,13 +46,12 @@ def grad_stats(w: Work, buf: Tensor) -> None:
     Vectors update their full `v` instead. Leaves `g²` in `buf`.
     """
     o, g, st = w.opts, w.grad, w.state
-    torch.mul(g, g, out=buf)
     if not w.factored:
-        ema_(st["exp_avg_sq"], buf, o.beta2, o.eps1)
+        ema_(st["exp_avg_sq"], torch.mul(g, g, out=buf), o.beta2, o.eps1)
         return
     row = st["exp_avg_sq_row"]
-    ema_(row, buf.sum(dim=-1).div_(g.shape[-1]), o.beta2, o.eps1)
-    w.colsum = buf.sum(dim=-2)
+    rowsum, w.colsum = gsq_sums(g, buf)
+    ema_(row, rowsum.div_(g.shape[-1]), o.beta2, o.eps1)
     w.rowema_sum = row.sum(dim=-1)
 
 
@@ -122,25 +128,38 @@ def momentum(w: Work, usq: Tensor, buf: Tensor, *, u_in_buf: bool) -> None:
     """
     o, g, st = w.opts, w.grad, w.state
     w.clip = clip_scale(usq, w.numel, o.clip_threshold)
-    m = load_momentum(w, buf if w.factored else None)  # a vector's buf may hold u
     if not w.factored:
+        m = load_momentum(w)  # buf may hold u
         u = buf if u_in_buf else _vector_update(w, buf)
         m.mul_(o.beta1).addcmul_(u, w.clip * (1.0 - o.beta1))
         return
     assert w.rf is not None
     assert w.cf is not None
-    # buf = m_old - û, with û = g · (rf · clip) ⊗ cf
-    torch.mul(g, (w.rf * w.clip).unsqueeze(-1), out=buf)
-    torch.addcmul(m, buf, w.cf.unsqueeze(-2), value=-1.0, out=buf)
-    m.add_(buf, alpha=-(1.0 - o.beta1))  # m_new = m_old - (1-β1)(m_old - û)
-    # instability (û - m_new)² = β1² (m_old - û)²; its ε2 is added to the means by `ema_`
-    buf.square_()
+    chunks = row_chunks(buf)  # the phase runs on one chunk of rows after the other
+    rowsum = buf.new_empty(buf.shape[:-1]) if len(chunks) > 1 else None
+    colsum = None
+    for rows in chunks:
+        b = buf[rows]
+        m = load_momentum(w, b, rows)
+        # b = m_old - û, with û = g · (rf · clip) ⊗ cf
+        torch.mul(g[rows], (w.rf[rows] * w.clip).unsqueeze(-1), out=b)
+        torch.addcmul(m, b, w.cf.unsqueeze(-2), value=-1.0, out=b)
+        m.add_(b, alpha=-(1.0 - o.beta1))  # m_new = m_old - (1-β1)(m_old - û)
+        # instability (û - m_new)² = β1² (m_old - û)²; its ε2 is added to the means by `ema_`
+        b.square_()
+        if rowsum is None:
+            rowsum = b.sum(dim=-1)
+        else:
+            torch.sum(b, dim=-1, out=rowsum[rows])
+        colsum = b.sum(dim=-2) if colsum is None else colsum.add_(b.sum(dim=-2))
+        store_momentum(w, m, b, rows)  # int8: codes of m_new; m and b are scratch now
+    assert rowsum is not None
+    assert colsum is not None
     beta1_sq = o.beta1 * o.beta1
     res_row = st["exp_avg_res_row"]
-    ema_(res_row, buf.sum(dim=-1).mul_(beta1_sq / g.shape[-1]), o.beta3, o.eps2)
-    w.res_colsum = buf.sum(dim=-2).mul_(beta1_sq)
+    ema_(res_row, rowsum.mul_(beta1_sq / g.shape[-1]), o.beta3, o.eps2)
+    w.res_colsum = colsum.mul_(beta1_sq)
     w.res_rowema_sum = res_row.sum(dim=-1)
-    store_momentum(w, m, buf)  # int8: blockwise codes of m_new; m and buf are scratch now
 
 
 def instability_factors(w: Work) -> None:
@@ -160,13 +179,18 @@ def instability_factors(w: Work) -> None:
 
 def apply(w: Work, buf: Tensor) -> None:
     """Phase 6: `p ← p - lr·wd·p - lr · m · res_rf ⊗ res_cf` (into `w.p32`)."""
-    o, p, m = w.opts, w.p32, load_momentum(w, buf)  # int8: the stored (quantized) m steps p
-    if o.weight_decay != 0:
-        decay_(p, o.weight_decay, o.lr)  # came-pytorch: p.add_(p, alpha=-wd·lr)
+    o = w.opts
     if not w.factored:
-        add_scaled_(p, m, -o.lr)
+        if o.weight_decay != 0:
+            decay_(w.p32, o.weight_decay, o.lr)  # came-pytorch: p.add_(p, alpha=-wd·lr)
+        add_scaled_(w.p32, load_momentum(w), -o.lr)
         return
     assert w.res_rf is not None
     assert w.res_cf is not None
-    torch.mul(m, (w.res_rf * o.lr).unsqueeze(-1), out=buf)
-    p.addcmul_(buf, w.res_cf.unsqueeze(-2), value=-1.0)
+    for rows in row_chunks(buf):
+        b, p = buf[rows], w.p32[rows]
+        m = load_momentum(w, b, rows)  # int8: the stored (quantized) m steps p
+        if o.weight_decay != 0:
+            decay_(p, o.weight_decay, o.lr)
+        torch.mul(m, (w.res_rf[rows] * o.lr).unsqueeze(-1), out=b)
+        p.addcmul_(b, w.res_cf.unsqueeze(-2), value=-1.0)

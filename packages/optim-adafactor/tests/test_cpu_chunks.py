@@ -1,0 +1,100 @@
+"""The PyTorch path's CPU sweeps, one chunk of rows after the other (`factored.row_chunks`).
+
+A chunk's rows give the same row sums, g², codes, scales and noise as the whole tensor; only
+the column sums add in another order (fp32 rounding). Parity with the references while the
+chunks are forced small: test_parity.py (and optim-came's).
+"""
+
+import types
+
+import pytest
+import torch
+
+from optim_adafactor import factored, quant
+from optim_adafactor.factored import gsq_sums, row_chunks
+
+
+def _check_cover(chunks: list[slice], rows: int, cols: int, limit: int) -> None:
+    assert chunks[0].start == 0
+    assert chunks[-1].stop == rows
+    for a, b in zip(chunks, chunks[1:], strict=False):
+        assert a.stop == b.start
+    assert all(s.stop - s.start >= 1 for s in chunks)
+    assert all((s.stop - s.start) * cols <= max(limit, cols) for s in chunks)
+
+
+def test_row_chunks_cover_the_rows_in_order(monkeypatch) -> None:
+    big = torch.empty(1024, 1024)  # 2 x CPU_CHUNK elements: two halves
+    assert row_chunks(big) == [slice(0, 512), slice(512, 1024)]
+    monkeypatch.setattr(factored, "CPU_CHUNK", 1000)
+    chunks = row_chunks(torch.empty(1000, 300))  # 3 rows of 300 per chunk, the last 1 row
+    assert len(chunks) == 334
+    assert chunks[-1] == slice(999, 1000)
+    _check_cover(chunks, 1000, 300, 1000)
+    wide = row_chunks(torch.empty(5, 1001))  # a row wider than a chunk: one row each
+    assert wide == [slice(r, r + 1) for r in range(5)]
+    # one sweep: small, not 2-D, not on the CPU
+    assert row_chunks(torch.empty(10, 100)) == [slice(None)]
+    assert row_chunks(torch.empty(4, 100, 300)) == [slice(None)]
+    assert row_chunks(torch.empty(1000, 300, device="meta")) == [slice(None)]
+
+
+def test_gsq_sums_by_chunks_equal_one_sweep(monkeypatch) -> None:
+    g = torch.randn(37, 19, generator=torch.Generator().manual_seed(0))
+    whole_buf, chunk_buf = torch.empty_like(g), torch.full_like(g, float("nan"))
+    rows, cols = gsq_sums(g, whole_buf)
+    monkeypatch.setattr(factored, "CPU_CHUNK", 40)  # 2 rows per chunk, the last one alone
+    assert len(row_chunks(g)) == 19
+    chunk_rows, chunk_cols = gsq_sums(g, chunk_buf)
+    assert torch.equal(chunk_buf, g * g)
+    assert torch.equal(chunk_buf, whole_buf)
+    assert torch.equal(chunk_rows, rows)  # a row is summed in one piece either way
+    exact, bound = g.double().square().sum(0), 37 * 2.0**-24  # 37 fp32 additions of g² >= 0
+    torch.testing.assert_close(chunk_cols.double(), exact, rtol=bound, atol=0)
+    torch.testing.assert_close(cols.double(), exact, rtol=bound, atol=0)
+    unchunked = gsq_sums(g, chunk_buf, chunked=False)  # the one-sweep order on demand
+    assert torch.equal(unchunked[1], cols)
+
+
+def _work(shape, seed: int | None, row_offset: int):
+    """What `quant.load_state` / `store_state` read of a step: state, workspaces, shard."""
+    codes = torch.zeros(shape, dtype=torch.int8)
+    scale = torch.zeros(quant.scale_shape(shape))
+    return types.SimpleNamespace(
+        state={"exp_avg": codes, "exp_avg_scale": scale},
+        param=torch.empty(shape),
+        shard=types.SimpleNamespace(row_offset=row_offset) if row_offset else None,
+        quant_seed=quant.quant_seed(seed),
+        m_buf=torch.empty(shape),
+        sign_buf=torch.empty(shape, dtype=torch.bool),
+        noise_buf=torch.empty(shape) if seed is not None else None,
+        hash_buf=torch.empty(shape, dtype=torch.int32) if seed is not None else None,
+    )
+
+
+@pytest.mark.parametrize("row_offset", [0, 7])
+@pytest.mark.parametrize("seed", [None, 1234])
+def test_int8_state_by_rows_equals_the_whole_tensor(seed, row_offset) -> None:
+    shape = (9, 300)  # three blocks a row, the last one partial
+    m = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    m[4, 128:256] = 0.0  # an all-zero block
+    whole, rowwise = _work(shape, seed, row_offset), _work(shape, seed, row_offset)
+    if seed is None:
+        whole.quant_seed = rowwise.quant_seed = None
+    quant.store_state(whole, m.clone(), torch.empty(shape))
+    for rows in (slice(0, 2), slice(2, 3), slice(3, 9)):
+        quant.store_state(rowwise, m[rows].clone(), torch.empty(shape)[rows], rows)
+    assert torch.equal(rowwise.state["exp_avg"], whole.state["exp_avg"])
+    assert torch.equal(rowwise.state["exp_avg_scale"], whole.state["exp_avg_scale"])
+    if seed is not None:  # the noise of the global elements: not the same codes as nearest
+        nearest = _work(shape, None, 0)
+        nearest.quant_seed = None
+        quant.store_state(nearest, m.clone())
+        assert not torch.equal(nearest.state["exp_avg"], whole.state["exp_avg"])
+    values = quant.load_state(whole, torch.empty(shape)).clone()
+    for rows in (slice(0, 4), slice(4, 9)):
+        got = quant.load_state(rowwise, torch.empty(shape)[rows], rows)
+        assert got.data_ptr() == rowwise.m_buf[rows].data_ptr()  # into the workspace's rows
+        assert torch.equal(got, values[rows])
+    # a code step is at most 2/127 of the block absmax (at the top of the square-law grid)
+    torch.testing.assert_close(values, m, atol=2 * float(m.abs().max()) / 127, rtol=0)
