@@ -24,8 +24,10 @@ def _check_cover(chunks: list[slice], rows: int, cols: int, limit: int) -> None:
 
 
 def test_row_chunks_cover_the_rows_in_order(monkeypatch) -> None:
-    big = torch.empty(1024, 1024)  # 2 x CPU_CHUNK elements: two halves
-    assert row_chunks(big) == [slice(0, 512), slice(512, 1024)]
+    assert factored.CPU_CHUNK == 1 << 20
+    big = torch.empty(2048, 1024)  # 2 x CPU_CHUNK elements: two halves
+    assert row_chunks(big) == [slice(0, 1024), slice(1024, 2048)]
+    assert row_chunks(torch.empty(1024, 1024)) == [slice(None)]  # one chunk: one sweep
     monkeypatch.setattr(factored, "CPU_CHUNK", 1000)
     chunks = row_chunks(torch.empty(1000, 300))  # 3 rows of 300 per chunk, the last 1 row
     assert len(chunks) == 334

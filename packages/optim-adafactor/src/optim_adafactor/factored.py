@@ -94,9 +94,10 @@ def factors(row: Tensor, col: Tensor, row_mean: Tensor) -> tuple[Tensor, Tensor]
     return (row / row_mean).rsqrt_(), col.rsqrt()
 
 
-#: Elements of one row chunk of the PyTorch path's sweeps on the CPU (2 MiB of fp32): the ~10-30
-#: element-wise ops of a phase run on one chunk while it stays in the last-level cache.
-CPU_CHUNK = 1 << 19
+#: Elements of one row chunk of the PyTorch path's sweeps on the CPU (4 MiB of fp32): the ~10-30
+#: element-wise ops of a phase run on one chunk while it stays in the last-level cache (the best
+#: of 2^17-2^21 on a 32 MiB-L3 EPYC at 1 and 2 threads, benchmarks/RESULTS.md).
+CPU_CHUNK = 1 << 20
 
 
 def row_chunks(t: Tensor) -> list[slice]:
