@@ -5,6 +5,7 @@ the column sums add in another order (fp32 rounding). Parity with the references
 chunks are forced small: test_parity.py (and optim-came's).
 """
 
+import itertools
 import types
 
 import pytest
@@ -17,7 +18,7 @@ from optim_adafactor.factored import gsq_sums, row_chunks
 def _check_cover(chunks: list[slice], rows: int, cols: int, limit: int) -> None:
     assert chunks[0].start == 0
     assert chunks[-1].stop == rows
-    for a, b in zip(chunks, chunks[1:], strict=False):
+    for a, b in itertools.pairwise(chunks):
         assert a.stop == b.start
     assert all(s.stop - s.start >= 1 for s in chunks)
     assert all((s.stop - s.start) * cols <= max(limit, cols) for s in chunks)

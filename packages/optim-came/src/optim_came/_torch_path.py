@@ -16,15 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from optim_adafactor import factored
 from optim_adafactor.base import StepWork, decay_
-from optim_adafactor.factored import (
-    add_scaled_,
-    ema_,
-    factored_sumsq,
-    factors,
-    gsq_sums,
-    row_chunks,
-)
+from optim_adafactor.factored import add_scaled_, ema_, factored_sumsq, factors
 from optim_adafactor.quant import load_state as load_momentum
 from optim_adafactor.quant import store_state as store_momentum
 
@@ -50,7 +44,7 @@ def grad_stats(w: Work, buf: Tensor) -> None:
         ema_(st["exp_avg_sq"], torch.mul(g, g, out=buf), o.beta2, o.eps1)
         return
     row = st["exp_avg_sq_row"]
-    rowsum, w.colsum = gsq_sums(g, buf)
+    rowsum, w.colsum = factored.gsq_sums(g, buf)
     ema_(row, rowsum.div_(g.shape[-1]), o.beta2, o.eps1)
     w.rowema_sum = row.sum(dim=-1)
 
@@ -135,7 +129,7 @@ def momentum(w: Work, usq: Tensor, buf: Tensor, *, u_in_buf: bool) -> None:
         return
     assert w.rf is not None
     assert w.cf is not None
-    chunks = row_chunks(buf)  # the phase runs on one chunk of rows after the other
+    chunks = factored.row_chunks(buf)  # the phase runs on one chunk of rows after the other
     rowsum = buf.new_empty(buf.shape[:-1]) if len(chunks) > 1 else None
     colsum = None
     for rows in chunks:
@@ -187,7 +181,7 @@ def apply(w: Work, buf: Tensor) -> None:
         return
     assert w.res_rf is not None
     assert w.res_cf is not None
-    for rows in row_chunks(buf):
+    for rows in factored.row_chunks(buf):
         b, p = buf[rows], w.p32[rows]
         m = load_momentum(w, b, rows)  # int8: the stored (quantized) m steps p
         if o.weight_decay != 0:
