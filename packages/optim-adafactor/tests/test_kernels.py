@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from leanlm_testing import assert_verbose_allclose
-from leanlm_testing.kernels import KERNEL_SHAPES, device_or_skip, no_host_sync
+from leanlm_testing.kernels import (
+    KERNEL_SHAPES,
+    check_low_precision_state,
+    device_or_skip,
+    no_host_sync,
+)
 from optim_adafactor import Adafactor, _kernels
 from optim_adafactor._kernels import apply_reference, stats_reference, sumsq_reference
 
@@ -180,3 +185,26 @@ def test_fused_step_makes_no_host_sync() -> None:
     opt.step()  # compile the kernels first
     with no_host_sync():
         opt.step()
+
+
+def _int8_momentum(sr: bool):
+    kw = {"lr": 1e-3, "relative_step": False, "beta1": 0.9, "weight_decay": 0.01}
+    kw |= {"state_dtype": torch.int8, "stochastic_rounding": sr}
+    return lambda params, backend: Adafactor(params, backend=backend, **kw)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("sr", [False, True])
+def test_int8_momentum_parity_check_on_the_interpreter(sr: bool) -> None:
+    """The GPU test's check at small odd shapes (the interpreter's fp32 math moves no code)."""
+    dev = device_or_skip(_kernels)
+    check_low_precision_state(_int8_momentum(sr), dev, [(13, 7), (10, 300), (2, 5, 130), (17,)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sr", [False, True])
+def test_int8_momentum_matches_torch_path_at_real_sizes(sr: bool) -> None:
+    """The 8-bit momentum on the GPU (never run there before): multi-tensor matrices, a
+    per-tensor 3-D parameter and a vector, 3 steps."""
+    shapes = [(4096, 1024), (1024, 2816), (32000, 512), (3, 1024, 1000), (4096,)]
+    check_low_precision_state(_int8_momentum(sr), "cuda", shapes)

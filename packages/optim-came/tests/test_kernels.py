@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from leanlm_testing import assert_verbose_allclose
-from leanlm_testing.kernels import KERNEL_SHAPES, device_or_skip
+from leanlm_testing.kernels import KERNEL_SHAPES, check_low_precision_state, device_or_skip
 from optim_came import CAME, _kernels
 
 pytestmark = pytest.mark.skipif(not _kernels.HAS_TRITON, reason="triton is not installed")
@@ -164,3 +164,29 @@ def test_fused_matches_torch_path_at_real_sizes(dtype) -> None:
     for a, b in zip(fused, eager, strict=True):
         scale = b.float().abs().max().item()
         assert_verbose_allclose(a.float(), b.float(), atol=tol * scale, rtol=tol)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("sr", [False, True])
+def test_int8_state_parity_check_on_the_interpreter(sr: bool) -> None:
+    """The GPU test's check at small odd shapes (the interpreter's bf16 stores truncate, so
+    only int8 here; its exact fp32 math moves no code)."""
+    dev = device_or_skip(_kernels)
+    shapes = [(13, 7), (10, 300), (2, 5, 130), (17,)]
+    check_low_precision_state(_came(torch.int8, sr), dev, shapes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("state_dtype", "sr"), [(torch.bfloat16, False), (torch.int8, False), (torch.int8, True)]
+)
+def test_low_precision_state_matches_torch_path_at_real_sizes(state_dtype, sr) -> None:
+    """bf16 and int8 first moments (the 1.1B runs' configurations) on the GPU: multi-tensor
+    matrices, a per-tensor 3-D parameter and a vector, 3 steps."""
+    shapes = [(4096, 1024), (1024, 2816), (32000, 512), (3, 1024, 1000), (4096,)]
+    check_low_precision_state(_came(state_dtype, sr), "cuda", shapes)
+
+
+def _came(state_dtype: torch.dtype, sr: bool):
+    kw = {"lr": 1e-3, "weight_decay": 0.1, "state_dtype": state_dtype, "stochastic_rounding": sr}
+    return lambda params, backend: CAME(params, backend=backend, **kw)

@@ -204,6 +204,55 @@ def check_fused_matches_torch(
     return fused, ref
 
 
+def check_low_precision_state(
+    make_opt: Callable[[list[torch.Tensor], str], Any],
+    device: str | torch.device,
+    shapes: Sequence[tuple[int, ...]],
+    *,
+    steps: int = 3,
+) -> None:
+    """A fused optimizer with a bf16 or int8 `exp_avg` against its PyTorch path, `steps` steps.
+
+    `make_opt(params, backend)` ("triton" / "torch"); both get the same stochastic-rounding
+    seed, fp32 parameters and fresh gradients, each its own trajectory. Rounding m to bf16
+    (nearest on a GPU) or to int8 codes turns fp32 differences of a few ulp into a whole bf16
+    ulp or code step where a value sits at a rounding boundary: rare, so the check counts them.
+    Codes: at most one step apart, in < 0.1% of the elements, scales within rtol 1e-4; bf16 m:
+    within one bf16 ulp; p: < 0.1% of the elements off by more than fp32 rounding, and none by
+    more than moved codes can do (a code step is <= 2/127 of its block's absmax).
+    """
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen).to(device) for s in shapes]
+    fused = [t.clone().requires_grad_() for t in init]
+    eager = [t.clone().requires_grad_() for t in init]
+    opt_f, opt_e = make_opt(fused, "triton"), make_opt(eager, "torch")
+    opt_f._sr_seed = opt_e._sr_seed  # the same noise for the codes
+    for _ in range(steps):
+        for a, b in zip(fused, eager, strict=True):
+            g = torch.randn(a.shape, generator=gen).to(device)
+            a.grad, b.grad = g, g.clone()
+        opt_f.step()
+        opt_e.step()
+    for a, b, p0 in zip(fused, eager, init, strict=True):
+        where = f"{tuple(a.shape)}"
+        st_f, st_e = opt_f.state[a], opt_e.state[b]
+        m_f, m_e = st_f["exp_avg"], st_e["exp_avg"]
+        assert m_f.dtype == m_e.dtype, where
+        if m_f.dtype == torch.int8:
+            moved = (m_f.int() - m_e.int()).abs()
+            assert moved.max() <= 1, where
+            assert moved.float().mean() < 1e-3, where
+            torch.testing.assert_close(
+                st_f["exp_avg_scale"], st_e["exp_avg_scale"], rtol=1e-4, atol=0, msg=where
+            )
+        elif m_f.dtype == torch.bfloat16:
+            excess = (m_f.float() - m_e.float()).abs() - _bf16_ulp(m_e.float())
+            assert float(excess.max()) <= 0, where
+        diff, moved_by = (a - b).detach().abs(), (b - p0).detach().abs().max()
+        assert (diff > 1e-6 + 1e-5 * b.detach().abs()).float().mean() < 1e-3, where
+        assert diff.max() <= steps * 4 / 127 * moved_by + 1e-6, where
+
+
 def shipped_tiles_fixture(module_names: Sequence[str]) -> Any:
     """A pytest fixture `gpu_tiles`: a test runs under `shipped_launch_configs(module_names)`.
 
