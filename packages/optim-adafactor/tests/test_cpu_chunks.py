@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from optim_adafactor import factored, quant
-from optim_adafactor.factored import gsq_sums, row_chunks
+from optim_adafactor.factored import factored_sumsq, gsq_stats, row_chunks
 
 
 def _check_cover(chunks: list[slice], rows: int, cols: int, limit: int) -> None:
@@ -42,21 +42,33 @@ def test_row_chunks_cover_the_rows_in_order(monkeypatch) -> None:
     assert row_chunks(torch.empty(1000, 300, device="meta")) == [slice(None)]
 
 
-def test_gsq_sums_by_chunks_equal_one_sweep(monkeypatch) -> None:
-    g = torch.randn(37, 19, generator=torch.Generator().manual_seed(0))
-    whole_buf, chunk_buf = torch.empty_like(g), torch.full_like(g, float("nan"))
-    rows, cols = gsq_sums(g, whole_buf)
-    monkeypatch.setattr(factored, "CPU_CHUNK", 40)  # 2 rows per chunk, the last one alone
+def test_gsq_stats_by_chunks_equal_one_sweep_and_give_the_update_sumsq(monkeypatch) -> None:
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(37, 19, generator=gen)
+    row0 = torch.rand(37, generator=gen) + 0.5
+    runs = []
+    for chunk in (factored.CPU_CHUNK, 40):  # one sweep; 2 rows per chunk, the last one alone
+        monkeypatch.setattr(factored, "CPU_CHUNK", chunk)
+        buf, row = torch.full_like(g, float("nan")), row0.clone()
+        runs.append((buf, row, *gsq_stats(g, buf, row, 0.9, 1e-30)))
     assert len(row_chunks(g)) == 19
-    chunk_rows, chunk_cols = gsq_sums(g, chunk_buf)
-    assert torch.equal(chunk_buf, g * g)
-    assert torch.equal(chunk_buf, whole_buf)
-    assert torch.equal(chunk_rows, rows)  # a row is summed in one piece either way
-    exact, bound = g.double().square().sum(0), 37 * 2.0**-24  # 37 fp32 additions of g² >= 0
-    torch.testing.assert_close(chunk_cols.double(), exact, rtol=bound, atol=0)
-    torch.testing.assert_close(cols.double(), exact, rtol=bound, atol=0)
-    unchunked = gsq_sums(g, chunk_buf, chunked=False)  # the one-sweep order on demand
-    assert torch.equal(unchunked[1], cols)
+    (buf1, row1, col1, over1), (buf2, row2, col2, over2) = runs
+    assert torch.equal(buf1, g * g)
+    assert torch.equal(buf2, buf1)
+    assert torch.equal(row2, row1)  # a row's sum and EMA are computed in one piece either way
+    mean = (g * g).sum(-1).div_(19).add_(1e-30)
+    assert torch.equal(row1, row0.clone().mul_(0.9).add_(mean, alpha=1.0 - 0.9))  # ema_'s ops
+    gsq, r = g.double().square(), row1.double()
+    bound = 2 * 37 * 2.0**-24  # 37 fp32 additions of terms >= 0 (and one division each)
+    for col, over in ((col1, over1), (col2, over2)):
+        torch.testing.assert_close(col.double(), gsq.sum(0), rtol=bound, atol=0)
+        torch.testing.assert_close(over.double(), (gsq / r[:, None]).sum(0), rtol=bound, atol=0)
+    # Σ u² of u = g·rf⊗cf, rf = rsqrt(r / mean(r)), cf = rsqrt(c): against float64
+    cf = torch.rand(19, generator=gen) + 0.5
+    rf = (r / r.mean()).rsqrt()
+    exact = (g.double() * rf[:, None] * cf.double()[None, :]).square().sum()
+    got = factored_sumsq(over2, cf, row1.mean().reshape(1))
+    torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=0)
 
 
 def _work(shape, seed: int | None, row_offset: int):

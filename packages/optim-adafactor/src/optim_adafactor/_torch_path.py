@@ -21,7 +21,7 @@ from optim_adafactor.factored import (
     ema_,
     factored_sumsq,
     factors,
-    gsq_sums,
+    gsq_stats,
     row_chunks,
 )
 
@@ -48,13 +48,12 @@ def local_stats(w: Work, buf: Tensor) -> None:
     beta2 = o.beta2(w.step)
     if w.factored:
         row = st["exp_avg_sq_row"]
-        # torch semantics: the sums of `_foreach_path`, which it equals bit for bit
-        rowsum, w.colsum = gsq_sums(g, buf, chunked=o.semantics != "torch")
-        row_in = rowsum.div_(g.shape[-1])
-        if o.semantics == "torch":
-            row.lerp_(row_in, 1.0 - beta2)
+        if o.semantics == "torch":  # one sweep, as `_foreach_path` (bit-equal) sums
+            torch.mul(g, g, out=buf)
+            row.lerp_(buf.sum(dim=-1).div_(g.shape[-1]), 1.0 - beta2)
+            w.colsum = buf.sum(dim=-2)
         else:
-            ema_(row, row_in, beta2, w.eps1)
+            w.colsum, w.gsq_over_row = gsq_stats(g, buf, row, beta2, w.eps1)
         w.rowema_sum = row.sum(dim=-1)
     else:
         torch.mul(g, g, out=buf)
@@ -119,16 +118,15 @@ def _materialise_update(w: Work, buf: Tensor) -> Tensor:
 
 
 def update_sumsq(w: Work, buf: Tensor, *, gsq_in_buf: bool) -> Tensor:
-    """Phase 3: local `Σ u²`, `u = g·rf⊗cf`. `gsq_in_buf`: `buf` still holds phase 1's `g²`.
+    """Phase 3: local `Σ u²`, `u = g·rf⊗cf` (`gsq_in_buf` is the kernels').
 
-    Factored: `Σ_i rf_i² Σ_j g²_ij cf_j²`, a mat-vec on `g²`, so `u` is never materialised.
+    Factored: from phase 1's column sums of `g² / r` (`factored_sumsq`), `u` never materialised.
     """
     if w.factored and w.opts.semantics != "torch":
-        assert w.rf is not None
+        assert w.gsq_over_row is not None
+        assert w.rowema_sum is not None
         assert w.cf is not None
-        if not gsq_in_buf:
-            torch.mul(w.grad, w.grad, out=buf)
-        return factored_sumsq(buf, w.rf, w.cf)
+        return factored_sumsq(w.gsq_over_row, w.cf, w.rowema_sum.div(w.rows).unsqueeze(-1))
     u = _materialise_update(w, buf)
     return torch.linalg.vector_norm(u).square()  # type: ignore[no-any-return]
 

@@ -70,6 +70,7 @@ class StepWork:
     rowema_sum: Tensor | None = None
     rf: Tensor | None = None
     cf: Tensor | None = None
+    gsq_over_row: Tensor | None = None  # column sums of g² / r (PyTorch path: gives Σ u²)
     # an int8 first moment (`quant`): stochastic-rounding seed of its codes, and workspaces of
     # the PyTorch path (dequantized values, signs, fp32 noise and int32 hash; None: allocate)
     quant_seed: int | None = None

@@ -24,7 +24,7 @@ __all__ = [
     "ema_",
     "factored_sumsq",
     "factors",
-    "gsq_sums",
+    "gsq_stats",
     "planned",
     "row_chunks",
     "scaled_sumsq",
@@ -114,21 +114,25 @@ def row_chunks(t: Tensor) -> list[slice]:
     return [slice(r, min(r + step, n)) for r in range(0, n, step)]
 
 
-def gsq_sums(g: Tensor, buf: Tensor, *, chunked: bool = True) -> tuple[Tensor, Tensor]:
-    """`buf = g²` and its row and column sums (..., n) and (..., m), chunk by chunk of rows.
+def gsq_stats(
+    g: Tensor, buf: Tensor, row: Tensor, beta: float, eps: float
+) -> tuple[Tensor, Tensor]:
+    """Phase-1 statistics of a factored `g` (..., n, m), chunk by chunk of rows (`row_chunks`).
 
-    `chunked=False`: in one sweep (the column sums of another order than the chunks' sum).
+    Writes `buf = g²`, updates the row EMA in place, `row = β·row + (1-β)·(mean_j g² + ε)`,
+    and returns the column sums of `g²` and of `g² / row` (..., m); with the latter
+    `factored_sumsq` gives `Σ u²` without another pass over `g²`.
     """
-    chunks = row_chunks(buf) if chunked else [slice(None)]
-    if len(chunks) == 1:
-        torch.mul(g, g, out=buf)
-        return buf.sum(dim=-1), buf.sum(dim=-2)
-    rowsum, colsum = buf.new_empty(buf.shape[:-1]), buf.new_zeros(buf.shape[-1])
-    for rows in chunks:
-        b = torch.mul(g[rows], g[rows], out=buf[rows])
-        torch.sum(b, dim=-1, out=rowsum[rows])
-        colsum.add_(b.sum(dim=-2))
-    return rowsum, colsum
+    colsum = over_row = None
+    for rows in row_chunks(buf):
+        b, r = torch.mul(g[rows], g[rows], out=buf[rows]), row[rows]
+        ema_(r, b.sum(dim=-1).div_(g.shape[-1]), beta, eps)
+        c, t = b.sum(dim=-2), torch.matmul(r.reciprocal().unsqueeze(-2), b).squeeze(-2)
+        colsum = c if colsum is None else colsum.add_(c)
+        over_row = t if over_row is None else over_row.add_(t)
+    assert colsum is not None
+    assert over_row is not None
+    return colsum, over_row
 
 
 def triton_available(device: torch.device) -> bool:
@@ -162,13 +166,14 @@ def sq_stats(x3: Tensor) -> tuple[Tensor, Tensor]:
     return rowsum, colpart.sum(dim=1)
 
 
-def factored_sumsq(gsq: Tensor, rf: Tensor, cf: Tensor) -> Tensor:
-    """`Σ u²` of `u = g · rf ⊗ cf` from `gsq = g²`, as `Σ_i rf_i² Σ_j gsq_ij cf_j²` (PyTorch).
+def factored_sumsq(over_row: Tensor, cf: Tensor, row_mean: Tensor) -> Tensor:
+    """`Σ u²` of `u = g·rf⊗cf`, `rf = rsqrt(r / row_mean)`: `row_mean Σ_j cf_j² Σ_i g²_ij / r_i`.
 
-    A mat-vec on `gsq` (..., n, m): `u` is never materialised. `rf` (..., n), `cf` (..., m).
+    `over_row`: `gsq_stats`' column sums of `g² / r` (..., m) (of the local rows under row
+    sharding: the result is then this shard's part); `cf` (..., m); `row_mean` (..., 1), the
+    mean of the row EMA over all rows. `u` is never materialised, `g²` not read again.
     """
-    weighted = torch.matmul(gsq, cf.square().unsqueeze(-1)).squeeze(-1)
-    return weighted.mul_(rf.square()).sum()
+    return over_row.mul(cf.square()).mul_(row_mean).sum()
 
 
 def scaled_sumsq(x3: Tensor, rf: Tensor, cf: Tensor) -> Tensor:

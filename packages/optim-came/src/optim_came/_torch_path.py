@@ -44,8 +44,7 @@ def grad_stats(w: Work, buf: Tensor) -> None:
         ema_(st["exp_avg_sq"], torch.mul(g, g, out=buf), o.beta2, o.eps1)
         return
     row = st["exp_avg_sq_row"]
-    rowsum, w.colsum = factored.gsq_sums(g, buf)
-    ema_(row, rowsum.div_(g.shape[-1]), o.beta2, o.eps1)
+    w.colsum, w.gsq_over_row = factored.gsq_stats(g, buf, row, o.beta2, o.eps1)
     w.rowema_sum = row.sum(dim=-1)
 
 
@@ -91,19 +90,16 @@ def _vector_update(w: Work, buf: Tensor) -> Tensor:
 
 
 def update_sumsq(w: Work, buf: Tensor, *, gsq_in_buf: bool) -> Tensor:
-    """Phase 3: local `Σ u²`, `u = g · rf ⊗ cf`. `gsq_in_buf`: `buf` still holds phase 1's `g²`.
+    """Phase 3: local `Σ u²`, `u = g · rf ⊗ cf`, from phase 1's column sums of `g² / r`.
 
-    Computed as `Σ_i rf_i² Σ_j g²_ij cf_j²` (a mat-vec on `g²`), so `u` is never materialised.
-
-    Vectors leave `u` in `buf`.
+    `u` is never materialised. Vectors leave `u` in `buf` (`gsq_in_buf` is the kernels').
     """
     if not w.factored:
         return torch.linalg.vector_norm(_vector_update(w, buf)).square()  # type: ignore[no-any-return]
-    assert w.rf is not None
+    assert w.gsq_over_row is not None
+    assert w.rowema_sum is not None
     assert w.cf is not None
-    if not gsq_in_buf:
-        torch.mul(w.grad, w.grad, out=buf)
-    return factored_sumsq(buf, w.rf, w.cf)
+    return factored_sumsq(w.gsq_over_row, w.cf, w.rowema_sum.div(w.rows).unsqueeze(-1))
 
 
 def clip_scale(usq: Tensor, numel: int, clip_threshold: float) -> Tensor:
