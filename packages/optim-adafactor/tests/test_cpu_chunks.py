@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from optim_adafactor import factored, quant
+from optim_adafactor import Adafactor, factored, quant
 from optim_adafactor.factored import factored_sumsq, gsq_stats, row_chunks
 
 
@@ -49,12 +49,13 @@ def test_gsq_stats_by_chunks_equal_one_sweep_and_give_the_update_sumsq(monkeypat
     runs = []
     for chunk in (factored.CPU_CHUNK, 40):  # one sweep; 2 rows per chunk, the last one alone
         monkeypatch.setattr(factored, "CPU_CHUNK", chunk)
-        buf, row = torch.full_like(g, float("nan")), row0.clone()
+        buf, row = torch.full(factored.chunk_shape(g), float("nan")), row0.clone()
         runs.append((buf, row, *gsq_stats(g, buf, row, 0.9, 1e-30)))
     assert len(row_chunks(g)) == 19
     (buf1, row1, col1, over1), (buf2, row2, col2, over2) = runs
     assert torch.equal(buf1, g * g)
-    assert torch.equal(buf2, buf1)
+    assert buf2.shape == (2, 19)
+    assert torch.equal(buf2[:1], (g * g)[36:])  # the last chunk's g²
     assert torch.equal(row2, row1)  # a row's sum and EMA are computed in one piece either way
     mean = (g * g).sum(-1).div_(19).add_(1e-30)
     assert torch.equal(row1, row0.clone().mul_(0.9).add_(mean, alpha=1.0 - 0.9))  # ema_'s ops
@@ -71,19 +72,20 @@ def test_gsq_stats_by_chunks_equal_one_sweep_and_give_the_update_sumsq(monkeypat
     torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=0)
 
 
-def _work(shape, seed: int | None, row_offset: int):
-    """What `quant.load_state` / `store_state` read of a step: state, workspaces, shard."""
+def _work(shape, seed: int | None, row_offset: int, chunk_rows: int):
+    """What `quant.load_state` / `store_state` read: state, one-chunk workspaces, shard."""
     codes = torch.zeros(shape, dtype=torch.int8)
     scale = torch.zeros(quant.scale_shape(shape))
+    chunk = (chunk_rows, shape[-1])
     return types.SimpleNamespace(
         state={"exp_avg": codes, "exp_avg_scale": scale},
         param=torch.empty(shape),
         shard=types.SimpleNamespace(row_offset=row_offset) if row_offset else None,
         quant_seed=quant.quant_seed(seed),
-        m_buf=torch.empty(shape),
-        sign_buf=torch.empty(shape, dtype=torch.bool),
-        noise_buf=torch.empty(shape) if seed is not None else None,
-        hash_buf=torch.empty(shape, dtype=torch.int32) if seed is not None else None,
+        m_buf=torch.empty(chunk),
+        sign_buf=torch.empty(chunk, dtype=torch.bool),
+        noise_buf=torch.empty(chunk) if seed is not None else None,
+        hash_buf=torch.empty(chunk, dtype=torch.int32) if seed is not None else None,
     )
 
 
@@ -93,23 +95,45 @@ def test_int8_state_by_rows_equals_the_whole_tensor(seed, row_offset) -> None:
     shape = (9, 300)  # three blocks a row, the last one partial
     m = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     m[4, 128:256] = 0.0  # an all-zero block
-    whole, rowwise = _work(shape, seed, row_offset), _work(shape, seed, row_offset)
+    whole, rowwise = _work(shape, seed, row_offset, 9), _work(shape, seed, row_offset, 6)
     if seed is None:
         whole.quant_seed = rowwise.quant_seed = None
     quant.store_state(whole, m.clone(), torch.empty(shape))
-    for rows in (slice(0, 2), slice(2, 3), slice(3, 9)):
+    for rows in (slice(0, 2), slice(2, 3), slice(3, 9)):  # the workspaces hold 6 rows
         quant.store_state(rowwise, m[rows].clone(), torch.empty(shape)[rows], rows)
     assert torch.equal(rowwise.state["exp_avg"], whole.state["exp_avg"])
     assert torch.equal(rowwise.state["exp_avg_scale"], whole.state["exp_avg_scale"])
     if seed is not None:  # the noise of the global elements: not the same codes as nearest
-        nearest = _work(shape, None, 0)
+        nearest = _work(shape, None, 0, 9)
         nearest.quant_seed = None
         quant.store_state(nearest, m.clone())
         assert not torch.equal(nearest.state["exp_avg"], whole.state["exp_avg"])
     values = quant.load_state(whole, torch.empty(shape)).clone()
     for rows in (slice(0, 4), slice(4, 9)):
         got = quant.load_state(rowwise, torch.empty(shape)[rows], rows)
-        assert got.data_ptr() == rowwise.m_buf[rows].data_ptr()  # into the workspace's rows
+        assert got.data_ptr() == rowwise.m_buf.data_ptr()  # into the one-chunk workspace
         assert torch.equal(got, values[rows])
     # a code step is at most 2/127 of the block absmax (at the top of the square-law grid)
     torch.testing.assert_close(values, m, atol=2 * float(m.abs().max()) / 127, rtol=0)
+
+
+@pytest.mark.parametrize("sr", [False, True])
+def test_workspaces_hold_one_chunk(sr: bool, monkeypatch) -> None:
+    """A 2-D parameter of 2.1M elements: every workspace of the PyTorch path (g², the
+    dequantized momentum, signs, noise, hash) holds one chunk of rows, not the parameter."""
+    p = torch.nn.Parameter(torch.randn(2100, 1000, generator=torch.Generator().manual_seed(0)))
+    p.grad = torch.randn(2100, 1000, generator=torch.Generator().manual_seed(1))
+    assert factored.chunk_shape(p) == (1048, 1000)  # 2^20 // 1000 rows
+    sizes = {}
+    for chunk in (factored.CPU_CHUNK, 1 << 40):  # the shipped chunk; one sweep
+        monkeypatch.setattr(factored, "CPU_CHUNK", chunk)
+        opt = Adafactor(
+            [p], lr=1e-3, relative_step=False, beta1=0.9, state_dtype=torch.int8,
+            stochastic_rounding=sr,
+        )  # fmt: skip
+        opt.step()
+        sizes[chunk] = {key[1:]: buf.numel() for key, buf in opt._workspaces.items()}
+    chunked, whole = sizes.values()
+    assert len(chunked) == (5 if sr else 3)  # fp32 0 and 1 (+2), bool, (+int32)
+    assert set(chunked.values()) == {1048 * 1000}
+    assert set(whole.values()) == {2100 * 1000}

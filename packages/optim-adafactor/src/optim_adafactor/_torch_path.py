@@ -2,8 +2,9 @@
 
 A step on one parameter is four phases, `local_stats`, `finish_stats`, `update_sumsq` and
 `apply`; between them a row-sharded parameter all-reduces its partial sums (see `sharding.py`),
-which is why the step is split. Every N-sized temporary lives in one reusable workspace (`buf`),
-because on CPU fresh page-faulted allocations cost as much as the arithmetic.
+which is why the step is split. Every temporary lives in a reusable workspace (`buf`; one chunk
+of rows on the CPU, `factored.chunk_shape`), because on CPU fresh page-faulted allocations cost as
+much as the arithmetic.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from optim_adafactor.base import StepWork, decay_
 from optim_adafactor.checks import Scalar
 from optim_adafactor.factored import (
     add_scaled_,
+    chunk,
     ema_,
     factored_sumsq,
     factors,
@@ -167,8 +169,8 @@ def apply(w: Work, usq: Tensor | None, buf: Tensor, *, u_in_buf: bool) -> None:
         assert w.rf is not None
         assert w.cf is not None
         row_scale = w.rf * (scale * (1.0 - beta1) if beta1 is not None else scale)
-        for rows in row_chunks(buf):  # the whole phase on one chunk of rows at a time
-            b, p = buf[rows], w.p32[rows]
+        for rows in row_chunks(w.p32):  # the whole phase on one chunk of rows at a time
+            b, p = chunk(buf, rows), w.p32[rows]
             if o.weight_decay != 0:
                 decay_(p, o.weight_decay, w.lr_t)  # HF: p -= wd·lr_t·p (lr_t incl. param scale)
             if beta1 is None:

@@ -25,6 +25,7 @@ from optim_adafactor._state import LosslessState
 from optim_adafactor._stochastic import copy_stochastic_
 from optim_adafactor.checks import Scalar
 from optim_adafactor.dtensor import local_tensor, localize
+from optim_adafactor.factored import chunk_shape
 from optim_adafactor.sharding import Bucket, RowShard, make_row_shard
 
 Backend = Literal["auto", "torch", "triton"]
@@ -253,20 +254,36 @@ class FactoredOptimizer(LosslessState):
         return (self._sr_seed + 1_000_003 * w.step + 7919 * w.index) % (2**31 - 1)
 
     def _workspace(
-        self, like: Tensor, *, dtype: torch.dtype | None = None, slot: int = 0
+        self,
+        like: Tensor,
+        *,
+        dtype: torch.dtype | None = None,
+        slot: int = 0,
+        shape: torch.Size | None = None,
     ) -> Tensor:
-        """A reusable scratch buffer shaped like `like` (grown to the largest parameter).
+        """A reusable scratch buffer on `like`'s device (grown to the largest request).
 
         `dtype`: the buffer's (default: `like`'s); `slot`: which of several buffers of that
-        device and dtype (a step that needs two at once asks for slots 0 and 1).
+        device and dtype (a step that needs two at once asks for slots 0 and 1); `shape`: the
+        view's (default: `like`'s).
         """
         dtype = like.dtype if dtype is None else dtype
+        shape = like.shape if shape is None else shape
+        numel = math.prod(shape)
         key = (like.device, dtype, slot)
         buf = self._workspaces.get(key)
-        if buf is None or buf.numel() < like.numel():
-            buf = torch.empty(max(like.numel(), 1), dtype=dtype, device=like.device)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=like.device)
             self._workspaces[key] = buf
-        return buf[: like.numel()].view(like.shape)
+        return buf[:numel].view(shape)
+
+    def _chunked(self, w: StepWork) -> bool:
+        """Whether the PyTorch path runs `w`'s phases by chunks of rows (`factored.row_chunks`)."""
+        return w.factored
+
+    def _buf_shape(self, w: StepWork) -> torch.Size:
+        """Shape of `w`'s PyTorch-path workspaces: one chunk of rows where it is chunked."""
+        return chunk_shape(w.grad) if self._chunked(w) else w.grad.shape
 
     def _kernels(self) -> ModuleType:
         return importlib.import_module(self._kernels_module)
@@ -277,7 +294,7 @@ class FactoredOptimizer(LosslessState):
 
     def _buf(self, w: StepWork) -> Tensor | None:
         """The PyTorch path's workspace for `w` (None on the fused path)."""
-        return None if w.fused else self._workspace(w.grad)
+        return None if w.fused else self._workspace(w.grad, shape=self._buf_shape(w))
 
     # ------------------------------------------------------------------ the step
     def _use_triton(self, p: Tensor, opts: Any, factored: bool) -> bool:

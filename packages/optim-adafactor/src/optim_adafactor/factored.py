@@ -20,6 +20,8 @@ __all__ = [
     "BLOCK_N",
     "add_scaled_",
     "as_3d",
+    "chunk",
+    "chunk_shape",
     "copy_stochastic_",
     "ema_",
     "factored_sumsq",
@@ -114,18 +116,31 @@ def row_chunks(t: Tensor) -> list[slice]:
     return [slice(r, min(r + step, n)) for r in range(0, n, step)]
 
 
+def chunk_shape(t: Tensor) -> torch.Size:
+    """Shape of the largest of `row_chunks(t)`: what a workspace for one chunk of `t` holds."""
+    chunks = row_chunks(t)
+    if len(chunks) == 1:
+        return t.shape
+    return torch.Size((chunks[0].stop - chunks[0].start, t.shape[-1]))
+
+
+def chunk(buf: Tensor, rows: slice) -> Tensor:
+    """The part of a one-chunk workspace `buf` (`chunk_shape`) that the chunk `rows` uses."""
+    return buf if rows == slice(None) else buf[: rows.stop - rows.start]
+
+
 def gsq_stats(
     g: Tensor, buf: Tensor, row: Tensor, beta: float, eps: float
 ) -> tuple[Tensor, Tensor]:
     """Phase-1 statistics of a factored `g` (..., n, m), chunk by chunk of rows (`row_chunks`).
 
-    Writes `buf = g²`, updates the row EMA in place, `row = β·row + (1-β)·(mean_j g² + ε)`,
-    and returns the column sums of `g²` and of `g² / row` (..., m); with the latter
-    `factored_sumsq` gives `Σ u²` without another pass over `g²`.
+    Writes `g²` into `buf`, a one-chunk workspace (`chunk_shape`); updates the row EMA in place,
+    `row = β·row + (1-β)·(mean_j g² + ε)`; returns the column sums of `g²` and of `g² / row`
+    (..., m). With the latter `factored_sumsq` gives `Σ u²` without another pass over `g²`.
     """
     colsum = over_row = None
-    for rows in row_chunks(buf):
-        b, r = torch.mul(g[rows], g[rows], out=buf[rows]), row[rows]
+    for rows in row_chunks(g):
+        b, r = torch.mul(g[rows], g[rows], out=chunk(buf, rows)), row[rows]
         ema_(r, b.sum(dim=-1).div_(g.shape[-1]), beta, eps)
         c, t = b.sum(dim=-2), torch.matmul(r.reciprocal().unsqueeze(-2), b).squeeze(-2)
         colsum = c if colsum is None else colsum.add_(c)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor
@@ -146,6 +146,10 @@ class Adafactor(FactoredOptimizer):
     def _fused_supported(self, p: Tensor, opts: GroupOptions) -> bool:
         return opts.semantics != "torch"
 
+    def _chunked(self, w: StepWork) -> bool:
+        """Torch semantics keeps `u` in a whole-tensor workspace from phase 3 to the update."""
+        return w.factored and w.opts.semantics != "torch"
+
     def _batches_locally(self, w: Work) -> bool:
         """Torch semantics step unsharded tensors as `_foreach_path` batches (`multi_tensor`)."""
         return self.multi_tensor and w.opts.semantics == "torch" and _foreach_path.wanted(w)
@@ -238,7 +242,7 @@ class Adafactor(FactoredOptimizer):
         if w.fused:
             self._kernels().apply(w, usq, seed=self._kernel_seed(w))
             return
-        _torch_path.apply(w, usq, self._workspace(w.grad), u_in_buf=u_in_buf)
+        _torch_path.apply(w, usq, cast(Tensor, self._buf(w)), u_in_buf=u_in_buf)
         self._write_back(w)
 
     def _step_local(self, w: Work) -> None:

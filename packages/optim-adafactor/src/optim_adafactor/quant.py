@@ -29,6 +29,7 @@ from torch.nn import functional as F
 
 from optim_adafactor._quant_kernels import QBLOCK, QMAX
 from optim_adafactor.base import stat_dtype
+from optim_adafactor.factored import chunk
 
 if TYPE_CHECKING:
     from optim_adafactor.base import FactoredOptimizer, StepWork
@@ -273,12 +274,13 @@ def prepare(opt: FactoredOptimizer, w: StepWork) -> None:
         return
     if w.opts.stochastic_rounding:
         w.quant_seed = opt._kernel_seed(w)
-    if not w.fused:  # workspaces of the dequantized exp_avg and the quantizer
-        w.m_buf = opt._workspace(w.grad, slot=1)
-        w.sign_buf = opt._workspace(w.grad, dtype=torch.bool)
+    if not w.fused:  # workspaces of the dequantized exp_avg and the quantizer: one chunk each
+        shape = opt._buf_shape(w)
+        w.m_buf = opt._workspace(w.grad, slot=1, shape=shape)
+        w.sign_buf = opt._workspace(w.grad, dtype=torch.bool, shape=shape)
         if w.quant_seed is not None:
-            w.noise_buf = opt._workspace(w.grad, dtype=torch.float32, slot=2)
-            w.hash_buf = opt._workspace(w.grad, dtype=torch.int32)
+            w.noise_buf = opt._workspace(w.grad, dtype=torch.float32, slot=2, shape=shape)
+            w.hash_buf = opt._workspace(w.grad, dtype=torch.int32, shape=shape)
 
 
 def shard_offset(w: StepWork) -> int:
@@ -297,7 +299,7 @@ def load_state(w: StepWork, scratch: Tensor | None = None, rows: slice = _ALL) -
     scale = _rows(w.state["exp_avg_scale"], rows)
     if scratch is not None and scratch.dtype != scale.dtype:
         scratch = None
-    return dequantize(m, scale, out=_rows(w.m_buf, rows), scratch=scratch)
+    return dequantize(m, scale, out=_chunk(w.m_buf, rows), scratch=scratch)
 
 
 def store_state(w: StepWork, m: Tensor, scratch: Tensor | None = None, rows: slice = _ALL) -> None:
@@ -308,16 +310,16 @@ def store_state(w: StepWork, m: Tensor, scratch: Tensor | None = None, rows: sli
     codes = _rows(w.state["exp_avg"], rows)
     if codes.dtype != torch.int8:
         return
-    hash_buf, noise = _rows(w.hash_buf, rows), None
+    hash_buf, noise = _chunk(w.hash_buf, rows), None
     if w.quant_seed is not None:  # noise of the global elements: a row shard draws its own
         first = shard_offset(w) + (rows.start or 0) * math.prod(m.shape[1:])
         noise = hash_uniform(
-            w.quant_seed, first, m.shape, m.device, out=_rows(w.noise_buf, rows), scratch=hash_buf
+            w.quant_seed, first, m.shape, m.device, out=_chunk(w.noise_buf, rows), scratch=hash_buf
         )
     sr_scratch = None if hash_buf is None else hash_buf.view(torch.float32)  # hash done
     scale = _rows(w.state["exp_avg_scale"], rows)
     quantize_(
-        m, codes, scale, noise=noise, scratch=scratch, signs=_rows(w.sign_buf, rows),
+        m, codes, scale, noise=noise, scratch=scratch, signs=_chunk(w.sign_buf, rows),
         sr_scratch=sr_scratch,
     )  # fmt: skip
 
@@ -329,6 +331,11 @@ def _rows(t: None, rows: slice) -> None: ...
 def _rows(t: Tensor | None, rows: slice) -> Tensor | None:
     """`t[rows]` (`t` itself for all rows: a 0-dim state takes no slice; None stays None)."""
     return t if t is None or rows == _ALL else t[rows]
+
+
+def _chunk(buf: Tensor | None, rows: slice) -> Tensor | None:
+    """The part of a one-chunk workspace (`StepWork.m_buf`, ...) that rows `rows` use."""
+    return None if buf is None else chunk(buf, rows)
 
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None

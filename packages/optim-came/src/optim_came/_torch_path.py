@@ -3,9 +3,9 @@
 A factored parameter (>= 2 dims, viewed as (..., n, m)) steps in six phases, `grad_stats` to
 `apply`; between phases 1-2, 3-4 and 4-5 a row-sharded parameter all-reduces its partial sums
 (bucketed, see `optimizer.py`), which is why the step is split. Vectors and scalars keep a full
-`v` and step `p ← p - lr·wd·p - lr·m` (no confidence term, as in came-pytorch). Every N-sized
-temporary lives in reusable workspaces (`buf`, `Work.m_buf` for an int8 `exp_avg`), so a step
-allocates nothing N-sized.
+`v` and step `p ← p - lr·wd·p - lr·m` (no confidence term, as in came-pytorch). Every
+temporary lives in reusable workspaces (`buf`, `Work.m_buf` for an int8 `exp_avg`), one chunk of
+rows each on the CPU (`factored.chunk_shape`), so a step allocates nothing N-sized.
 """
 
 from __future__ import annotations
@@ -125,11 +125,11 @@ def momentum(w: Work, usq: Tensor, buf: Tensor, *, u_in_buf: bool) -> None:
         return
     assert w.rf is not None
     assert w.cf is not None
-    chunks = factored.row_chunks(buf)  # the phase runs on one chunk of rows after the other
-    rowsum = buf.new_empty(buf.shape[:-1]) if len(chunks) > 1 else None
+    chunks = factored.row_chunks(g)  # the phase runs on one chunk of rows after the other
+    rowsum = g.new_empty(g.shape[:-1]) if len(chunks) > 1 else None
     colsum = None
     for rows in chunks:
-        b = buf[rows]
+        b = factored.chunk(buf, rows)
         m = load_momentum(w, b, rows)
         # b = m_old - û, with û = g · (rf · clip) ⊗ cf
         torch.mul(g[rows], (w.rf[rows] * w.clip).unsqueeze(-1), out=b)
@@ -177,8 +177,8 @@ def apply(w: Work, buf: Tensor) -> None:
         return
     assert w.res_rf is not None
     assert w.res_cf is not None
-    for rows in factored.row_chunks(buf):
-        b, p = buf[rows], w.p32[rows]
+    for rows in factored.row_chunks(w.p32):
+        b, p = factored.chunk(buf, rows), w.p32[rows]
         m = load_momentum(w, b, rows)  # int8: the stored (quantized) m steps p
         if o.weight_decay != 0:
             decay_(p, o.weight_decay, o.lr)

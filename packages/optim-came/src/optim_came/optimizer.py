@@ -152,7 +152,7 @@ class CAME(FactoredOptimizer):
         if w.fused:
             self._kernels().apply(w, seed=self._kernel_seed(w))
             return
-        _torch_path.apply(w, self._workspace(w.grad))
+        _torch_path.apply(w, cast(Tensor, self._buf(w)))
         self._write_back(w)
 
     def _step_local(self, w: Work) -> None:
