@@ -122,6 +122,7 @@ def momentum(w: Work, usq: Tensor, buf: Tensor, *, u_in_buf: bool) -> None:
         m = load_momentum(w)  # buf may hold u
         u = buf if u_in_buf else _vector_update(w, buf)
         m.mul_(o.beta1).addcmul_(u, w.clip * (1.0 - o.beta1))
+        store_momentum(w, m)  # bf16: rounded once, as the kernels store it
         return
     assert w.rf is not None
     assert w.cf is not None
