@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from leanlm_testing.kernels import no_host_sync
+from leanlm_testing.optim import check_tensor_lr_equals_float_lr
 from optim_adafactor import Adafactor, _foreach_path
 
 # odd, one row, one column, 3-D and 4-D (factored over the last two dims), a vector, a scalar
@@ -50,6 +51,37 @@ def test_equals_per_tensor_path(combo: str, dtype: torch.dtype, foreach_batches)
     for group, ref_group in zip(opt.param_groups, ref_opt.param_groups, strict=True):
         state, ref_state = opt.state[group["params"][0]], ref_opt.state[ref_group["params"][0]]
         assert opt._get_lr(group, state) == ref_opt._get_lr(ref_group, ref_state)
+
+
+@pytest.mark.parametrize("multi", [True, False])
+def test_float64_tensor_lr_equals_float_lr(multi: bool, foreach_batches) -> None:
+    """A float64 lr tensor rounds to fp32 first, as a float lr does (0-dim products would not)."""
+    gen = torch.Generator().manual_seed(1)
+    init = [torch.randn(s, generator=gen) for s in SHAPES]
+
+    def make(ps: list[torch.Tensor], lr: float | torch.Tensor) -> Adafactor:
+        opt = Adafactor.from_torch_args(ps, lr=lr, weight_decay=0.1)
+        opt.multi_tensor = multi
+        return opt
+
+    def grads(t: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(100 + t)
+        return [torch.randn(s, generator=g) for s in SHAPES]
+
+    check_tensor_lr_equals_float_lr(make, init, grads, steps=6, lr_dtype=torch.float64)
+    assert len(foreach_batches) == (12 if multi else 0)  # the foreach path ran (both optimizers)
+
+
+@pytest.mark.parametrize("foreach", [None, True, False])
+def test_foreach_argument_as_torch(foreach: bool | None, foreach_batches) -> None:
+    """`from_torch_args(foreach=...)` as `torch.optim.Adafactor`: False steps one at a time."""
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = Adafactor.from_torch_args([p], foreach=foreach)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert foreach_batches == ([] if foreach is False else [1])
+    with pytest.raises(TypeError, match="`foreach`"):
+        Adafactor.from_torch_args([p], foreach="yes")  # type: ignore[arg-type]
 
 
 def test_cpu_tensors_take_the_per_tensor_path_by_default(monkeypatch) -> None:

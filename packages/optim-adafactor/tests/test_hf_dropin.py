@@ -120,14 +120,19 @@ TENSOR_LR_COMBOS = {
 }
 
 
+@pytest.mark.parametrize("lr_dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("combo", list(TENSOR_LR_COMBOS))
-def test_tensor_lr_equals_float_lr(combo: str, backend: str) -> None:
-    """`lr=torch.tensor(1e-3)` gives the float `lr=1e-3` result bit for bit, also scheduled."""
+def test_tensor_lr_equals_float_lr(combo: str, backend: str, lr_dtype: torch.dtype) -> None:
+    """`lr=torch.tensor(1e-3)` gives the float `lr=1e-3` result bit for bit, also scheduled.
+
+    A float64 tensor too: 0-dim by 0-dim products would otherwise round once from float64.
+    """
     kw = {"relative_step": False, "backend": backend, **TENSOR_LR_COMBOS[combo]}
     opt = check_tensor_lr_equals_float_lr(
-        lambda ps, lr: Adafactor(ps, lr=lr, **kw), _params(torch.float32), _grads, steps=9
-    )
+        lambda ps, lr: Adafactor(ps, lr=lr, **kw), _params(torch.float32), _grads, steps=9,
+        lr_dtype=lr_dtype,
+    )  # fmt: skip
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 / 10, rel=1e-6)
 
 

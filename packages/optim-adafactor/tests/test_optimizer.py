@@ -144,8 +144,50 @@ def test_bad_arguments_raise_naming_the_argument(kw, exc, match) -> None:
 
 def test_bad_param_group_option_raises() -> None:
     opt = Adafactor([torch.randn(2, requires_grad=True)])
-    with pytest.raises(ValueError, match=r"`beta1` \(2.0\)"):
-        opt.add_param_group({"params": [torch.randn(2, requires_grad=True)], "beta1": 2.0})
+    bad = {"params": [torch.randn(2, requires_grad=True)], "beta1": 2.0}
+    basics.check_failed_param_group_is_not_added(opt, bad, r"`beta1` \(2.0\)")
+
+
+def test_per_group_lr_and_relative_step_as_transformers() -> None:
+    """Each group gives its own lr (none in the constructor), or one group takes the relative
+    step although the constructor's lr is set: HF accepts both; each group steps as HF's."""
+    configs = [
+        ([{"lr": 1e-2}, {"lr": 3e-3}], {"relative_step": False, "scale_parameter": False}),
+        ([{}, {"relative_step": True}], {"lr": 1e-2, "relative_step": False}),
+    ]
+    for groups, kw in configs:
+        ours, theirs = _params(), _params()
+        for p, q in zip(ours, theirs, strict=True):
+            q.data.copy_(p.data)
+        half = len(ours) // 2
+        opts = [
+            cls([{"params": ps[:half], **groups[0]}, {"params": ps[half:], **groups[1]}], **kw)
+            for cls, ps in ((Adafactor, ours), (hf_optimization.Adafactor, theirs))
+        ]
+        for t in range(3):
+            for p, q in zip(ours, theirs, strict=True):
+                p.grad = torch.full_like(p, 0.1 * (t + 1)) + p.detach()
+                q.grad = p.grad.clone()
+            for opt in opts:
+                opt.step()
+        for p, q in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+            assert not torch.equal(p, torch.zeros_like(p))
+
+
+def test_numpy_scalars_are_numbers() -> None:
+    np = pytest.importorskip("numpy")
+    opt = Adafactor([torch.randn(2, 2, requires_grad=True)], lr=np.float32(1e-3),
+                    relative_step=False, beta1=np.float32(0.9))  # fmt: skip
+    assert opt.param_groups[0]["beta1"] == np.float32(0.9)
+    with pytest.raises(ValueError, match="`beta1`"):
+        Adafactor([torch.randn(2, 2, requires_grad=True)], beta1=np.float32(1.5))
+
+
+def test_construction_keeps_global_rng() -> None:
+    basics.check_construction_keeps_global_rng(Adafactor)
+    basics.check_construction_keeps_global_rng(lambda ps: Adafactor(ps, stochastic_rounding=True))
+    basics.check_construction_keeps_global_rng(Adafactor.from_torch_args)
 
 
 def test_complex_params_rejected() -> None:

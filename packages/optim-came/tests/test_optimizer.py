@@ -187,10 +187,33 @@ def test_lr_is_required() -> None:
 
 def test_bad_param_group_option_raises() -> None:
     opt = CAME([torch.randn(2, requires_grad=True)], lr=1e-3)
-    with pytest.raises(ValueError, match=r"`betas\[1\]` \(2.0\)"):
-        opt.add_param_group(
-            {"params": [torch.randn(2, requires_grad=True)], "betas": (0.9, 2.0, 0.9)}
-        )
+    bad = {"params": [torch.randn(2, requires_grad=True)], "betas": (0.9, 2.0, 0.9)}
+    basics.check_failed_param_group_is_not_added(opt, bad, r"`betas\[1\]` \(2.0\)")
+
+
+def test_lr_may_come_from_every_param_group() -> None:
+    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(5, requires_grad=True)
+    opt = CAME([{"params": [a], "lr": 1e-2}, {"params": [b], "lr": 3e-3}], lr=None)
+    assert [g["lr"] for g in opt.param_groups] == [1e-2, 3e-3]
+    with pytest.raises(TypeError, match="param group 1: `lr` is required"):
+        CAME([{"params": [a], "lr": 1e-2}, {"params": [b]}], lr=None)
+
+
+def test_numpy_scalars_are_numbers() -> None:
+    np = pytest.importorskip("numpy")
+    p = torch.randn(2, 2, requires_grad=True)
+    betas = (np.float32(0.9), np.float32(0.999), np.float32(0.9999))
+    opt = CAME([p], lr=np.float32(1e-3), betas=betas)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert torch.isfinite(p).all()
+
+
+def test_construction_keeps_global_rng() -> None:
+    basics.check_construction_keeps_global_rng(lambda ps: CAME(ps, lr=1e-3))
+    basics.check_construction_keeps_global_rng(
+        lambda ps: CAME(ps, lr=1e-3, state_dtype=torch.int8, stochastic_rounding=True)
+    )
 
 
 def test_complex_params_rejected() -> None:

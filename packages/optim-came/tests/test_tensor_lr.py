@@ -24,13 +24,14 @@ if _kernels.available(torch.device("cpu")):  # the kernels under the Triton inte
     BACKENDS.append(pytest.param("triton", marks=pytest.mark.interpreter))
 
 
+@pytest.mark.parametrize("lr_dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_tensor_lr_equals_float_lr(weight_decay: float, backend: str) -> None:
+def test_tensor_lr_equals_float_lr(weight_decay: float, backend: str, lr_dtype) -> None:
     """`lr=torch.tensor(1e-3)` equals `lr=1e-3` bit for bit, also when a scheduler changes it."""
     kw = {"weight_decay": weight_decay, "backend": backend}
     check_tensor_lr_equals_float_lr(
-        lambda ps, lr: CAME(ps, lr=lr, **kw), _params(), _grads, steps=6
+        lambda ps, lr: CAME(ps, lr=lr, **kw), _params(), _grads, steps=6, lr_dtype=lr_dtype
     )
 
 

@@ -197,16 +197,17 @@ def check_tensor_lr_equals_float_lr(
     init: Sequence[torch.Tensor],
     grads: Callable[[int], Sequence[torch.Tensor]],
     steps: int,
+    lr_dtype: torch.dtype = torch.float32,
 ) -> torch.optim.Optimizer:
-    """`make_opt(params, torch.tensor(1e-3))` equals `make_opt(params, 1e-3)` bit for bit.
+    """`make_opt(params, torch.tensor(1e-3, dtype=lr_dtype))` equals `make_opt(params, 1e-3)`.
 
     Both step `steps` times on fp32 copies of `grads(t)` (t = 1..steps); a `LambdaLR`
-    (1 / (1 + t)) updates the tensor lr in place (`fill_`, in fp32) and the float run is given
-    the same values. Every parameter must have moved from `init`, and the parameters and every
-    state entry must be equal. Returns the float-lr optimizer.
+    (1 / (1 + t)) updates the tensor lr in place (`fill_`, in `lr_dtype`) and the float run is
+    given the same values, bit for bit. Every parameter must have moved from `init`, and the
+    parameters and every state entry must be equal. Returns the float-lr optimizer.
     """
     pa, pb = clone_params(init), clone_params(init)
-    oa, ob = make_opt(pa, 1e-3), make_opt(pb, torch.tensor(1e-3))
+    oa, ob = make_opt(pa, 1e-3), make_opt(pb, torch.tensor(1e-3, dtype=lr_dtype))
     sched = torch.optim.lr_scheduler.LambdaLR(ob, lambda t: 1 / (1 + t))
     for t in range(1, steps + 1):
         for a, b, g in zip(pa, pb, grads(t), strict=True):
@@ -239,7 +240,8 @@ def check_sr_keeps_sub_ulp_updates(
     `make(params, stochastic_rounding)` builds the optimizer. One step of a (32, 48) bf16
     parameter in [1, 2) (ulp 2^-7) whose fp32 updates are all below half an ulp: round to
     nearest loses at least `min_lost` of them, while the mean of `trials` stochastically rounded
-    steps equals the fp32 step within 6 sigma (each rounding error has variance <= ulp²/4).
+    steps (built after `torch.manual_seed(trial)`) equals the fp32 step within 6 sigma (each
+    rounding error has variance <= ulp²/4).
     `check_bias`: also require round to nearest's error to exceed 3x the mean's (for updates
     large enough that the mean's sampling error is well below them).
     """
@@ -257,7 +259,11 @@ def check_sr_keeps_sub_ulp_updates(
     exact = one_step(p0.float(), False)  # the fp32 result the bf16 steps should average to
     assert (exact - p0.float()).abs().max() < 2**-8
     rtn = one_step(p0, False)
-    sr = torch.stack([one_step(p0, True) for _ in range(trials)])
+    steps = []
+    for trial in range(trials):  # a seed per trial: the optimizer's noise follows torch's seed
+        torch.manual_seed(trial)
+        steps.append(one_step(p0, True))
+    sr = torch.stack(steps)
     assert (sr.mean(0) - exact).abs().max() < 6 * 2**-7 / (2 * trials**0.5)
     assert (rtn == p0.float()).float().mean() >= min_lost
     if check_bias:

@@ -181,3 +181,25 @@ def check_empty_and_zero_dim_params(make_opt: Callable[[list[torch.Tensor]], Any
     params[1].grad = torch.tensor(0.3)
     opt.step()
     assert params[1].item() < 1.5
+
+
+def check_construction_keeps_global_rng(make_opt: Callable[[list[torch.Tensor]], Any]) -> None:
+    """Building the optimizer leaves torch's global random stream where it was.
+
+    A seeded run that switches optimizers keeps its dropout masks and data order (HF's and
+    torch's optimizers draw nothing at construction).
+    """
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    make_opt([torch.zeros(3, 2, requires_grad=True)])
+    assert torch.equal(torch.rand(4), expected)
+
+
+def check_failed_param_group_is_not_added(opt: Any, bad_group: dict[str, Any], match: str) -> None:
+    """`add_param_group(bad_group)` raises naming `match` (and the group) and adds nothing."""
+    before = len(opt.param_groups)
+    with pytest.raises((TypeError, ValueError), match=match) as info:
+        opt.add_param_group(bad_group)
+    assert f"param group {before}" in str(info.value)
+    assert len(opt.param_groups) == before

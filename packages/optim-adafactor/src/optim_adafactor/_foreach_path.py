@@ -54,7 +54,10 @@ def step(works: list[Work]) -> tuple[list[Work], list[Tensor]]:
     torch._foreach_div_(lr_ts, numels)
     torch._foreach_sqrt_(lr_ts)
     torch._foreach_clamp_min_(lr_ts, o.eps2)
-    torch._foreach_mul_(lr_ts, o.relative_step_size(t))
+    rel = o.relative_step_size(t)
+    if isinstance(rel, Tensor):  # a float64 lr tensor rounds to fp32 first, as a float lr does
+        rel = rel.to(lr_ts[0].dtype)
+    torch._foreach_mul_(lr_ts, rel)
     updates = _matrix_updates(mats, weight, eps1) + _vector_updates(
         works[len(mats) :], weight, eps1
     )
@@ -73,7 +76,8 @@ def step(works: list[Work]) -> tuple[list[Work], list[Tensor]]:
     if o.weight_decay != 0:
         assert o.lr is not None
         if isinstance(o.lr, Tensor):
-            torch._foreach_mul_(params, o.lr.mul(-o.weight_decay).add_(1.0))
+            factor = o.lr.mul(-o.weight_decay).add_(1.0).to(params[0].dtype)  # as a float's
+            torch._foreach_mul_(params, factor)
         else:
             torch._foreach_mul_(params, 1.0 - o.lr * o.weight_decay)
     torch._foreach_addcmul_(params, updates, scales)

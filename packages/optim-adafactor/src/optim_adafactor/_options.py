@@ -83,12 +83,20 @@ class GroupOptions:
         return self.lr
 
 
-def parse_group(group: Mapping[str, Any], *, first: bool = False) -> GroupOptions:
+def parse_group(
+    group: Mapping[str, Any],
+    *,
+    first: bool = False,
+    inherited: frozenset[str] = frozenset(),
+    defaults: bool = False,
+) -> GroupOptions:
     """Validate one param group's options; raise `ValueError`/`TypeError` naming the culprit.
 
     `first` (construction, `add_param_group`) adds the checks HF makes only in its constructor:
     an `lr` given with `relative_step=True` (`step()` ignores `lr` then, so that HF's
-    `AdafactorSchedule` may write into it) and a tensor `lr`'s value (a host read).
+    `AdafactorSchedule` may write into it) and a tensor `lr`'s value (a host read). An `lr` in
+    `inherited` (a group's, from the defaults) is ignored with `relative_step=True`; with
+    `defaults` (the constructor's) a missing `lr` may still come from every param group.
     """
     semantics = group["semantics"]
     if semantics not in SEMANTICS:
@@ -142,19 +150,22 @@ def parse_group(group: Mapping[str, Any], *, first: bool = False) -> GroupOption
     relative_step, warmup_init = group["relative_step"], group["warmup_init"]
     scale_parameter = group["scale_parameter"]
     if semantics == "hf":
-        if relative_step and not first:
+        if relative_step and (not first or "lr" in inherited):
             lr = None  # ignored, as in HF (a proxy scheduler may have written into it)
         if lr is not None and relative_step:
             raise ValueError(
                 f"`lr` ({lr}) cannot be combined with `relative_step=True`: pass "
                 "`relative_step=False` to use an external learning rate"
             )
-        if lr is None and not relative_step:
-            raise ValueError("`lr` must be given when `relative_step=False`")
+        if lr is None and not relative_step and not defaults:
+            raise ValueError(
+                "`lr` must be given when `relative_step=False` (to the constructor or to this "
+                "param group)"
+            )
         if warmup_init and not relative_step:
             raise ValueError("`warmup_init=True` requires `relative_step=True`")
     elif semantics == "t2t":
-        if not first:
+        if not first or "lr" in inherited:
             lr = None  # ignored (the relative step is fixed)
         if lr is not None or not relative_step or warmup_init:
             raise ValueError(

@@ -74,6 +74,8 @@ def finish_stats(w: Work) -> None:
     """
     o, st = w.opts, w.state
     rel = o.relative_step_size(w.step)
+    if isinstance(rel, Tensor):  # a float64 lr tensor rounds to fp32 first, as a float lr does
+        rel = rel.to(w.p32.dtype)
     if o.needs_param_rms:
         assert w.psq is not None
         rms = w.psq.div(w.numel).sqrt_()
@@ -158,7 +160,7 @@ def apply(w: Work, usq: Tensor | None, buf: Tensor, *, u_in_buf: bool) -> None:
         if o.weight_decay != 0:  # torch.optim.Adafactor: p *= 1 - lr·wd (its own form)
             assert o.lr is not None
             if isinstance(o.lr, Tensor):
-                p.mul_(o.lr.mul(-o.weight_decay).add_(1.0))
+                p.mul_(o.lr.mul(-o.weight_decay).add_(1.0).to(p.dtype))  # as a float: rounded
             else:
                 p.mul_(1.0 - o.lr * o.weight_decay)
         u = buf if u_in_buf else _materialise_update(w, buf)

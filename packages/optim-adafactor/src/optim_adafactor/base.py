@@ -45,8 +45,8 @@ def decay_(p: Tensor, weight_decay: float, lr: Scalar) -> None:
     0.3% near wd·lr = 1e-5, always in the same direction. A tensor `lr` stays on the device
     (no host sync).
     """
-    if isinstance(lr, Tensor):
-        p.addcmul_(p, lr.to(p.dtype) * -weight_decay)
+    if isinstance(lr, Tensor):  # -wd·lr in float64, rounded once, as a float `alpha` is
+        p.addcmul_(p, lr.to(torch.float64).mul(-weight_decay).to(p.dtype))
     else:
         p.add_(p, alpha=-weight_decay * lr)
 
@@ -116,7 +116,7 @@ class FactoredOptimizer(LosslessState):
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"`backend` ({backend!r}) must be one of {BACKENDS}")
-        self._parse_group(defaults, first=True)  # fail early, naming the argument
+        self._parse_group(defaults, first=True, defaults=True)  # fail early, naming the argument
         self.backend: Backend = backend
         self._row_shards: dict[Tensor, RowShard] = {}
         self._workspaces: dict[tuple[torch.device, torch.dtype, int], Tensor] = {}
@@ -124,13 +124,29 @@ class FactoredOptimizer(LosslessState):
         self._multi_cache: dict[tuple[object, ...], Any] = {}  # multi-tensor tables
         #: Number of collectives the last `step()` issued (row-sharded parameters only).
         self.last_step_collectives = 0
-        # Base seed of the stochastic rounding (drawn from torch's global CPU generator once).
-        self._sr_seed = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
+        # Base seed of the stochastic rounding: drawn from torch's global CPU generator whose
+        # state is then restored, so building the optimizer leaves the global random stream as
+        # it was (dropout, data order), as HF's and torch's optimizers do. The same generator
+        # state gives the same seed (two optimizers built with no draw between them share it).
+        with torch.random.fork_rng(devices=[]):
+            self._sr_seed = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ subclass interface
-    def _parse_group(self, group: dict[str, Any], *, first: bool = False) -> Any:
-        """Abstract (each optimizer implements it): the group's checked options."""
+    def _parse_group(
+        self,
+        group: dict[str, Any],
+        *,
+        first: bool = False,
+        inherited: frozenset[str] = frozenset(),
+        defaults: bool = False,
+    ) -> Any:
+        """Abstract (each optimizer implements it): the group's checked options.
+
+        `first`: at construction or `add_param_group` (checks made once); `inherited`: the
+        options a new group took from the defaults; `defaults`: `group` is the constructor's
+        defaults, whose missing `lr` every param group may still give.
+        """
         raise NotImplementedError
 
     def _init_state(self, p: Tensor, state: dict[str, Any], opts: Any) -> None:
@@ -211,10 +227,21 @@ class FactoredOptimizer(LosslessState):
 
     # ------------------------------------------------------------------ groups and sharding
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group; its options are validated like the constructor's."""
+        """Add a param group; its options are validated like the constructor's (else not added).
+
+        The options it takes from the constructor's defaults are passed as `inherited`: an `lr`
+        given to the constructor is not one this group asked for (HF lets such a group use the
+        relative step).
+        """
+        inherited = frozenset(self.defaults) - frozenset(param_group)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        self._parse_group(group, first=True)
+        try:
+            self._parse_group(group, first=True, inherited=inherited)
+        except (TypeError, ValueError) as err:
+            self.param_groups.pop()
+            index = len(self.param_groups)
+            raise type(err)(f"param group {index}: {err}") from None
         for p in group["params"]:
             if torch.is_complex(p):
                 raise TypeError(

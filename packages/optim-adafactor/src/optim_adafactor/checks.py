@@ -7,6 +7,7 @@ Each returns the checked value or raises a `TypeError`/`ValueError` naming the o
 from __future__ import annotations
 
 import math
+import numbers
 
 from torch import Tensor
 
@@ -22,7 +23,8 @@ def check_bool(name: str, value: object) -> bool:
 
 def check_number(name: str, value: object) -> float:
     """`value` as a finite float, else a `TypeError`/`ValueError` naming `name`."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
+    # numbers.Real: also numpy scalars (np.float32 is not a Python float), as torch accepts
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"`{name}` must be a real number, got {value!r} ({type(value).__name__})")
     number = float(value)
     if not math.isfinite(number):

@@ -117,12 +117,19 @@ class Adafactor(FactoredOptimizer):
         d: float = 1.0,
         weight_decay: float = 0.0,
         *,
+        foreach: bool | None = None,
         maximize: bool = False,
         backend: Backend = "auto",
         stochastic_rounding: bool = False,
     ) -> Adafactor:
-        """An `Adafactor` with `torch.optim.Adafactor`'s signature, defaults and semantics."""
-        return cls(
+        """An `Adafactor` with `torch.optim.Adafactor`'s signature, defaults and semantics.
+
+        `foreach=False` sets `multi_tensor = False` (one parameter at a time); None or True
+        keep the default, the multi-tensor PyTorch step off the CPU.
+        """
+        if foreach is not None and not isinstance(foreach, bool):
+            raise TypeError(f"`foreach` must be a bool or None, got {foreach!r}")
+        opt = cls(
             params,
             lr=lr,
             eps=eps,
@@ -134,10 +141,20 @@ class Adafactor(FactoredOptimizer):
             stochastic_rounding=stochastic_rounding,
             maximize=maximize,
         )
+        if foreach is False:
+            opt.multi_tensor = False
+        return opt
 
     # ------------------------------------------------------------------ FactoredOptimizer hooks
-    def _parse_group(self, group: dict[str, Any], *, first: bool = False) -> GroupOptions:
-        return parse_group(group, first=first)
+    def _parse_group(
+        self,
+        group: dict[str, Any],
+        *,
+        first: bool = False,
+        inherited: frozenset[str] = frozenset(),
+        defaults: bool = False,
+    ) -> GroupOptions:
+        return parse_group(group, first=first, inherited=inherited, defaults=defaults)
 
     def _is_factored(self, p: Tensor, opts: GroupOptions) -> bool:
         """HF / torch factor every >= 2-D tensor; Tensor2Tensor factors only 2-D ones."""

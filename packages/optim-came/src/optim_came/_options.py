@@ -61,15 +61,30 @@ class GroupOptions:
         return 1.0
 
 
-def parse_group(group: Mapping[str, Any], *, first: bool = False) -> GroupOptions:
+def parse_group(
+    group: Mapping[str, Any],
+    *,
+    first: bool = False,
+    inherited: frozenset[str] = frozenset(),
+    defaults: bool = False,
+) -> GroupOptions:
     """Validate one param group; raise `ValueError`/`TypeError` naming the argument and value.
 
     `first` (construction, `add_param_group`) also checks a tensor `lr`'s value (a host read).
+    `defaults`: the constructor's, whose `lr` may be None when every param group gives one.
+    `inherited` (the options a group took from the defaults) changes nothing here.
     """
+    del inherited
     lr = group["lr"]
-    if lr is None:
-        raise TypeError("`lr` is required (CAME has no default learning rate), got None")
-    lr = check_lr(lr, check_value=first)
+    if lr is not None:
+        lr = check_lr(lr, check_value=first)
+    elif defaults:
+        lr = 0.0  # unused: every param group gives its own, checked as the group is added
+    else:
+        raise TypeError(
+            "`lr` is required (CAME has no default learning rate): give it to the constructor "
+            "or to every param group, got None"
+        )
 
     eps1, eps2 = _check_pair("eps", group["eps"], 2)
     eps1 = check_number("eps[0]", eps1)

@@ -43,7 +43,8 @@ class CAME(FactoredOptimizer):
     Args:
         params: Parameters or param groups (every option but `backend` may be set per group).
         lr: Learning rate (required; >= 0; a float, or a one-element tensor used without host
-            sync). came-pytorch's README suggests 0.5-0.9x AdamW's.
+            sync; None only when every param group gives its own). came-pytorch's README
+            suggests 0.5-0.9x AdamW's.
         eps: `(ε1, ε2)`: added to `g²` and to the instability `(û - m)²`.
         clip_threshold: Update-clipping threshold `d` on RMS(u).
         betas: `(β1, β2, β3)`: momentum, second moment, instability.
@@ -71,7 +72,7 @@ class CAME(FactoredOptimizer):
     def __init__(  # noqa: PLR0917 (came-pytorch's positional signature is the anchor)
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float | Tensor,
+        lr: float | Tensor | None,
         eps: tuple[float, float] = (1e-30, 1e-16),
         clip_threshold: float = 1.0,
         betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
@@ -97,8 +98,15 @@ class CAME(FactoredOptimizer):
         super().__init__(params, defaults, backend=backend)
 
     # ------------------------------------------------------------------ FactoredOptimizer hooks
-    def _parse_group(self, group: dict[str, Any], *, first: bool = False) -> GroupOptions:
-        return parse_group(group, first=first)
+    def _parse_group(
+        self,
+        group: dict[str, Any],
+        *,
+        first: bool = False,
+        inherited: frozenset[str] = frozenset(),
+        defaults: bool = False,
+    ) -> GroupOptions:
+        return parse_group(group, first=first, inherited=inherited, defaults=defaults)
 
     def _is_factored(self, p: Tensor, opts: GroupOptions) -> bool:
         return p.dim() >= 2
