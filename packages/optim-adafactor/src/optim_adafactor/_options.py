@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 
 from optim_adafactor.checks import (
+    STEP,
+    GroupCheck,
     Scalar,
     check_bool,
     check_lr,
@@ -83,20 +85,14 @@ class GroupOptions:
         return self.lr
 
 
-def parse_group(
-    group: Mapping[str, Any],
-    *,
-    first: bool = False,
-    inherited: frozenset[str] = frozenset(),
-    defaults: bool = False,
-) -> GroupOptions:
+def parse_group(group: Mapping[str, Any], check: GroupCheck = STEP) -> GroupOptions:
     """Validate one param group's options; raise `ValueError`/`TypeError` naming the culprit.
 
-    `first` (construction, `add_param_group`) adds the checks HF makes only in its constructor:
-    an `lr` given with `relative_step=True` (`step()` ignores `lr` then, so that HF's
-    `AdafactorSchedule` may write into it) and a tensor `lr`'s value (a host read). An `lr` in
-    `inherited` (a group's, from the defaults) is ignored with `relative_step=True`; with
-    `defaults` (the constructor's) a missing `lr` may still come from every param group.
+    `check.first` (construction, `add_param_group`) adds the checks HF makes only in its
+    constructor: an `lr` given with `relative_step=True` (`step()` ignores `lr` then, so that
+    HF's `AdafactorSchedule` may write into it) and a tensor `lr`'s value (a host read). An
+    `lr` in `check.inherited` (from the defaults) is ignored with `relative_step=True`; in the
+    constructor's defaults (`check.defaults`) a missing `lr` may still come from every group.
     """
     semantics = group["semantics"]
     if semantics not in SEMANTICS:
@@ -145,19 +141,19 @@ def parse_group(
 
     lr = group["lr"]
     if lr is not None:
-        lr = check_lr(lr, check_value=first)
+        lr = check_lr(lr, check_value=check.first)
 
     relative_step, warmup_init = group["relative_step"], group["warmup_init"]
     scale_parameter = group["scale_parameter"]
     if semantics == "hf":
-        if relative_step and (not first or "lr" in inherited):
+        if relative_step and (not check.first or "lr" in check.inherited):
             lr = None  # ignored, as in HF (a proxy scheduler may have written into it)
         if lr is not None and relative_step:
             raise ValueError(
                 f"`lr` ({lr}) cannot be combined with `relative_step=True`: pass "
                 "`relative_step=False` to use an external learning rate"
             )
-        if lr is None and not relative_step and not defaults:
+        if lr is None and not relative_step and not check.defaults:
             raise ValueError(
                 "`lr` must be given when `relative_step=False` (to the constructor or to this "
                 "param group)"
@@ -165,7 +161,7 @@ def parse_group(
         if warmup_init and not relative_step:
             raise ValueError("`warmup_init=True` requires `relative_step=True`")
     elif semantics == "t2t":
-        if not first or "lr" in inherited:
+        if not check.first or "lr" in check.inherited:
             lr = None  # ignored (the relative step is fixed)
         if lr is not None or not relative_step or warmup_init:
             raise ValueError(

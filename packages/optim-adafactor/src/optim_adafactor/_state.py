@@ -32,14 +32,7 @@ class LosslessState(Optimizer):
 
     if TYPE_CHECKING:
 
-        def _parse_group(
-            self,
-            group: dict[str, Any],
-            *,
-            first: bool = False,
-            inherited: frozenset[str] = frozenset(),
-            defaults: bool = False,
-        ) -> Any: ...
+        def _parse_group(self, group: dict[str, Any], check: Any = ...) -> Any: ...
 
         def _state_dtype(self, key: str, p: Tensor, opts: Any) -> torch.dtype: ...
 

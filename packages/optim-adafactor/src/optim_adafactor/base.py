@@ -23,7 +23,7 @@ from torch import Tensor
 
 from optim_adafactor._state import LosslessState
 from optim_adafactor._stochastic import copy_stochastic_
-from optim_adafactor.checks import Scalar
+from optim_adafactor.checks import STEP, GroupCheck, Scalar
 from optim_adafactor.dtensor import local_tensor, localize
 from optim_adafactor.factored import chunk_shape
 from optim_adafactor.sharding import Bucket, RowShard, make_row_shard
@@ -116,7 +116,7 @@ class FactoredOptimizer(LosslessState):
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"`backend` ({backend!r}) must be one of {BACKENDS}")
-        self._parse_group(defaults, first=True, defaults=True)  # fail early, naming the argument
+        self._parse_group(defaults, GroupCheck(first=True, defaults=True))  # fail early
         self.backend: Backend = backend
         self._row_shards: dict[Tensor, RowShard] = {}
         self._workspaces: dict[tuple[torch.device, torch.dtype, int], Tensor] = {}
@@ -133,20 +133,8 @@ class FactoredOptimizer(LosslessState):
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ subclass interface
-    def _parse_group(
-        self,
-        group: dict[str, Any],
-        *,
-        first: bool = False,
-        inherited: frozenset[str] = frozenset(),
-        defaults: bool = False,
-    ) -> Any:
-        """Abstract (each optimizer implements it): the group's checked options.
-
-        `first`: at construction or `add_param_group` (checks made once); `inherited`: the
-        options a new group took from the defaults; `defaults`: `group` is the constructor's
-        defaults, whose missing `lr` every param group may still give.
-        """
+    def _parse_group(self, group: dict[str, Any], check: GroupCheck = STEP) -> Any:
+        """Abstract (each optimizer implements it): the group's checked options."""
         raise NotImplementedError
 
     def _init_state(self, p: Tensor, state: dict[str, Any], opts: Any) -> None:
@@ -229,7 +217,7 @@ class FactoredOptimizer(LosslessState):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; its options are validated like the constructor's (else not added).
 
-        The options it takes from the constructor's defaults are passed as `inherited`: an `lr`
+        The options it takes from the constructor's defaults are `GroupCheck.inherited`: an `lr`
         given to the constructor is not one this group asked for (HF lets such a group use the
         relative step).
         """
@@ -237,7 +225,7 @@ class FactoredOptimizer(LosslessState):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            self._parse_group(group, first=True, inherited=inherited)
+            self._parse_group(group, GroupCheck(first=True, inherited=inherited))
         except (TypeError, ValueError) as err:
             self.param_groups.pop()
             index = len(self.param_groups)

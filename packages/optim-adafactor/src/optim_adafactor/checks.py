@@ -8,10 +8,29 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 from torch import Tensor
 
 Scalar = Tensor | float
+
+
+@dataclass(frozen=True)
+class GroupCheck:
+    """When a param group's options are parsed, and what that allows.
+
+    `first`: at construction or `add_param_group` (the checks HF makes once, a tensor `lr`'s
+    value); `inherited`: the options a new group took from the constructor's defaults;
+    `defaults`: the group is the constructor's defaults, whose missing `lr` every param group
+    may still give. The default instance is a step's parse.
+    """
+
+    first: bool = False
+    inherited: frozenset[str] = frozenset()
+    defaults: bool = False
+
+
+STEP = GroupCheck()
 
 
 def check_bool(name: str, value: object) -> bool:

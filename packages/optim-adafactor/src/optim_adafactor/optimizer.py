@@ -13,7 +13,7 @@ from optim_adafactor import _foreach_path, _torch_path, quant
 from optim_adafactor._options import GroupOptions, Semantics, parse_group
 from optim_adafactor._torch_path import Work
 from optim_adafactor.base import Backend, FactoredOptimizer, StepWork, stat_dtype
-from optim_adafactor.checks import Scalar
+from optim_adafactor.checks import STEP, GroupCheck, Scalar
 from optim_adafactor.dtensor import local_tensor
 from optim_adafactor.sharding import Bucket
 
@@ -146,15 +146,8 @@ class Adafactor(FactoredOptimizer):
         return opt
 
     # ------------------------------------------------------------------ FactoredOptimizer hooks
-    def _parse_group(
-        self,
-        group: dict[str, Any],
-        *,
-        first: bool = False,
-        inherited: frozenset[str] = frozenset(),
-        defaults: bool = False,
-    ) -> GroupOptions:
-        return parse_group(group, first=first, inherited=inherited, defaults=defaults)
+    def _parse_group(self, group: dict[str, Any], check: GroupCheck = STEP) -> GroupOptions:
+        return parse_group(group, check)
 
     def _is_factored(self, p: Tensor, opts: GroupOptions) -> bool:
         """HF / torch factor every >= 2-D tensor; Tensor2Tensor factors only 2-D ones."""

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from optim_adafactor.checks import (
+    STEP,
+    GroupCheck,
     Scalar,
     check_bool,
     check_lr,
@@ -61,24 +63,17 @@ class GroupOptions:
         return 1.0
 
 
-def parse_group(
-    group: Mapping[str, Any],
-    *,
-    first: bool = False,
-    inherited: frozenset[str] = frozenset(),
-    defaults: bool = False,
-) -> GroupOptions:
+def parse_group(group: Mapping[str, Any], check: GroupCheck = STEP) -> GroupOptions:
     """Validate one param group; raise `ValueError`/`TypeError` naming the argument and value.
 
-    `first` (construction, `add_param_group`) also checks a tensor `lr`'s value (a host read).
-    `defaults`: the constructor's, whose `lr` may be None when every param group gives one.
-    `inherited` (the options a group took from the defaults) changes nothing here.
+    `check.first` (construction, `add_param_group`) also checks a tensor `lr`'s value (a host
+    read); in the constructor's defaults (`check.defaults`) `lr` may be None when every param
+    group gives one.
     """
-    del inherited
     lr = group["lr"]
     if lr is not None:
-        lr = check_lr(lr, check_value=first)
-    elif defaults:
+        lr = check_lr(lr, check_value=check.first)
+    elif check.defaults:
         lr = 0.0  # unused: every param group gives its own, checked as the group is added
     else:
         raise TypeError(

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from optim_adafactor import quant
 from optim_adafactor.base import Backend, FactoredOptimizer, StepWork, stat_dtype
+from optim_adafactor.checks import STEP, GroupCheck
 from optim_adafactor.dtensor import local_tensor
 from optim_adafactor.sharding import Bucket
 from optim_came import _torch_path
@@ -98,15 +99,8 @@ class CAME(FactoredOptimizer):
         super().__init__(params, defaults, backend=backend)
 
     # ------------------------------------------------------------------ FactoredOptimizer hooks
-    def _parse_group(
-        self,
-        group: dict[str, Any],
-        *,
-        first: bool = False,
-        inherited: frozenset[str] = frozenset(),
-        defaults: bool = False,
-    ) -> GroupOptions:
-        return parse_group(group, first=first, inherited=inherited, defaults=defaults)
+    def _parse_group(self, group: dict[str, Any], check: GroupCheck = STEP) -> GroupOptions:
+        return parse_group(group, check)
 
     def _is_factored(self, p: Tensor, opts: GroupOptions) -> bool:
         return p.dim() >= 2
