@@ -14,6 +14,7 @@ from prune_distill import (
     DistillConfig,
     PruneTarget,
     collect_importance,
+    correct_teacher,
     distill,
     evaluate_kl,
     prune,
@@ -49,21 +50,55 @@ def test_distillation_lowers_heldout_kl_and_leaves_teacher_alone(arch, make, dat
     assert all(p.grad is None for p in teacher.parameters())
 
 
-def test_grad_accumulation_equals_one_big_batch(make, data):
+def _sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def _padded(batch: dict[str, torch.Tensor], valid: list[int]) -> dict[str, torch.Tensor]:
+    """`batch` with right padding: row i keeps its first valid[i] tokens."""
+    mask = torch.zeros_like(batch["input_ids"])
+    for row, n in enumerate(valid):
+        mask[row, :n] = 1
+    return {**batch, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_grad_accumulation_equals_one_big_batch(make, data, padded):
+    """With padding, the micro-batches hold 24, 10 and 3 valid tokens: each micro-batch's token
+    sums are divided by the group's 37 tokens (the CE by its 34 targets), as one batch would."""
     teacher = make("qwen2", seed=1)
     base = make("qwen2", seed=2)
-    micro = data(2, batch_size=2, seed=3)
-    big = [{"input_ids": torch.cat([b["input_ids"] for b in micro])}]
-
-    def sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=0.5)
+    micro = data(3, batch_size=2, seed=3)
+    if padded:
+        micro = [_padded(b, v) for b, v in zip(micro, [[12, 12], [7, 3], [1, 2]], strict=True)]
+    big = [{k: torch.cat([b[k] for b in micro]) for k in micro[0]}]
 
     a, b = copy.deepcopy(base), copy.deepcopy(base)
-    cfg = DistillConfig(optimizer=sgd, max_grad_norm=None, lm_loss_weight=0.5)
-    ra = distill(a, teacher, micro, dataclasses_replace(cfg, grad_accumulation_steps=2))
+    cfg = DistillConfig(optimizer=_sgd, max_grad_norm=None, lm_loss_weight=0.5)
+    if padded:  # and the hidden-state loss, also a mean over valid tokens
+        cfg = dataclasses_replace(cfg, hidden_loss_weight=0.3)
+    ra = distill(a, teacher, micro, dataclasses_replace(cfg, grad_accumulation_steps=3))
     rb = distill(b, teacher, big, cfg)
     assert ra.steps == rb.steps == 1
-    assert ra.losses[0] == pytest.approx(rb.losses[0], rel=1e-5)
+    assert ra.tokens == rb.tokens == (37 if padded else 72)
+    for logged in ("losses", "kl", "lm_loss", "hidden_loss"):
+        got, want = getattr(ra, logged)[0], getattr(rb, logged)[0]
+        assert got == pytest.approx(want, rel=1e-5, nan_ok=True), logged
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_trailing_partial_group_is_a_smaller_group(make, data):
+    teacher = make("qwen2", seed=1)
+    base = make("qwen2", seed=2)
+    micro = [_padded(b, [9, 4]) for b in data(3, batch_size=2, seed=4)]
+    groups = [{k: torch.cat([micro[0][k], micro[1][k]]) for k in micro[0]}, micro[2]]
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    cfg = DistillConfig(optimizer=_sgd, max_grad_norm=None)
+    ra = distill(a, teacher, micro, dataclasses_replace(cfg, grad_accumulation_steps=2))
+    rb = distill(b, teacher, groups, cfg)
+    assert ra.steps == rb.steps == 2
+    assert ra.losses == pytest.approx(rb.losses, rel=1e-5)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6, msg=name)
 
@@ -116,6 +151,72 @@ def test_config_validation():
         DistillConfig(top_k=0)
     with pytest.raises(ValueError, match="`grad_accumulation_steps`"):
         DistillConfig(grad_accumulation_steps=0)
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"max_grad_norm": -1.0}, r"`max_grad_norm` \(-1\.0\) must be a number > 0, or None"),
+        ({"max_grad_norm": 0}, r"`max_grad_norm` \(0\) must be a number > 0"),
+        ({"max_grad_norm": NAN}, r"`max_grad_norm` \(nan\)"),
+        ({"lr": -1e-3}, r"`lr` \(-0\.001\) must be >= 0 \(a finite number\)"),
+        ({"lr": NAN}, r"`lr` \(nan\)"),
+        ({"lr": True}, r"`lr` \(True\)"),
+        ({"weight_decay": -0.1}, r"`weight_decay` \(-0\.1\) must be >= 0 \(a finite number\)"),
+        ({"kl_weight": NAN}, r"`kl_weight` \(nan\)"),
+        ({"temperature": INF}, r"`temperature` \(inf\) must be > 0 \(a finite number\)"),
+        ({"kl_backend": "cuda"}, r"`kl_backend` \('cuda'\) must be one of 'auto', 'torch', 'tri"),
+        ({"chunk_size": 0}, r"`chunk_size` \(0\) must be an int >= 1 or None"),
+        ({"chunk_size": -5}, r"`chunk_size` \(-5\) must be an int >= 1 or None"),
+        ({"chunk_size": 2.5}, r"`chunk_size` \(2\.5\) must be an int"),
+        ({"chunk_size": True}, r"`chunk_size` \(True\) must be an int"),
+        ({"top_k": 2.5}, r"`top_k` \(2\.5\) must be >= 1 \(an int\) or None"),
+        ({"top_k": True}, r"`top_k` \(True\)"),
+        ({"grad_accumulation_steps": 1.5}, r"`grad_accumulation_steps` \(1\.5\) must be an int"),
+        ({"grad_accumulation_steps": True}, r"`grad_accumulation_steps` \(True\)"),
+        ({"max_steps": 2.5}, r"`max_steps` \(2\.5\) must be an int >= 1 or None"),
+        ({"max_steps": 0}, r"`max_steps` \(0\) must be an int >= 1 or None"),
+        (
+            {"top_k": 8, "kl_backend": "triton"},
+            r"`kl_backend` 'triton' takes the dense teacher only, but `top_k` is 8",
+        ),
+        (
+            {"chunk_size": None, "kl_backend": "triton"},
+            r"`kl_backend` 'triton' conflicts with `chunk_size` None",
+        ),
+    ],
+)
+def test_config_rejects_bad_values_naming_the_field(fields, match):
+    with pytest.raises(ValueError, match=match):
+        DistillConfig(**fields)
+
+
+def test_config_keeps_every_sensible_value():
+    for fields in (
+        {},
+        {"max_grad_norm": None},
+        {"max_grad_norm": INF},  # measure the norm, never clip
+        {"max_grad_norm": 5},
+        {"lr": 0.0},
+        {"lr": 1, "weight_decay": 0.1},
+        {"temperature": 2},
+        {"chunk_size": None},
+        {"chunk_size": 1, "kl_backend": "triton"},
+        {"top_k": 8, "kl_backend": "torch"},
+        {"top_k": 8, "kl_backend": "auto", "chunk_size": None},
+        {"max_steps": 3, "grad_accumulation_steps": 4},
+    ):
+        DistillConfig(**fields)
+
+
+def test_correct_teacher_checks_its_loop_settings(make):
+    with pytest.raises(ValueError, match=r"`max_grad_norm` \(-1\.0\)"):
+        correct_teacher(make("llama"), [], steps=1, max_grad_norm=-1.0)
+    with pytest.raises(ValueError, match=r"`steps` \(1\.5\) must be an int >= 1"):
+        correct_teacher(make("llama"), [], steps=1.5)  # type: ignore[arg-type]
 
 
 def test_end_to_end_train_prune_distill(make, patterns):

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from prune_distill import PruneTarget, collect_importance, prune
+from prune_distill import PruneTarget, SearchSpace, collect_importance, prune, search
+from prune_distill.search import count_params
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,12 @@ def test_bad_targets(llama_and_scores, target, match):
             r"`num_key_value_heads` \(4\) must divide `num_attention_heads` \(6\)",
         ),
         ({"layer_metric": "random"}, ValueError, r"`layer_metric` \('random'\) must be"),
+        ({"drop_layers": 1}, TypeError, r"`drop_layers` \(1\) must be a tuple or list"),
+        ({"drop_layers": "01"}, TypeError, r"`drop_layers` \('01'\) must be a tuple or list"),
+        ({"drop_layers": ("0",)}, ValueError, r"`drop_layers` \(\('0',\)\) must hold distinct"),
+        ({"drop_layers": (1, 1)}, ValueError, r"`drop_layers` \(\(1, 1\)\) must hold distinct"),
+        ({"drop_layers": [-1]}, ValueError, r"`drop_layers` \(\[-1\]\) must hold distinct non-neg"),
+        ({"drop_layers": (True,)}, ValueError, r"`drop_layers` \(\(True,\)\) must hold"),
     ],
 )
 def test_targets_are_checked_when_built(fields, error, match):
@@ -81,6 +88,34 @@ def test_gpt2_constraints(make, data):
         prune(model, scores, PruneTarget(hidden_size=48))
     with pytest.raises(ValueError, match="`num_key_value_heads`"):
         prune(model, scores, PruneTarget(num_key_value_heads=2))
+    # the suggestion keeps the sizes asked for, not the unpruned 4 heads / 64 channels
+    with pytest.raises(ValueError, match=r"e\.g\. num_attention_heads=3, hidden_size=48$"):
+        prune(model, scores, PruneTarget(num_attention_heads=3))
+    with pytest.raises(ValueError, match=r"e\.g\. num_attention_heads=2, hidden_size=32$"):
+        prune(model, scores, PruneTarget(hidden_size=32))
+    both = r"e\.g\. num_attention_heads=3, hidden_size=48 or num_attention_heads=2, hidden_size=32$"
+    with pytest.raises(ValueError, match=both):
+        prune(model, scores, PruneTarget(num_attention_heads=3, hidden_size=32))
+
+
+def test_search_says_why_every_shape_was_skipped(make, data):
+    model = make("gpt2")  # 4 heads of 16: hidden_size 48 needs 3 heads
+    scores = collect_importance(model, data(1), layer_loss=False)
+    n = count_params(model)
+    kw = {"train_batches": data(1), "val_batches": data(1)}
+    with pytest.raises(ValueError, match="none of the 2 shapes") as info:
+        search(model, scores, SearchSpace(hidden_size=(48, 32)), params=n, tolerance=0.99, **kw)
+    assert str(info.value).startswith("none of the 2 shapes of SearchSpace(")
+    assert "; 2 of 2 skipped, most often (2x) because `hidden_size` (48) != " in str(info.value)
+    assert "`num_attention_heads` (4) x head_dim (16), which gpt2 needs" in str(info.value)
+    # some shapes counted, none within the budget: their range, then the skipped ones
+    space = SearchSpace(hidden_size=(64, 48), num_hidden_layers=(1,))
+    with pytest.raises(ValueError, match=r"has 10 parameters within ±5%: the 1 prunable shapes ha"):
+        search(model, scores, space, params=10, **kw)
+    with pytest.raises(ValueError, match=r"; 1 of 2 skipped, most often \(1x\) because `hidden_s"):
+        search(model, scores, space, params=10, **kw)
+    with pytest.raises(ValueError, match=r"`intermediate_size` \(999\) > the model's 96"):
+        search(model, scores, SearchSpace(intermediate_size=(999,)), params=n, **kw)
 
 
 def test_unsupported_architecture():

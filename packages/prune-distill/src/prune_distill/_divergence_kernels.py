@@ -27,11 +27,21 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from prune_distill._kl_kernels import _kl_kernel, online_lse, row_starts, scaled_block
+    from prune_distill._kl_kernels import (
+        LOG_ZERO,
+        LOWEST,
+        _kl_kernel,
+        online_lse,
+        row_starts,
+        scaled_block,
+    )
 
     @triton.jit
     def log_mixture(log_p, log_q, log_beta, log_1m_beta):  # type: ignore[no-untyped-def]
-        """``log m`` of the JSD's mixture: ``logaddexp(log β + log p, log(1-β) + log q)``."""
+        """``log m`` of the JSD's mixture: ``logaddexp(log β + log p, log(1-β) + log q)``.
+
+        `log_p` and `log_q` are finite (floored at `LOG_ZERO`), so the shift `hi` is too.
+        """
         x = log_p + log_beta
         y = log_q + log_1m_beta
         hi = tl.maximum(x, y)
@@ -49,13 +59,16 @@ if HAS_TRITON:
         Jacobian subtracts the ``q``-weighted mean. ``log m`` needs both final normalisers, so
         three sweeps: online log-sum-exp of ``a`` and ``b``; both KL terms, with
         ``log m = logaddexp(log β + log p, log(1-β) + log q)``; the gradient. The terms are sums
-        of ``p (log p - log m)`` over log-probabilities (no ``lse(a) - lse(b)`` cancellation),
-        and padding lanes have probability 0 with finite log terms, so they add nothing.
+        of ``p (log p - log m)`` over log-probabilities (no ``lse(a) - lse(b)`` cancellation).
+        A lane of probability 0 (padding, or a ``-inf`` logit) adds ``0 · log 0 = 0``, and so
+        does its gradient: log-probabilities are floored at `LOG_ZERO` (finite, ``exp`` of it 0),
+        so the product is ``0 · finite`` where ``-inf`` would give nan. Every real
+        log-probability is above the floor, so the other lanes are unchanged.
         """
         row, s_row, t_row = row_starts(s_ptr, t_ptr, stride_s, stride_t)
-        m_s = float("-inf")
+        m_s = LOWEST
         d_s = 0.0
-        m_t = float("-inf")
+        m_t = LOWEST
         d_t = 0.0
         for start in range(0, n_cols, BLOCK_V):  # sweep 1: both log-sum-exps
             cols = start + tl.arange(0, BLOCK_V)
@@ -71,8 +84,8 @@ if HAS_TRITON:
         for start in range(0, n_cols, BLOCK_V):  # sweep 2: both KL terms to the mixture
             cols, valid, a, b = scaled_block(s_row, t_row, start, n_cols, inv_temp, BLOCK_V)
             # padding lanes: finite log-probs (logits 0) but probability 0, so they add 0
-            log_q = a - lse_s
-            log_p = b - lse_t
+            log_q = tl.maximum(a - lse_s, LOG_ZERO)
+            log_p = tl.maximum(b - lse_t, LOG_ZERO)
             log_m = log_mixture(log_p, log_q, log_beta, log_1m_beta)
             p = tl.where(valid, tl.exp(log_p), 0.0)
             q = tl.where(valid, tl.exp(log_q), 0.0)
@@ -85,8 +98,8 @@ if HAS_TRITON:
             scale = w * temp * (1.0 - beta)
             for start in range(0, n_cols, BLOCK_V):
                 cols, valid, a, b = scaled_block(s_row, t_row, start, n_cols, inv_temp, BLOCK_V)
-                log_q = a - lse_s
-                log_m = log_mixture(b - lse_t, log_q, log_beta, log_1m_beta)
+                log_q = tl.maximum(a - lse_s, LOG_ZERO)
+                log_m = log_mixture(tl.maximum(b - lse_t, LOG_ZERO), log_q, log_beta, log_1m_beta)
                 g = tl.exp(log_q) * (log_q - log_m - kl_qm) * scale
                 tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=valid)
 
@@ -97,30 +110,47 @@ KINDS = ("reverse_kl", "jsd")
 
 # ---------------------------------------------------------------------------------- reference
 def divergence_rows(
-    kind: str, log_q: Tensor, log_p: Tensor, beta: float, *, need_grad: bool = True
-) -> tuple[Tensor, Tensor | None]:
-    """Per-row divergence (N,) and its gradient w.r.t. the student's scaled logits ``a`` (N, V).
+    kind: str,
+    log_q: Tensor,
+    log_p: Tensor,
+    beta: float,
+    *,
+    need_grad: bool = True,
+    need_teacher_grad: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Per-row divergence (N,) and its gradients w.r.t. the scaled logits ``a`` and ``b`` (N, V).
 
-    `log_q` / `log_p` are fp32 student / teacher log-probabilities (``log_p`` may hold ``-inf``
-    where the teacher has no mass, e.g. outside a top-k; JSD only). The math of the kernels, in
-    PyTorch; the chunked path and `fused_divergence_reference` both use it, and the plain
-    autograd reference uses its loss with ``need_grad=False`` (the gradient is then None).
+    `log_q` / `log_p` are fp32 student / teacher log-probabilities; either may hold ``-inf``
+    (probability 0: a masked id, or outside a top-k teacher). Terms of probability 0 add 0
+    (``0 · log 0 = 0``), also where both are ``-inf``. The math of the kernels, in PyTorch; the
+    chunked path and `fused_divergence_reference` both use it, and the plain autograd reference
+    uses its loss with ``need_grad=False``: every log difference is masked *before* it is
+    multiplied, so autograd's gradient is finite there too. Returns ``(rows, d rows / d a,
+    d rows / d b)``, a gradient None unless asked for.
     """
     q = log_q.exp()
     if kind == "reverse_kl":
-        r = q * (log_q - log_p)
+        r = q * torch.where(q > 0, log_q - log_p, 0.0)
         rows = r.sum(-1)
-        return rows, r - q * rows[:, None] if need_grad else None
+        grad_a = r - q * rows[:, None] if need_grad else None
+        return rows, grad_a, log_p.exp() - q if need_teacher_grad else None
     assert kind == "jsd", kind
     assert 0.0 < beta < 1.0, beta
-    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+    # log m = logaddexp(log β + log p, log(1-β) + log q); where both are -inf it is never read,
+    # but logaddexp's backward at (-inf, -inf) is nan even for a zero incoming gradient
+    dead = (log_p == float("-inf")) & (log_q == float("-inf"))
+    log_m = torch.logaddexp(
+        log_p.masked_fill(dead, 0.0) + math.log(beta),
+        log_q.masked_fill(dead, 0.0) + math.log1p(-beta),
+    )
     p = log_p.exp()
-    # p log(p / m) is 0 where p is 0 (log p = -inf would give 0 * -inf = nan)
-    kl_pm = torch.where(p > 0, p * (log_p - log_m), 0.0).sum(-1)
-    t_qm = q * (log_q - log_m)
-    kl_qm = t_qm.sum(-1)
+    t_pm = p * torch.where(p > 0, log_p - log_m, 0.0)
+    t_qm = q * torch.where(q > 0, log_q - log_m, 0.0)
+    kl_pm, kl_qm = t_pm.sum(-1), t_qm.sum(-1)
     rows = beta * kl_pm + (1.0 - beta) * kl_qm
-    return rows, (1.0 - beta) * (t_qm - q * kl_qm[:, None]) if need_grad else None
+    grad_a = (1.0 - beta) * (t_qm - q * kl_qm[:, None]) if need_grad else None
+    grad_b = beta * (t_pm - p * kl_pm[:, None]) if need_teacher_grad else None
+    return rows, grad_a, grad_b
 
 
 def fused_divergence_reference(
@@ -136,7 +166,7 @@ def fused_divergence_reference(
     """PyTorch statement of `fused_divergence`'s contract (fp32 (N, V) temporaries: tests only)."""
     log_q = F.log_softmax(student.float() / temperature, dim=-1)
     log_p = F.log_softmax(teacher.float() / temperature, dim=-1)
-    rows, grad_a = divergence_rows(kind, log_q, log_p, beta, need_grad=need_grad)
+    rows, grad_a, _ = divergence_rows(kind, log_q, log_p, beta, need_grad=need_grad)
     w = weights.float()
     loss = rows * w * temperature * temperature
     if grad_a is None:

@@ -39,14 +39,22 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    LOWEST = tl.constexpr(-3.4028234663852886e38)
+    """The lowest finite fp32: where a running max starts, so that a block of ``-inf`` logits
+    (masked ids) shifts by a finite number (``exp(-inf - -inf)`` would be nan)."""
+    LOG_ZERO = tl.constexpr(-1e30)
+    """A finite stand-in for the log of a probability 0 (``-inf``): every real log-probability is
+    above it, ``exp`` of it is 0, and differences with it stay finite, so ``0 · log 0`` is 0."""
+
     @triton.jit
     def online_lse(m, d, x):  # type: ignore[no-untyped-def]
         """One block `x` (padding lanes ``-inf``) of an online log-sum-exp: max `m`, Σexp `d`.
 
         Milakov & Gimelshein's update of the running max `m` and ``d = Σ exp(x - m)``. Returns
         ``(new max, new Σexp, rescale factor exp(m - new max), exp(x - new max))``; the caller
-        rescales its own running sums by the factor. Every block holds >= 1 valid lane, so the
-        new max is finite and the first factor is ``exp(-inf) = 0``.
+        rescales its own running sums by the factor. The running max starts at `LOWEST`, not
+        ``-inf``, so it stays finite through blocks of ``-inf`` logits (masked ids, or padding),
+        whose terms are then ``exp(-inf) = 0``.
         """
         new_m = tl.maximum(m, tl.max(x, axis=0))
         alpha = tl.exp(m - new_m)
@@ -78,19 +86,20 @@ if HAS_TRITON:
         ``KL(softmax(x) || softmax(y)) = E[x - y] - lse(x) + lse(y)``, from one read of both rows:
         online (max, Σexp) of each and ``acc = Σ exp(x - m_x)(x - y)`` rescaled with ``x``'s
         running max (``E[x - y] = acc / Σexp_x``). Sums are fp32 in vocabulary order; exponents
-        are of ``x - running max <= 0``, so ±1e4 logits cannot overflow; padding lanes read
-        ``-inf`` (``exp`` gives 0) and 0 for ``x - y``.
+        are of ``x - running max <= 0``, so ±1e4 logits cannot overflow. A lane where
+        ``exp(x - m_x)`` is 0 (padding, or a ``-inf`` logit of ``x``) adds ``0 · log 0 = 0``: it
+        is dropped with `tl.where`, since ``x - y`` there may be ``-inf`` or nan.
         """
-        m_x = float("-inf")  # running max of x
+        m_x = LOWEST  # running max of x
         d_x = 0.0  # Σ exp(x - m_x)
-        m_y = float("-inf")
+        m_y = LOWEST
         d_y = 0.0
         acc = 0.0  # Σ exp(x - m_x) · (x - y)
         for start in range(0, n_cols, BLOCK_V):
             _, valid, x, y = scaled_block(x_row, y_row, start, n_cols, inv_temp, BLOCK_V)
-            # e_x is 0 on padding lanes, where x - y = 0 - 0 as well
             m_x, d_x, alpha, e_x = online_lse(m_x, d_x, tl.where(valid, x, float("-inf")))
-            acc = acc * alpha + tl.sum(e_x * (x - y), axis=0)  # e_x used at once: fewer registers
+            # e_x used at once: fewer registers
+            acc = acc * alpha + tl.sum(tl.where(e_x > 0.0, e_x * (x - y), 0.0), axis=0)
             m_y, d_y, _, _ = online_lse(m_y, d_y, tl.where(valid, y, float("-inf")))
         lse_x = m_x + tl.log(d_x)
         lse_y = m_y + tl.log(d_y)
@@ -106,7 +115,9 @@ if HAS_TRITON:
         ``p = softmax(t/T)`` (teacher), ``q = softmax(s/T)`` (student). Sweep 1 is `kl_sweep`,
         teacher first for the forward KL, student first for the reverse (MiniLLM's); sweep 2
         (only with a gradient) re-reads both rows and writes the student gradient in the
-        logits' dtype: ``w·T·(q - p)``, or ``w·T·q·(log q - log p - KL)`` when `REVERSE`.
+        logits' dtype: ``w·T·(q - p)``, or ``w·T·q·(log q - log p - KL)`` when `REVERSE`
+        (0 where ``q = 0``: the log-probabilities are floored at `LOG_ZERO`, since a ``-inf``
+        student logit would make ``log q - log p`` nan).
         """
         row, s_row, t_row = row_starts(s_ptr, t_ptr, stride_s, stride_t)
         if REVERSE:
@@ -123,8 +134,10 @@ if HAS_TRITON:
             for start in range(0, n_cols, BLOCK_V):
                 cols, valid, a, b = scaled_block(s_row, t_row, start, n_cols, inv_temp, BLOCK_V)
                 log_q = a - lse_s
-                if REVERSE:
-                    g = tl.exp(log_q) * (log_q - (b - lse_t) - kl) * scale
+                if REVERSE:  # q = 0 lanes: finite log terms (LOG_ZERO), so 0 · (...) = 0
+                    log_q = tl.maximum(log_q, LOG_ZERO)
+                    log_p = tl.maximum(b - lse_t, LOG_ZERO)
+                    g = tl.exp(log_q) * (log_q - log_p - kl) * scale
                 else:
                     g = (tl.exp(log_q) - tl.exp(b - lse_t)) * scale
                 tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=valid)
@@ -141,7 +154,8 @@ def fused_kl_reference(
     logp_s = F.log_softmax(student.float() / temperature, dim=-1)
     logp_t = F.log_softmax(teacher.float() / temperature, dim=-1)
     w = weights.float()
-    kl = (logp_t.exp() * (logp_t - logp_s)).sum(-1)
+    p = logp_t.exp()
+    kl = (p * torch.where(p > 0, logp_t - logp_s, 0.0)).sum(-1)  # 0 log 0 = 0
     loss = kl * w * temperature * temperature
     if not need_grad:
         return loss, None

@@ -6,9 +6,11 @@ can build and check them (e.g. leanlm validating a config file) without loading 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from numbers import Integral, Real
+from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +33,8 @@ HiddenLossType = Literal["cosine", "mse"]
 
 Backend = Literal["auto", "torch", "triton"]
 """Which implementation `forward_kl` runs; see `prune_distill.losses`."""
+
+BACKENDS: tuple[str, ...] = get_args(Backend)
 
 LossName = Literal["forward_kl", "reverse_kl", "jsd"]
 """The logit distillation loss; see `prune_distill.divergences`."""
@@ -60,6 +64,34 @@ def check_loss(loss: str, beta: float, *, top_k: bool) -> None:
         )
 
 
+def _is_int(value: object) -> bool:
+    """An int (or another integral type) that is not a bool."""
+    return not isinstance(value, bool) and isinstance(value, Integral)
+
+
+def _check_int(name: str, value: object, *, optional: bool = False) -> None:
+    """Raise a ValueError naming `name` unless `value` is an int >= 1 (or None if `optional`)."""
+    if optional and value is None:
+        return
+    if not _is_int(value) or value < 1:  # type: ignore[operator]
+        raise ValueError(
+            f"`{name}` ({value!r}) must be an int >= 1" + (" or None" if optional else "")
+        )
+
+
+def _is_real(value: object) -> bool:
+    """A real number that is not a bool or nan."""
+    return not isinstance(value, bool) and isinstance(value, Real) and not math.isnan(value)
+
+
+def _check_number(name: str, value: object, *, low: float, strict: bool) -> None:
+    """Raise a ValueError naming `name` unless `value` is a finite number >= `low` (> if strict)."""
+    ok = _is_real(value) and math.isfinite(value)  # type: ignore[arg-type]
+    if not ok or value < low or (strict and value == low):  # type: ignore[operator]
+        bound = f"> {low:g}" if strict else f">= {low:g}"
+        raise ValueError(f"`{name}` ({value!r}) must be {bound} (a finite number)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class DistillConfig:
     """How `distill` trains the student."""
@@ -72,9 +104,10 @@ class DistillConfig:
     """Weight of the student's next-token cross-entropy (Minitron: 0, KL only)."""
     top_k: int | None = None
     """Keep only the teacher's top-k logits (renormalised); None uses the full vocabulary.
-    Minitron saw quality losses for k <= 100."""
+    Minitron saw quality losses for k <= 100. Not with `kl_backend` "triton" (dense only)."""
     chunk_size: int | None = 1024
-    """Token rows per chunk of the memory-lean KL; None uses plain autograd."""
+    """Token rows per chunk of the memory-lean KL; None uses plain autograd (not with
+    `kl_backend` "triton")."""
     loss: LossName = "forward_kl"
     """The logit loss (`prune_distill.divergence`): "forward_kl" KL(teacher || student)
     (Minitron's), "reverse_kl" KL(student || teacher) (not with `top_k` or cached top-k logits)
@@ -95,11 +128,14 @@ class DistillConfig:
     scheduler: SchedulerFactory | None = None
     """Builds an LR scheduler from the optimizer, stepped once per optimizer step."""
     grad_accumulation_steps: int = 1
-    """Micro-batches per optimizer step (a trailing partial group is stepped, rescaled)."""
+    """Micro-batches per optimizer step. Each micro-batch's losses are token sums divided by
+    the valid tokens of its whole group (read from the group's masks and labels before its
+    first forward), so a step equals one batch of the same sequences, whatever the padding;
+    a trailing partial group is a smaller group."""
     max_steps: int | None = None
     """Stop after this many optimizer steps; None runs through `batches` once."""
     max_grad_norm: float | None = 1.0
-    """Clip the global gradient norm; None disables clipping."""
+    """Clip the global gradient norm to this value (> 0); None disables clipping."""
     hidden_loss_weight: float = 0.0
     """Weight of the intermediate hidden-state loss (`HiddenStateLoss`); 0 = off. Minitron found it
     helps only when depth is cut a lot (Table 17); with different hidden sizes a learned linear
@@ -117,15 +153,10 @@ class DistillConfig:
     torch's global RNG."""
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"`temperature` ({self.temperature}) must be > 0")
-        if self.kl_weight < 0 or self.lm_loss_weight < 0:
-            raise ValueError(
-                f"`kl_weight` ({self.kl_weight}) and `lm_loss_weight` ({self.lm_loss_weight}) "
-                "must be >= 0"
-            )
-        if not self.hidden_loss_weight >= 0:
-            raise ValueError(f"`hidden_loss_weight` ({self.hidden_loss_weight}) must be >= 0")
+        """Check every value and combination that needs no model (errors name the field)."""
+        _check_number("temperature", self.temperature, low=0.0, strict=True)
+        for name in ("kl_weight", "lm_loss_weight", "hidden_loss_weight", "lr", "weight_decay"):
+            _check_number(name, getattr(self, name), low=0.0, strict=False)
         if self.kl_weight == 0 and self.lm_loss_weight == 0 and self.hidden_loss_weight == 0:
             raise ValueError(
                 "`kl_weight`, `lm_loss_weight` and `hidden_loss_weight` are all 0: nothing to "
@@ -139,22 +170,39 @@ class DistillConfig:
             bad = {
                 s: t
                 for s, t in self.hidden_layer_map.items()
-                if not (isinstance(s, int) and isinstance(t, int) and s >= 0 and t >= 0)
+                if not (_is_int(s) and _is_int(t) and s >= 0 and t >= 0)
             }
             if bad or not self.hidden_layer_map:
                 raise ValueError(
                     f"`hidden_layer_map` ({dict(self.hidden_layer_map)}) must map student layer "
                     "indices to teacher layer indices (non-negative ints), at least one pair"
                 )
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"`top_k` ({self.top_k}) must be >= 1 or None")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            raise ValueError(f"`top_k` ({self.top_k!r}) must be >= 1 (an int) or None")
         check_loss(self.loss, self.beta, top_k=self.top_k is not None)
-        if self.grad_accumulation_steps < 1:
+        _check_int("chunk_size", self.chunk_size, optional=True)
+        _check_int("grad_accumulation_steps", self.grad_accumulation_steps)
+        _check_int("max_steps", self.max_steps, optional=True)
+        norm = self.max_grad_norm
+        if norm is not None and not (_is_real(norm) and norm > 0):
             raise ValueError(
-                f"`grad_accumulation_steps` ({self.grad_accumulation_steps}) must be >= 1"
+                f"`max_grad_norm` ({norm!r}) must be a number > 0, or None for no clipping"
             )
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"`max_steps` ({self.max_steps}) must be >= 1 or None")
+        if self.kl_backend not in BACKENDS:
+            raise ValueError(
+                f"`kl_backend` ({self.kl_backend!r}) must be one of "
+                f"{', '.join(map(repr, BACKENDS))}"
+            )
+        if self.kl_backend == "triton" and self.top_k is not None:
+            raise ValueError(
+                f"`kl_backend` 'triton' takes the dense teacher only, but `top_k` is "
+                f"{self.top_k}: use kl_backend='auto' or 'torch' (the chunked path) with `top_k`"
+            )
+        if self.kl_backend == "triton" and self.chunk_size is None:
+            raise ValueError(
+                "`kl_backend` 'triton' conflicts with `chunk_size` None (the plain autograd "
+                "reference): set an int `chunk_size` (the kernel ignores it) or kl_backend='torch'"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,13 +224,15 @@ class PruneTarget:
     layer_metric: Literal["block_importance", "lm_loss"] = "block_importance"
     """Which layer score ranks layers for depth pruning (lowest dropped first)."""
     drop_layers: tuple[int, ...] | None = None
-    """Explicit layer indices to drop instead of ranking (e.g. a contiguous block)."""
+    """Explicit layer indices to drop instead of ranking (e.g. a contiguous block): distinct
+    non-negative ints, in a tuple or list; `prune` checks them against the model's depth."""
 
     def __post_init__(self) -> None:
-        """Check what needs no model: sizes are ints >= 1, KV groups divide the heads.
+        """Check what needs no model: sizes, KV groups, `layer_metric` and `drop_layers`.
 
-        `prune` checks the rest against the model (nothing grows, whole KV groups, the family's
-        own rules).
+        Sizes are ints >= 1, KV groups divide the heads, `drop_layers` holds distinct
+        non-negative ints. `prune` checks the rest against the model (nothing grows, whole KV
+        groups, the family's own rules).
         """
         for name in PRUNE_SIZES:
             value = getattr(self, name)
@@ -204,3 +254,14 @@ class PruneTarget:
             raise ValueError(
                 f"`layer_metric` ({self.layer_metric!r}) must be 'block_importance' or 'lm_loss'"
             )
+        drop = self.drop_layers
+        if drop is not None:
+            if not isinstance(drop, tuple | list):
+                raise TypeError(
+                    f"`drop_layers` ({drop!r}) must be a tuple or list of layer indices or None, "
+                    f"got {type(drop).__name__}"
+                )
+            if not all(_is_int(i) and i >= 0 for i in drop) or len(set(drop)) != len(drop):
+                raise ValueError(
+                    f"`drop_layers` ({drop!r}) must hold distinct non-negative int layer indices"
+                )

@@ -11,6 +11,7 @@ Optionally an intermediate hidden-state loss (`prune_distill.hidden`) is added, 
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,10 +37,12 @@ class DistillResult:
     """What happened during `distill`, one entry per optimizer step."""
 
     losses: list[float] = field(default_factory=list)
-    """Total loss (weighted KL + weighted CE), mean over the step's micro-batches."""
+    """Total loss (weighted KL + weighted CE + weighted hidden-state loss) of the step's
+    micro-batches, each term a mean over the valid tokens of the whole step (as one batch of the
+    same sequences would give)."""
     kl: list[float] = field(default_factory=list)
-    """Logit-loss term (`DistillConfig.loss`, by default the forward KL; unweighted), mean over
-    the step's micro-batches."""
+    """Logit-loss term (`DistillConfig.loss`, by default the forward KL; unweighted), a mean over
+    the valid tokens of the step's micro-batches."""
     lm_loss: list[float] = field(default_factory=list)
     """Student cross-entropy (unweighted; computed only when `lm_loss_weight` > 0, else NaN)."""
     hidden_loss: list[float] = field(default_factory=list)
@@ -176,72 +179,64 @@ def distill(
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # total, kl, ce, hidden
     nan = torch.full((), float("nan"), device=device)
     teacher_optional = cfg.kl_weight == 0 and hidden is None
-    micro = 0
+    pending = iter(batches)
     try:
         opt.zero_grad(set_to_none=True)
-        for raw in batches:
-            batch = _move(raw, device)
-            mask = batch.get("attention_mask")
-            target, teacher_states = _teacher_outputs(
-                teacher,
-                batch,
-                device,
-                cfg.top_k,
-                hidden=hidden is not None,
-                optional=teacher_optional,
-            )
-            out = student(
-                **model_inputs(batch), use_cache=False, output_hidden_states=hidden is not None
-            )
-            logits = out.logits
-            loss, kl = torch.zeros((), device=device), nan
-            if target is not None:  # None only for plain LM training (`correct_teacher`)
-                kl = divergence(
-                    logits,
-                    target,
-                    loss=cfg.loss,
-                    beta=cfg.beta,
-                    mask=mask,
-                    temperature=cfg.temperature,
-                    chunk_size=cfg.chunk_size,
-                    backend=cfg.kl_backend,
+        # one accumulation group at a time: its token counts normalise every micro-batch's loss
+        while group := list(itertools.islice(pending, cfg.grad_accumulation_steps)):
+            counts = [_token_counts(raw, targets=cfg.lm_loss_weight > 0) for raw in group]
+            group_tokens = max(sum(n for n, _ in counts), 1)
+            group_targets = max(sum(n for _, n in counts), 1)
+            for raw, (tokens, _) in zip(group, counts, strict=True):
+                batch = _move(raw, device)
+                share = tokens / group_tokens  # this micro-batch's mean -> its sum / group's
+                mask = batch.get("attention_mask")
+                target, teacher_states = _teacher_outputs(
+                    teacher,
+                    batch,
+                    device,
+                    cfg.top_k,
+                    hidden=hidden is not None,
+                    optional=teacher_optional,
                 )
-                loss = cfg.kl_weight * kl
-            hs = nan
-            if hidden is not None:
-                assert teacher_states is not None
-                hs = hidden(out.hidden_states, teacher_states, mask)
-                loss = loss + cfg.hidden_loss_weight * hs
-            ce = nan
-            if cfg.lm_loss_weight > 0:
-                targets = lm_targets(batch)
-                ce = F.cross_entropy(
-                    logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                    targets.reshape(-1),
-                    ignore_index=-100,
+                out = student(
+                    **model_inputs(batch), use_cache=False, output_hidden_states=hidden is not None
                 )
-                loss = loss + cfg.lm_loss_weight * ce
-            (loss / cfg.grad_accumulation_steps).backward()  # type: ignore[no-untyped-call]
-            sums += torch.stack([loss.detach(), kl.detach(), ce.detach(), hs.detach()]).double()
-            result.tokens += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
-            micro += 1
-            if micro == cfg.grad_accumulation_steps:
-                _step(
-                    opt=opt,
-                    sched=sched,
-                    params=params,
-                    cfg=cfg,
-                    micro=micro,
-                    sums=sums,
-                    result=result,
-                )
-                micro = 0
-                if cfg.max_steps is not None and result.steps >= cfg.max_steps:
-                    break
-        if micro:
-            _step(
-                opt=opt, sched=sched, params=params, cfg=cfg, micro=micro, sums=sums, result=result
-            )
+                logits = out.logits
+                loss, kl = torch.zeros((), device=device), nan
+                if target is not None:  # None only for plain LM training (`correct_teacher`)
+                    kl = share * divergence(
+                        logits,
+                        target,
+                        loss=cfg.loss,
+                        beta=cfg.beta,
+                        mask=mask,
+                        temperature=cfg.temperature,
+                        chunk_size=cfg.chunk_size,
+                        backend=cfg.kl_backend,
+                    )
+                    loss = cfg.kl_weight * kl
+                hs = nan
+                if hidden is not None:
+                    assert teacher_states is not None
+                    hs = share * hidden(out.hidden_states, teacher_states, mask)
+                    loss = loss + cfg.hidden_loss_weight * hs
+                ce = nan
+                if cfg.lm_loss_weight > 0:
+                    ce = F.cross_entropy(
+                        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                        lm_targets(batch).reshape(-1),
+                        ignore_index=-100,
+                        reduction="sum",
+                    )
+                    ce = ce / group_targets
+                    loss = loss + cfg.lm_loss_weight * ce
+                loss.backward()  # type: ignore[no-untyped-call]
+                sums += torch.stack([loss.detach(), kl.detach(), ce.detach(), hs.detach()]).double()
+                result.tokens += tokens
+            _step(opt=opt, sched=sched, params=params, cfg=cfg, sums=sums, result=result)
+            if cfg.max_steps is not None and result.steps >= cfg.max_steps:
+                break
     finally:
         opt.zero_grad(set_to_none=True)
         student.train(student_was_training)
@@ -285,8 +280,8 @@ def correct_teacher(
         The corrected copy, in eval mode, with the input's ``requires_grad`` flags. It holds a
         second set of weights: drop the original if memory is tight.
     """
-    if steps < 1:
-        raise ValueError(f"`steps` ({steps}) must be >= 1")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"`steps` ({steps!r}) must be an int >= 1")
     cfg = DistillConfig(
         kl_weight=0.0,
         lm_loss_weight=1.0,
@@ -310,27 +305,29 @@ def correct_teacher(
     return corrected.eval()
 
 
+def _token_counts(batch: Mapping[str, Any], *, targets: bool) -> tuple[int, int]:
+    """Valid tokens of `batch` (KL and hidden-state loss) and, if `targets`, its CE targets."""
+    mask = batch.get("attention_mask")
+    tokens = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+    return tokens, int((lm_targets(batch) != -100).sum()) if targets else 0
+
+
 def _step(
     *,
     opt: torch.optim.Optimizer,
     sched: torch.optim.lr_scheduler.LRScheduler | None,
     params: list[nn.Parameter],
     cfg: DistillConfig,
-    micro: int,
     sums: torch.Tensor,
     result: DistillResult,
 ) -> None:
-    if micro != cfg.grad_accumulation_steps:  # a trailing partial group: mean over what ran
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(cfg.grad_accumulation_steps / micro)
     if cfg.max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
     opt.step()
     if sched is not None:
         sched.step()
     opt.zero_grad(set_to_none=True)
-    total, kl, ce, hs = (sums / micro).tolist()  # one host sync per optimizer step
+    total, kl, ce, hs = sums.tolist()  # one host sync per optimizer step
     result.losses.append(total)
     result.kl.append(kl)
     result.lm_loss.append(ce)

@@ -3,9 +3,10 @@
 The alternatives to `forward_kl` (`prune_distill.losses`) for distillation, with the same
 arguments, token weights, ``T²`` scale and paths: ``chunk_size=None`` is plain autograd (the
 reference), ``backend="torch"`` the chunked path (loss and analytic student gradient one chunk
-of rows at a time, in fp32), ``backend="triton"`` the fused kernels of `_divergence_kernels`
-(dense teacher; CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"auto"`` the kernel for a dense
-teacher on CUDA, else chunked.
+of rows at a time, in fp32; the teacher's gradient too when it requires grad),
+``backend="triton"`` the fused kernels of `_divergence_kernels` (dense teacher not requiring
+grad; CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"auto"`` the kernel for such a teacher on
+CUDA, else chunked. Tokens of probability 0 (``-inf`` logits) add ``0 · log 0 = 0``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from prune_distill._divergence_kernels import divergence_rows
 from prune_distill.config import Backend, LossName, check_loss
 from prune_distill.losses import (
     TopK,
+    _as_teacher,
     _target_logprobs,
-    consume_grad,
+    consume_grads,
     flatten_inputs,
     forward_kl,
     resolve_path,
@@ -42,23 +44,33 @@ def _teacher_logp(
 class _ChunkedDivergence(torch.autograd.Function):
     @staticmethod
     def forward(  # noqa: PLR0917 (autograd passes inputs positionally)
-        ctx: Any, student: torch.Tensor, teacher: Any, weights: torch.Tensor, temperature: float,
-        chunk_size: int, kind: str, beta: float,
+        ctx: Any, student: torch.Tensor, values: torch.Tensor, indices: torch.Tensor | None,
+        weights: torch.Tensor, temperature: float, chunk_size: int, kind: str, beta: float,
     ) -> torch.Tensor:  # fmt: skip
+        teacher = _as_teacher(values, indices)  # a tuple would hide `values` from autograd
         total = torch.zeros((), dtype=torch.float32, device=student.device)
         grad = torch.empty_like(student) if ctx.needs_input_grad[0] else None
+        teacher_grad = torch.empty_like(values) if ctx.needs_input_grad[1] else None
         for rows, w, log_q in student_chunks(student, weights, temperature, chunk_size):
             log_p = _teacher_logp(teacher, rows, temperature, student.shape[-1])
-            div, grad_a = divergence_rows(kind, log_q, log_p, beta, need_grad=grad is not None)
+            div, grad_a, grad_b = divergence_rows(
+                kind, log_q, log_p, beta, need_grad=grad is not None,
+                need_teacher_grad=teacher_grad is not None,
+            )  # fmt: skip
             total += (div * w).sum()
-            if grad is not None and grad_a is not None:  # d/ds = (1/T) d/da, times T²
-                grad[rows] = (grad_a * (w * temperature)[:, None]).to(grad.dtype)
-        ctx.grad = grad
+            scale = (w * temperature)[:, None]  # d/ds = (1/T) d/da, times T²; the same for t
+            if grad is not None and grad_a is not None:
+                grad[rows] = (grad_a * scale).to(grad.dtype)
+            if teacher_grad is not None and grad_b is not None:
+                if indices is not None:  # only the top-k values move the teacher's log p
+                    grad_b = grad_b.gather(-1, indices[rows])
+                teacher_grad[rows] = (grad_b * scale).to(teacher_grad.dtype)
+        ctx.grad, ctx.teacher_grad = grad, teacher_grad
         return total * temperature * temperature
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
-        return consume_grad(ctx, grad_out), None, None, None, None, None, None
+        return *consume_grads(ctx, grad_out), None, None, None, None, None, None
 
 
 class _FusedDivergence(torch.autograd.Function):
@@ -78,12 +90,12 @@ class _FusedDivergence(torch.autograd.Function):
             kind, student, teacher, weights, temperature, beta=beta,
             need_grad=ctx.needs_input_grad[0],
         )  # fmt: skip
-        ctx.grad = grad
+        ctx.grad, ctx.teacher_grad = grad, None  # `resolve_path` refuses a teacher needing grad
         return rows.sum()
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
-        return consume_grad(ctx, grad_out), None, None, None, None, None
+        return *consume_grads(ctx, grad_out), None, None, None, None
 
 
 def _divergence(
@@ -97,7 +109,7 @@ def _divergence(
     chunk_size: int | None,
     backend: Backend,
 ) -> torch.Tensor:
-    if temperature <= 0:
+    if not temperature > 0:
         raise ValueError(f"`temperature` ({temperature}) must be > 0")
     check_loss(kind, beta, top_k=isinstance(teacher, tuple))
     s, t, weights = flatten_inputs(student_logits, teacher, mask)
@@ -105,13 +117,16 @@ def _divergence(
     if path == "plain":  # the reference: the same math, gradient by autograd
         log_q = F.log_softmax(s.float() / temperature, dim=-1)
         log_p = _teacher_logp(t, slice(None), temperature, s.shape[-1])
-        div, _ = divergence_rows(kind, log_q, log_p, beta, need_grad=False)
+        div, _, _ = divergence_rows(kind, log_q, log_p, beta, need_grad=False)
         return (div * weights).sum() * temperature**2
     if path == "triton":
         assert isinstance(t, torch.Tensor)
         out = _FusedDivergence.apply(s, t, weights, temperature, kind, beta)  # type: ignore[no-untyped-call]
     else:
-        out = _ChunkedDivergence.apply(s, t, weights, temperature, chunk_size, kind, beta)  # type: ignore[no-untyped-call]
+        values, indices = t if isinstance(t, tuple) else (t, None)
+        out = _ChunkedDivergence.apply(  # type: ignore[no-untyped-call]
+            s, values, indices, weights, temperature, chunk_size, kind, beta
+        )
     assert isinstance(out, torch.Tensor)
     return out
 

@@ -6,6 +6,10 @@ top-k teacher its distribution is renormalised over its k logits. The chunked pa
 loss and ``dL/ds_n = w_n T (softmax(s_n / T) - q_n)`` one chunk of rows at a time in fp32, so it
 never holds the log-softmax of both full (N, V) tensors; it and the fused kernel (`_kl_kernels`)
 save only the gradient for backward, scaled in place, so their backward runs once per forward.
+A teacher token of probability 0 (a ``-inf`` logit) adds ``0 · log 0 = 0``, also where the student
+is ``-inf`` too. A teacher that requires grad gets its gradient on the chunked path as on the
+plain one (``w_n T p_n ⊙ (log p_n - log q_n - KL_n)``, computed beside the student's); the kernel
+computes the student's only, so ``"auto"`` then takes the chunked path and ``"triton"`` raises.
 """
 
 from __future__ import annotations
@@ -35,37 +39,64 @@ def _target_logprobs(
 def _kl_rows(
     student_logp: torch.Tensor, teacher_logp: torch.Tensor, indices: torch.Tensor | None
 ) -> torch.Tensor:
+    """``Σ p (log p - log q)`` per row, a term with ``p = 0`` counting 0 (xlogy semantics)."""
     if indices is not None:
         student_logp = student_logp.gather(-1, indices)
-    return (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
+    p = teacher_logp.exp()
+    # mask the log difference, not the product: -inf - x (or -inf - -inf) would make both the
+    # value and, through autograd, the gradient nan even where p is 0
+    return (p * torch.where(p > 0, teacher_logp - student_logp, 0.0)).sum(-1)
+
+
+def _kl_teacher_grad(
+    student_logp: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    indices: torch.Tensor | None,
+    kl: torch.Tensor,
+) -> torch.Tensor:
+    """The gradient of KL_n w.r.t. ``t_n / T``: ``p ⊙ (log p - log q - KL_n)``, 0 where p = 0."""
+    if indices is not None:
+        student_logp = student_logp.gather(-1, indices)
+    p = teacher_logp.exp()
+    return p * torch.where(p > 0, teacher_logp - student_logp - kl[:, None], 0.0)
+
+
+def _as_teacher(values: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor | TopK:
+    return values if indices is None else (values, indices)
 
 
 class _ChunkedKL(torch.autograd.Function):
     @staticmethod
     def forward(  # noqa: PLR0917 (autograd passes inputs positionally)
-        ctx: Any, student: torch.Tensor, teacher: Any, weights: torch.Tensor, temperature: float,
-        chunk_size: int,
+        ctx: Any, student: torch.Tensor, values: torch.Tensor, indices: torch.Tensor | None,
+        weights: torch.Tensor, temperature: float, chunk_size: int,
     ) -> torch.Tensor:  # fmt: skip
+        teacher = _as_teacher(values, indices)  # a tuple would hide `values` from autograd
         total = torch.zeros((), dtype=torch.float32, device=student.device)
         grad = torch.empty_like(student) if ctx.needs_input_grad[0] else None
+        teacher_grad = torch.empty_like(values) if ctx.needs_input_grad[1] else None
         scale = temperature * temperature
         for rows, w, logp_s in student_chunks(student, weights, temperature, chunk_size):
-            logp_t, indices = _target_logprobs(teacher, rows, temperature)
-            total += (_kl_rows(logp_s, logp_t, indices) * w).sum()
+            logp_t, idx = _target_logprobs(teacher, rows, temperature)
+            kl = _kl_rows(logp_s, logp_t, idx)
+            total += (kl * w).sum()
+            if teacher_grad is not None:  # before logp_s is overwritten below
+                g_t = _kl_teacher_grad(logp_s, logp_t, idx, kl)
+                teacher_grad[rows] = (g_t * (w * temperature)[:, None]).to(teacher_grad.dtype)
             if grad is not None:
                 g = logp_s.exp_()  # softmax(s / T), reusing the buffer
-                if indices is None:
+                if idx is None:
                     g -= logp_t.exp()
                 else:
-                    g.scatter_add_(-1, indices, -logp_t.exp())
+                    g.scatter_add_(-1, idx, -logp_t.exp())
                 g *= (w * temperature)[:, None]
                 grad[rows] = g.to(grad.dtype)
-        ctx.grad = grad
+        ctx.grad, ctx.teacher_grad = grad, teacher_grad
         return total * scale
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
-        return consume_grad(ctx, grad_out), None, None, None, None
+        return *consume_grads(ctx, grad_out), None, None, None, None
 
 
 class _FusedKL(torch.autograd.Function):
@@ -82,12 +113,12 @@ class _FusedKL(torch.autograd.Function):
         rows, grad = _kl_kernels.fused_kl(
             student, teacher, weights, temperature, need_grad=ctx.needs_input_grad[0]
         )
-        ctx.grad = grad
+        ctx.grad, ctx.teacher_grad = grad, None  # `resolve_path` refuses a teacher needing grad
         return rows.sum()
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
-        return consume_grad(ctx, grad_out), None, None, None
+        return *consume_grads(ctx, grad_out), None, None
 
 
 def student_chunks(
@@ -101,30 +132,31 @@ def student_chunks(
         yield rows, w, F.log_softmax(student[rows].float() / temperature, dim=-1)
 
 
-def consume_grad(ctx: Any, grad_out: torch.Tensor) -> torch.Tensor | None:
-    """The gradient saved by forward, scaled by `grad_out` in place (no second (N, V) buffer).
+def consume_grads(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The student and teacher gradients saved by forward, scaled by `grad_out` in place.
 
-    Kept as a plain attribute, not `save_for_backward`, because it is modified in place and handed
-    to autograd; it is released here, so a second backward through the same graph fails loudly.
+    Kept as plain attributes (`ctx.grad`, `ctx.teacher_grad`), not `save_for_backward`, because
+    they are modified in place and handed to autograd (no second (N, V) buffer); they are
+    released here, so a second backward through the same graph fails loudly.
     """
-    grad: torch.Tensor | None = ctx.grad
-    if grad is None:
-        if ctx.needs_input_grad[0]:
+    out: list[torch.Tensor | None] = []
+    for i, name in enumerate(("grad", "teacher_grad")):
+        grad: torch.Tensor | None = getattr(ctx, name)
+        if grad is None and ctx.needs_input_grad[i]:
             raise RuntimeError(
-                "forward_kl's saved gradient was consumed by an earlier backward: the memory-lean "
+                "the loss's saved gradient was consumed by an earlier backward: the memory-lean "
                 "paths support one backward per forward (recompute the loss, or use "
                 "chunk_size=None for retain_graph)"
             )
-        return None
-    ctx.grad = None
-    return grad.mul_(grad_out.to(grad.dtype))
+        setattr(ctx, name, None)
+        out.append(None if grad is None else grad.mul_(grad_out.to(grad.dtype)))
+    return tuple(out)
 
 
 def resolve_path(
     backend: str, teacher: torch.Tensor | TopK, device: torch.device, chunk_size: int | None
 ) -> str:
     """`"plain"` (autograd reference), `"torch"` (chunked) or `"triton"`, with the checks."""
-    chosen = _resolve_backend(backend, teacher, device)
     if chunk_size is None:
         if backend == "triton":
             raise ValueError(
@@ -132,10 +164,11 @@ def resolve_path(
                 "`backend` 'triton': pass an int chunk size (ignored by the kernel) or "
                 "backend='torch'"
             )
+        _resolve_backend(backend, teacher, device)  # checks `backend`
         return "plain"
-    if chunk_size < 1:
-        raise ValueError(f"`chunk_size` ({chunk_size}) must be >= 1 or None")
-    return chosen
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"`chunk_size` ({chunk_size!r}) must be an int >= 1 or None")
+    return _resolve_backend(backend, teacher, device)
 
 
 def _resolve_backend(backend: str, teacher: torch.Tensor | TopK, device: torch.device) -> str:
@@ -147,8 +180,17 @@ def _resolve_backend(backend: str, teacher: torch.Tensor | TopK, device: torch.d
     from prune_distill import _kl_kernels
 
     dense = not isinstance(teacher, tuple)
+    values = teacher[0] if isinstance(teacher, tuple) else teacher
+    teacher_grad = torch.is_grad_enabled() and values.requires_grad
     if backend == "auto":
-        return "triton" if dense and device.type == "cuda" and _kl_kernels.HAS_TRITON else "torch"
+        fused = dense and device.type == "cuda" and _kl_kernels.HAS_TRITON and not teacher_grad
+        return "triton" if fused else "torch"
+    if teacher_grad:
+        raise ValueError(
+            "`teacher` requires grad, but backend 'triton' computes the student's gradient only: "
+            "detach the teacher logits, or use backend='torch' (the chunked path computes both) "
+            "or 'auto'"
+        )
     if not dense:
         raise ValueError(
             "backend 'triton' takes dense teacher logits only; a top-k teacher runs on the "
@@ -169,7 +211,8 @@ def flatten_inputs(
     """Token rows: student (N, V), teacher (N, V) or top-k (N, k) pair, row weights (N,).
 
     The weights are ``mask / number of valid tokens`` (``1 / N`` without a mask). Raises a
-    ValueError naming the mismatch for a teacher of another vocabulary or shape.
+    ValueError naming the mismatch for a teacher of another vocabulary or shape, or a `mask`
+    with another number of elements than the logits have token rows.
     """
     vocab = student_logits.shape[-1]
     s = student_logits.reshape(-1, vocab)
@@ -193,6 +236,12 @@ def flatten_inputs(
     if mask is None:
         weights = torch.full((s.shape[0],), 1.0 / max(s.shape[0], 1), device=s.device)
     else:
+        if mask.numel() != s.shape[0]:
+            raise ValueError(
+                f"`mask` has shape {tuple(mask.shape)} but the logits have {s.shape[0]} token "
+                f"rows: expected shape {tuple(student_logits.shape[:-1])} (one entry per row of "
+                "logits; with shifted logits, shift the mask the same way)"
+            )
         m = mask.reshape(-1).float()
         weights = m / m.sum().clamp_min(1.0)
     return s, t, weights
@@ -213,7 +262,8 @@ def forward_kl(
         student_logits: (..., V) student logits (gradients flow into them).
         teacher: (..., V) teacher logits, or a `TopK` pair ``(values, indices)`` of shape (..., k)
             each (e.g. ``torch.topk(teacher_logits, k)``; indices into the student's vocab).
-        mask: (...) 1 for tokens that count, 0 for padding; None counts every token.
+        mask: (...) 1 for tokens that count, 0 for padding, one entry per token row of the logits
+            (another number of elements raises a ValueError); None counts every token.
         temperature: T; the loss is multiplied by T^2 so gradient scales match T = 1.
         chunk_size: token rows per chunk of the chunked PyTorch path; None uses plain autograd
             (the reference implementation, whatever `backend` says unless it is ``"triton"``,
@@ -223,9 +273,11 @@ def forward_kl(
             CUDA when Triton is installed, else ``"torch"``).
 
     Returns:
-        A scalar fp32 loss.
+        A scalar fp32 loss. Teacher tokens of probability 0 (``-inf`` logits, also where the
+        student is ``-inf`` too) add 0. A teacher that requires grad gets its gradient on the
+        plain and chunked paths.
     """
-    if temperature <= 0:
+    if not temperature > 0:
         raise ValueError(f"`temperature` ({temperature}) must be > 0")
     s, t, weights = flatten_inputs(student_logits, teacher, mask)
     chosen = resolve_path(backend, t, s.device, chunk_size)
@@ -238,6 +290,7 @@ def forward_kl(
         out = _FusedKL.apply(s, t, weights, temperature)  # type: ignore[no-untyped-call]
         assert isinstance(out, torch.Tensor)
         return out
-    out = _ChunkedKL.apply(s, t, weights, temperature, chunk_size)  # type: ignore[no-untyped-call]
+    values, indices = t if isinstance(t, tuple) else (t, None)
+    out = _ChunkedKL.apply(s, values, indices, weights, temperature, chunk_size)  # type: ignore[no-untyped-call]
     assert isinstance(out, torch.Tensor)
     return out

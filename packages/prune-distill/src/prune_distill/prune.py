@@ -106,8 +106,7 @@ def _plan(spec: ArchSpec, dims: Dims, scores: ImportanceScores, target: PruneTar
             f"`hidden_size` ({hidden}) must equal `num_attention_heads` ({heads}) x head_dim "
             f"({dims.head_dim}) = {heads * dims.head_dim} for {spec.name}, whose attention width "
             "is its hidden size: prune heads and hidden size together, e.g. "
-            f"num_attention_heads={max(1, hidden // dims.head_dim)}, "
-            f"hidden_size={max(1, hidden // dims.head_dim) * dims.head_dim}"
+            + _matching_sizes(target, dims.head_dim)
         )
 
     layers = _pick_layers(dims, scores, target)
@@ -130,6 +129,16 @@ def _plan(spec: ArchSpec, dims: Dims, scores: ImportanceScores, target: PruneTar
         q=q_idx,
         kv=kv_idx,
         ffn=ffn_idx,
+    )
+
+
+def _matching_sizes(target: PruneTarget, head_dim: int) -> str:
+    """Heads and hidden size that agree, from the sizes `target` asks for (heads first)."""
+    heads = [target.num_attention_heads] if target.num_attention_heads is not None else []
+    if target.hidden_size is not None:
+        heads.append(max(1, target.hidden_size // head_dim))
+    return " or ".join(
+        f"num_attention_heads={h}, hidden_size={h * head_dim}" for h in dict.fromkeys(heads)
     )
 
 

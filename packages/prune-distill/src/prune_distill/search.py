@@ -7,6 +7,7 @@ briefly (Minitron: rankings settle after ~300 steps, Fig. 9), and rank them by v
 
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import math
@@ -94,8 +95,20 @@ def candidates(
     """Every shape of `space` whose parameter count is within ``params * (1 ± tolerance)``.
 
     Counts come from building each pruned config on the meta device (no weights). Returned in
-    enumeration order with their counts; shapes the config class rejects are left out.
+    enumeration order with their counts; shapes the model or its config class rejects are left
+    out.
     """
+    return _shapes(model, space, params, tolerance)[0]
+
+
+Skip = tuple[str, str]
+"""Why a shape cannot be pruned from the model: (the rule it breaks, the message)."""
+
+
+def _shapes(
+    model: nn.Module, space: SearchSpace, params: int, tolerance: float
+) -> tuple[list[tuple[PruneTarget, int]], list[int], list[Skip]]:
+    """`candidates`, the counts of every prunable shape, and why each other shape was skipped."""
     if not params > 0:
         raise ValueError(f"`params` ({params}) must be > 0")
     if not 0 <= tolerance < 1:
@@ -112,7 +125,9 @@ def candidates(
         bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
         if bad:
             raise ValueError(f"`SearchSpace.{name}` ({values}) must hold positive ints")
-    out = []
+    out: list[tuple[PruneTarget, int]] = []
+    counts: list[int] = []
+    rejected: list[Skip] = []
     for layers, hidden, ffn, heads in itertools.product(*axes.values()):
         target = PruneTarget(
             num_hidden_layers=layers,
@@ -121,29 +136,43 @@ def candidates(
             num_attention_heads=heads,
         )
         n = _meta_params(model, spec, d, target)
-        if n is not None and abs(n - params) <= tolerance * params:
+        if isinstance(n, tuple):
+            rejected.append(n)
+            continue
+        counts.append(n)
+        if abs(n - params) <= tolerance * params:
             out.append((target, n))
-    return out
+    return out, counts, rejected
 
 
-def _meta_params(model: nn.Module, spec: Any, d: Any, t: PruneTarget) -> int | None:
+def _meta_params(model: nn.Module, spec: Any, d: Any, t: PruneTarget) -> int | Skip:
+    """The parameter count of `model` pruned to `t`, or why `t` cannot be pruned from it."""
     assert t.num_attention_heads is not None
     assert t.hidden_size is not None
     assert t.num_hidden_layers is not None
-    if (
-        t.hidden_size > d.hidden
-        or t.num_attention_heads > d.heads
-        or t.num_hidden_layers > d.layers
-    ):
-        return None
-    if (t.intermediate_size or 0) > d.ffn:
-        return None
+    assert t.intermediate_size is not None
+    sizes = {
+        "hidden_size": (t.hidden_size, d.hidden),
+        "num_attention_heads": (t.num_attention_heads, d.heads),
+        "num_hidden_layers": (t.num_hidden_layers, d.layers),
+        "intermediate_size": (t.intermediate_size, d.ffn),
+    }
+    for axis, (size, limit) in sizes.items():
+        if size > limit:
+            return "grows", f"`{axis}` ({size}) > the model's {limit} (pruning only shrinks)"
     group = d.heads // d.kv_heads
     kv = t.num_attention_heads if group == 1 else d.kv_heads
     if t.num_attention_heads % kv or t.num_attention_heads // kv > group:
-        return None
+        return "kv_groups", (
+            f"`num_attention_heads` ({t.num_attention_heads}) must be a multiple of the "
+            f"model's {kv} KV groups with at most {group} query heads per group"
+        )
     if spec.head_dim_field is None and t.hidden_size != t.num_attention_heads * d.head_dim:
-        return None
+        return "width", (
+            f"`hidden_size` ({t.hidden_size}) != `num_attention_heads` ({t.num_attention_heads}) "
+            f"x head_dim ({d.head_dim}), which {spec.name} needs (its attention width is its "
+            "hidden size: search both axes together)"
+        )
     config: Any = copy.deepcopy(model.config)
     setattr(config, spec.hidden_field, t.hidden_size)
     setattr(config, spec.ffn_field, t.intermediate_size)
@@ -161,9 +190,29 @@ def _meta_params(model: nn.Module, spec: Any, d: Any, t: PruneTarget) -> int | N
         type(config).from_dict(config.to_dict())
         with torch.device("meta"):
             meta = type(model)(config)
-    except Exception:  # a shape the config class rejects is not a candidate
-        return None
+    except Exception as err:  # a shape the config class rejects is not a candidate
+        return "config", f"{type(config).__name__} rejects the shape: {err}"
     return count_params(meta)
+
+
+def _no_candidate(
+    space: SearchSpace, params: int, tolerance: float, counts: list[int], rejected: list[Skip]
+) -> str:
+    """`search`'s error when no shape is a candidate: the budget, and why shapes were skipped."""
+    total = len(counts) + len(rejected)
+    if counts:
+        text = (
+            f"no shape of {space} has {params:,} parameters within ±{tolerance:.0%}: the "
+            f"{len(counts)} prunable shapes have {min(counts):,} to {max(counts):,}; widen the "
+            "search space or the tolerance"
+        )
+    else:
+        text = f"none of the {total} shapes of {space} can be pruned from this model"
+    if rejected:
+        rule, times = collections.Counter(r for r, _ in rejected).most_common(1)[0]
+        example = next(message for r, message in rejected if r == rule)
+        text += f"; {len(rejected)} of {total} skipped, most often ({times}x) because {example}"
+    return text
 
 
 @torch.no_grad()
@@ -221,18 +270,17 @@ def search(
         distilled model.
 
     Raises:
-        ValueError: no candidate within the budget, or a bad argument.
+        ValueError: no candidate within the budget (the message gives the counts of the
+            prunable shapes and the most common reason the others were skipped), or a bad
+            argument.
     """
-    found = candidates(model, space, params, tolerance)
+    found, counts, rejected = _shapes(model, space, params, tolerance)
     if max_candidates is not None:
         if max_candidates < 1:
             raise ValueError(f"`max_candidates` ({max_candidates}) must be >= 1 or None")
         found = found[:max_candidates]
     if not found:
-        raise ValueError(
-            f"no shape of {space} has {params:,} parameters within ±{tolerance:.0%}: widen the "
-            "search space or the tolerance"
-        )
+        raise ValueError(_no_candidate(space, params, tolerance, counts, rejected))
     cfg = distill_config or DistillConfig()
     result = SearchResult()
     best_loss = math.inf
