@@ -33,7 +33,9 @@ def prepare(
     """Shard `model` over the data-parallel `group` and build its optimizer over the shards.
 
     The model is modified in place (hooks installed, parameters cast to `config.param_dtype`,
-    stage 3 frees the full parameters) and returned; it gains a `no_sync()` context manager.
+    stage 3 frees the full parameters) and returned; it gains a `no_sync()` context manager,
+    and its `zero_grad()` also clears the gradients the optimizer steps (as
+    `optimizer.zero_grad()` does).
     Every rank must call this with the same model structure.
 
     Args:
@@ -96,6 +98,7 @@ def prepare(
     _check_covers(optimizer, masters)
     setattr(model, ENGINE_ATTR, engine)
     model.no_sync = engine.no_sync  # type: ignore[assignment]
+    model.zero_grad = engine.model_zero_grad  # type: ignore[method-assign]
     return model, ZeroOptimizer(optimizer, engine)
 
 

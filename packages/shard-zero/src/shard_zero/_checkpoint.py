@@ -8,6 +8,9 @@ Layout of a checkpoint directory written by N ranks: for each rank r,
   rank, the world size and `rows` (each parameter's row range on that rank);
 * `rank{r:05d}.meta.pt`: the optimizer's param groups and non-tensor state (e.g. integer steps).
 
+Rank 0's file also holds the model's persistent buffers (`<name>::buffer`, e.g. BatchNorm's
+running statistics), whole; every loading rank reads them from it.
+
 A directory is written under `<path>.tmp` and renamed into place by rank 0 once every rank has
 written, so a crash never leaves a half checkpoint at `path`.
 
@@ -64,6 +67,9 @@ def save_checkpoint(
 ) -> None:
     """Write this rank's master shards and optimizer state to the directory `path` (collective).
 
+    Rank 0 also writes the model's persistent buffers (its own values: a buffer that differs
+    per rank, such as BatchNorm statistics without SyncBatchNorm, is saved as rank 0 has it).
+
     Args:
         path: the checkpoint directory (replaced atomically if it exists).
         model: the model returned by `prepare`, or a plain model: in one process without a
@@ -99,6 +105,10 @@ def save_checkpoint(
                 tensors[e.name + _SEP + "state" + _SEP + key] = _to_cpu(value)
             else:
                 scalars[e.name][key] = value
+    buffers = _persistent_buffers(model)
+    if rank == 0:  # whole on every rank (as DDP, which broadcasts rank 0's): saved once
+        for name, buffer in buffers.items():
+            tensors[name + _SEP + "buffer"] = _to_cpu(buffer)
     header = {"format": _FORMAT, "rank": rank, "world_size": world, "rows": rows}
     save_file(tensors, tmp / _tensors_file(rank), metadata={_META_KEY: json.dumps(header)})
     groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
@@ -109,6 +119,7 @@ def save_checkpoint(
         "param_groups": groups,
         "shapes": {e.name: e.shape for e in entries},
         "scalars": scalars,
+        "buffers": sorted(buffers),
     }
     torch.save(meta, tmp / _meta_file(rank))
     _barrier(group, engine is not None)
@@ -175,12 +186,14 @@ def load_checkpoint(
     rank reads only the rows it holds (see the module docstring). A plain model (not prepared)
     and its optimizer are loaded whole instead, in one process without a process group: every
     trainable parameter gets all its rows (its fp32 master, cast to its dtype) and the optimizer
-    its state, as if the training had run unsharded.
+    its state, as if the training had run unsharded. The model's persistent buffers get rank
+    0's saved values on every rank (a checkpoint saved before buffers were written has none
+    and leaves them as they are).
 
     Raises:
         FileNotFoundError: `path` holds no shard-zero checkpoint.
-        ValueError: the checkpoint's parameters do not match the model's, a rank file is
-            missing, or an optimizer state tensor cannot be resharded.
+        ValueError: the checkpoint's parameters or persistent buffers do not match the
+            model's, a rank file is missing, or an optimizer state tensor cannot be resharded.
     """
     prepared = getattr(model, ENGINE_ATTR, None) is not None
     engine = engine_of(model) if prepared else None
@@ -205,16 +218,46 @@ def load_checkpoint(
             raise ValueError(
                 f"parameter {e.name!r}: checkpoint shape {shapes[e.name]} != model shape {e.shape}"
             )
+    buffers = _persistent_buffers(model)
+    saved_buffers = meta.get("buffers")  # None: written before checkpoints held buffers
+    if saved_buffers is not None and set(saved_buffers) != set(buffers):
+        differ = sorted(set(saved_buffers) ^ set(buffers))
+        raise ValueError(f"checkpoint and model buffers differ: {differ[:8]}")
     inner = optimizer.optimizer if isinstance(optimizer, ZeroOptimizer) else optimizer
     with ExitStack() as stack:
         files = _Files(root, int(meta["world_size"]), stack)
         for e in entries:
             rank = engine.rank if engine is not None else 0
             _load_entry(e, files, rank, meta["scalars"][e.name], inner)
+        for name in saved_buffers or []:
+            _load_buffer(name, buffers[name], files)
     for group, saved_group in zip(inner.param_groups, meta["param_groups"], strict=True):
         group.update(saved_group)
     if engine is not None:
         engine.push_params()
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers `model.state_dict()` holds, by key (non-persistent ones are rebuilt)."""
+    buffers = {}
+    for prefix, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                buffers[f"{prefix}.{name}" if prefix else name] = buffer
+    return buffers
+
+
+def _load_buffer(name: str, buffer: torch.Tensor, files: _Files) -> None:
+    key = name + _SEP + "buffer"
+    shape = files.shape(0, key)
+    if shape is None:
+        raise ValueError(f"buffer {name!r} is missing from saved rank 0's file")
+    if shape != tuple(buffer.shape):
+        raise ValueError(
+            f"buffer {name!r}: checkpoint shape {shape} != model shape {tuple(buffer.shape)}"
+        )
+    with torch.no_grad():
+        buffer.copy_(files.read_whole(0, key))
 
 
 def _whole_entries(model: nn.Module) -> list[Entry]:

@@ -20,6 +20,7 @@ from torch import nn
 from shard_zero._comm import Gather
 from shard_zero._config import ZeroConfig
 from shard_zero._layout import Bucket, copy_pairs, local_rows, make_buckets, unpack_pairs
+from shard_zero._model_hooks import ModelHooks
 from shard_zero._reduce import Reducer
 from shard_zero._shards import Shards
 from shard_zero._units import Unit, Units
@@ -58,6 +59,8 @@ class ZeroEngine(Shards):
             self.reducer = Reducer(self, self.buckets, None)
         for e in self.entries:
             e.param.register_post_accumulate_grad_hook(self.reducer.on_grad)  # type: ignore[no-untyped-call]
+        # `model.load_state_dict` reaches the masters; stage 3 guards `model.state_dict`
+        self.model_hooks = ModelHooks(self, self.stage3 if self.stage == 3 else None)
 
     # ------------------------------------------------------------------ gradients
     def reduce_leftover(self) -> None:
@@ -69,6 +72,37 @@ class ZeroEngine(Shards):
         self.reducer.reduce_leftover()
         self.reducer.materialize()
         self.wait_for_host()  # the host optimizer (or the norm) reads them next
+
+    def clear_grads(self) -> None:
+        """Drop the gradients accumulated outside the masters' `.grad` (and `param.grad`)."""
+        self.wait_for_host()  # offload: no copy into the host gradients is pending
+        for e in self.entries:
+            e.acc = None
+            e.low_acc = None
+            e.dev_grad = None
+            e.host_has = False
+            e.param.grad = None
+
+    def model_zero_grad(self, set_to_none: bool = True) -> None:
+        """`model.zero_grad()` after `prepare`: also clear the gradients the optimizer steps.
+
+        The model class's own `zero_grad` runs first (frozen parameters, stage-1 gradients),
+        then the masters' gradients are cleared as `Optimizer.zero_grad(set_to_none)` clears
+        them, with every accumulator, so that the model's and the optimizer's `zero_grad` are
+        interchangeable, as under DDP and FSDP2.
+        """
+        type(self.model).zero_grad(self.model, set_to_none)
+        self.wait_for_host()
+        for e in self.entries:
+            g = e.master.grad
+            if g is None:
+                continue
+            if set_to_none:
+                e.master.grad = None
+            else:
+                g.requires_grad_(False)
+                g.zero_()
+        self.clear_grads()
 
     # ------------------------------------------------------------------ parameters
     def release_params(self) -> None:
@@ -120,7 +154,7 @@ class ZeroEngine(Shards):
             return
         in_flight: list[tuple[Gather, Bucket]] = []
         for i, bucket in enumerate(self.buckets):
-            dtype = bucket.entries[0].param.dtype
+            dtype = bucket.entries[0].param.dtype  # one dtype per bucket (`make_buckets`)
             gather = Gather(self.comm, _PARAMS_OF_BUCKET + i, bucket.size, dtype)
             pairs = []
             for e, off in zip(bucket.entries, bucket.offsets, strict=True):

@@ -248,12 +248,17 @@ def make_buckets(entries: list[Entry], bucket_numel: int, world: int) -> list[Bu
     """Greedy consecutive buckets of at most `bucket_numel` elements over all `world` ranks.
 
     An entry larger than that on its own is cut into pieces of whole rows per rank (at least
-    one row per rank each).
+    one row per rank each). A bucket never mixes parameter dtypes: its parameters are
+    all-gathered in one buffer of their dtype, so an entry whose dtype differs from the
+    current bucket's starts a new one.
     """
     buckets: list[Bucket] = []
     current: list[Entry] = []
     size = 0
     for e in entries:
+        if current and current[0].param.dtype != e.param.dtype:
+            buckets.append(Bucket(current))
+            current, size = [], 0
         if world * e.seg > bucket_numel and e.chunk > 1:
             if current:
                 buckets.append(Bucket(current))

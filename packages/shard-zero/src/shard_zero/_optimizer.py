@@ -26,7 +26,10 @@ class ZeroOptimizer(Optimizer):
     """
 
     def __init__(self, optimizer: Optimizer, engine: ZeroEngine) -> None:
-        # Optimizer.__init__ is deliberately not called: groups and state are the wrapped ones.
+        # Optimizer.__init__ is not called (it would add the groups anew): groups and state are
+        # the wrapped ones. What else it sets up is done here: the hook dicts, and the step
+        # wrapped by torch's `profile_hook_step`, which runs the global and this optimizer's
+        # step hooks around the whole step (reduction, step and parameter update)
         self.optimizer = optimizer
         self.engine = engine
         self._share()
@@ -36,6 +39,7 @@ class ZeroOptimizer(Optimizer):
         self._optimizer_state_dict_post_hooks = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
 
     def _share(self) -> None:
         self.param_groups = self.optimizer.param_groups
@@ -60,12 +64,7 @@ class ZeroOptimizer(Optimizer):
         """Clear the shards' gradients and any gradient still accumulated under `no_sync()`."""
         self.engine.wait_for_host()  # offload: no copy into the host gradients is pending
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        for e in self.engine.entries:
-            e.acc = None
-            e.low_acc = None
-            e.dev_grad = None
-            e.host_has = False
-            e.param.grad = None
+        self.engine.clear_grads()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the shards' gradients by the norm of the *whole* gradient, across all ranks.
@@ -112,13 +111,32 @@ class ZeroOptimizer(Optimizer):
         return total_norm
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict (this rank's shards only; see `save_checkpoint`)."""
-        return self.optimizer.state_dict()
+        """The wrapped optimizer's state dict (this rank's shards only; see `save_checkpoint`).
+
+        This optimizer's state-dict hooks run around it, as `Optimizer.state_dict` runs them.
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state = self.optimizer.state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state)
+            if result is not None:
+                state = result
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict produced by `state_dict()` on the same rank and world size."""
+        """Load a state dict produced by `state_dict()` on the same rank and world size.
+
+        This optimizer's load-state-dict hooks run around it, as in `Optimizer`.
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         self.optimizer.load_state_dict(state_dict)
         self._share()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage={self.engine.stage}, {self.optimizer!r})"

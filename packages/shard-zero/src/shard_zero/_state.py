@@ -54,7 +54,9 @@ def full_state_dict(
     if not keep:
         return {}
     out_dict: dict[str, Any] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
+    with engine.model_hooks.allow_reading():  # only the keys and the buffers are read
+        entries = model.state_dict(keep_vars=True).items()
+    for key, value in entries:
         full_value = gathered.get(value) if isinstance(value, nn.Parameter) else None
         if full_value is not None:
             out_dict[key] = full_value

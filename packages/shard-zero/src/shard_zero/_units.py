@@ -7,7 +7,8 @@ copies the rows in (one foreach copy; the output is dropped), so a prefetched un
 its all-gather output until it is needed. The gathered rows are rank-major and the parameters
 row-major, so (as in FSDP2) that copy is needed at world > 1; at world 1 the cast writes
 straight into `full`. In forward a pre-hook gathers the unit (and prefetches the next one) and
-a post-hook frees it; a hook on the unit's output gradient gathers it again in backward
+a post-hook frees it; a hook on the gradient of every tensor in the unit's output (its
+pytree: tuples, lists, dicts, `ModelOutput`s) gathers it again in backward
 (prefetching the unit before it), and the gradient reducer frees it as soon as its last
 gradient is packed. The root unit (parameters outside every wrapped module, e.g. the
 embeddings and the LM head) is gathered once per forward and kept until the end of backward.
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from shard_zero._comm import Gather
 from shard_zero._layout import Bucket, Entry, copy_pairs, make_buckets, unpack_pairs
@@ -257,8 +259,8 @@ class Units:
         if not torch.is_grad_enabled():
             return
         position = len(self.fwd_order) - 1
-        tensors = output if isinstance(output, tuple | list) else (output,)
-        for t in tensors:
+        # every tensor of the output's pytree (tuples, lists, dicts, `ModelOutput`s), as FSDP2
+        for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(  # type: ignore[no-untyped-call]
                     lambda grad, u=unit, i=position: self._pre_backward(u, i)

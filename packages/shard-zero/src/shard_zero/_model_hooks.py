@@ -1,0 +1,126 @@
+"""`model.load_state_dict()` and `model.state_dict()` on a prepared model.
+
+The optimizer steps the fp32 masters and every step copies them back into the model, so a value
+loaded into a parameter alone would be undone at the next step wherever the master is a copy
+(`param_dtype`, `offload_optimizer`, stage 3). A load-state-dict pre-hook notes the state dict,
+and a post-hook copies this rank's rows of every loaded trainable parameter, from the state
+dict's own values (full precision), into its master. At stage 3 the pre-hook also gives every
+freed unit its storage for the duration of the load (the full compute-dtype parameters, no
+collective), so that torch's in-place copies write into real memory; the post-hook frees it.
+
+At stage 3 a freed unit's parameters point at 0 bytes: `model.state_dict()` raises instead of
+returning tensors whose reads would crash the process (`full_state_dict` has their values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from shard_zero._layout import Entry
+from shard_zero._shards import Shards
+from shard_zero._units import Unit, Units
+
+
+class ModelHooks:
+    """The load/save state-dict hooks of one prepared model."""
+
+    def __init__(self, engine: Shards, units: Units | None) -> None:
+        self.engine = engine
+        self.units = units
+        self.reading = False  # `full_state_dict` / checkpoints: stage-3 keys are allowed
+        self._loads: list[tuple[dict[str, Any], str]] = []  # (state_dict, prefix) per load
+        self._given: list[Unit] = []  # stage-3 units given storage for the current load
+        names: dict[int, list[str]] = {}
+        for name, p in engine.model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        self._names = {id(e): names[id(e.param)] for e in engine.entries}
+        self._unit_of = {id(e): u for u in (units.units if units else []) for e in u.entries}
+        model = engine.model
+        model.register_load_state_dict_pre_hook(self._pre_load)  # type: ignore[no-untyped-call]
+        model.register_load_state_dict_post_hook(self._post_load)  # type: ignore[no-untyped-call]
+        if units is not None:  # torch marks the hook with an attribute: a function, not a method
+            model.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
+                lambda module, state_dict, prefix, meta: self._post_state_dict(state_dict, prefix)
+            )
+
+    @contextmanager
+    def allow_reading(self) -> Iterator[None]:
+        """Let `model.state_dict()` return stage-3 parameters (the caller reads no values)."""
+        previous, self.reading = self.reading, True
+        try:
+            yield
+        finally:
+            self.reading = previous
+
+    # ------------------------------------------------------------------ load
+    def _pre_load(
+        self,
+        module: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        *args: Any,
+    ) -> None:
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise ValueError(
+                "`model.load_state_dict(..., assign=True)` would replace the parameters "
+                "shard-zero manages (its hooks and masters keep the old ones); load with "
+                "`assign=False` (the default)"
+            )
+        self._loads.append((state_dict, prefix))
+        for unit in self.units.units if self.units else []:
+            storage = unit.full.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(unit.nbytes)
+                self._given.append(unit)
+
+    def _post_load(self, module: nn.Module, incompatible_keys: Any) -> None:
+        state_dict, prefix = self._loads.pop()
+        try:
+            with torch.no_grad():
+                for e in self.engine.entries:
+                    value = self._loaded_value(e, state_dict, prefix)
+                    if value is not None:
+                        self._set_master(e, value)
+        finally:
+            for unit in self._given:
+                unit.full.untyped_storage().resize_(0)
+            self._given.clear()
+
+    def _loaded_value(
+        self, e: Entry, state_dict: dict[str, Any], prefix: str
+    ) -> torch.Tensor | None:
+        """The value `state_dict` gave `e`, or None (absent, or a shape torch reports)."""
+        for name in self._names[id(e)]:
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor):
+                return value.detach() if tuple(value.shape) == e.shape else None
+        return None
+
+    def _set_master(self, e: Entry, value: torch.Tensor) -> None:
+        """Copy this rank's rows of `value` into `e`'s master (and its host compute rows)."""
+        rows = value[e.start : e.end] if e.sharded else value
+        e.master.copy_(rows.reshape(e.master.shape))
+        if e.host_rows is not None:  # `offload_optimizer`: the source of the next gathers
+            e.host_rows.copy_(e.master)
+
+    # ------------------------------------------------------------------ save
+    def _post_state_dict(self, state_dict: dict[str, Any], prefix: str) -> None:
+        if self.reading:
+            return
+        for e in self.engine.sharded:
+            unit = self._unit_of.get(id(e))
+            if unit is None or unit.full.untyped_storage().nbytes() > 0:
+                continue
+            name = self._names[id(e)][0]
+            raise RuntimeError(
+                f"shard-zero stage 3: parameter {prefix + name!r} (unit "
+                f"{unit.name or '<root>'!r}) holds no data outside forward and backward, so "
+                "`model.state_dict()` cannot return it; call `shard_zero.full_state_dict(model)` "
+                "on every rank for the full values, or `save_checkpoint` to save and resume"
+            )

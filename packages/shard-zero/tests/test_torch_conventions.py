@@ -1,0 +1,286 @@
+"""The prepared model and optimizer behave as torch code written for DDP / FSDP2 expects.
+
+World 2 (gloo) against single-process training on the global batch: mixed-dtype parameters at
+stages 1-2, `model.zero_grad()` in the loop, optimizer step hooks and LR schedulers,
+`model.load_state_dict()` after `prepare`, stage-3 units returning dicts, `model.state_dict()`
+at stage 3, and checkpoints that carry the model's buffers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from leanlm_testing import spawn
+from shard_zero import ZeroConfig, full_state_dict, load_checkpoint, prepare, save_checkpoint
+from shard_zero._layout import Entry, make_buckets
+
+STEPS = 3
+
+
+def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _batch(step: int, rows: int = 4, cols: int = 8) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(100 + step))
+
+
+def _mine(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    per = x.shape[0] // world
+    return x[rank * per : (rank + 1) * per]
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    for key, value in want.items():
+        err = (got[key].float() - value.float()).abs().max().item()
+        assert err < 1e-6, f"{what}: {key} is {err:.3g} from single-process training"
+
+
+# ---------------------------------------------------------------------- models
+class Mixed(nn.Module):
+    """An fp32 and a bf16 parameter (registered last); the loss separates them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = nn.Parameter(torch.randn(8, 8, generator=g))
+        self.b = nn.Parameter(torch.randn(8, 8, generator=g).to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fp32 = torch.tanh(x @ self.a.t()).pow(2).mean()
+        return fp32 + (x.to(torch.bfloat16) @ self.b.t()).float().pow(2).mean()
+
+
+class Block(nn.Module):
+    def __init__(self, as_dict: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.as_dict = as_dict
+
+    def forward(self, h: Any) -> Any:
+        h = h["h"] if isinstance(h, dict) else h
+        out = torch.tanh(self.lin(h))
+        return {"h": out, "aux": (out.sum(),)} if self.as_dict else out
+
+
+class Stack(nn.Module):
+    """Wrapped blocks (stage-3 units) between an input layer and a head."""
+
+    def __init__(self, as_dict: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(Block(as_dict) for _ in range(3))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h: Any = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        h = h["h"] if isinstance(h, dict) else h
+        return self.head(h).pow(2).mean()
+
+
+class Normed(nn.Module):
+    """A model whose BatchNorm carries running statistics (persistent buffers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.bn(self.lin(x)))).pow(2).mean()
+
+
+def _train(
+    model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, *, clear: str = "opt"
+) -> None:
+    for step in range(STEPS):
+        model(_mine(_batch(step), rank, world)).backward()
+        opt.step()
+        if clear == "opt":
+            opt.zero_grad()
+        else:
+            model.zero_grad(set_to_none=clear == "model")
+
+
+def _reference(make: Any, clear: str = "opt") -> dict[str, torch.Tensor]:
+    model = make()
+    _train(model, _sgd(list(model.parameters())), 0, 1, clear=clear)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------- buckets
+def test_buckets_never_mix_dtypes() -> None:
+    def entry(name: str, dtype: torch.dtype) -> Entry:
+        p = nn.Parameter(torch.zeros(4, 2, dtype=dtype))
+        return Entry(name, p, p, True, (4, 2), 0, 2, 2, 2)
+
+    dtypes = [torch.float32, torch.bfloat16, torch.bfloat16, torch.float32]
+    buckets = make_buckets([entry(str(i), d) for i, d in enumerate(dtypes)], 1 << 20, 2)
+    assert [[e.name for e in b.entries] for b in buckets] == [["0"], ["1", "2"], ["3"]]
+
+
+# ---------------------------------------------------------------------- training loops
+def _mixed(rank: int, world: int, ref: dict[str, torch.Tensor]) -> None:
+    for stage in (1, 2):  # an fp32 parameter sharing a gather bucket with a bf16 one stays fp32
+        model, opt = prepare(Mixed(), _sgd, ZeroConfig(stage=stage, min_shard_numel=0))
+        _train(model, opt, rank, world)
+        assert model.a.dtype == torch.float32
+        assert model.b.dtype == torch.bfloat16
+        full = full_state_dict(model)
+        _close(full, {"a": ref["a"]}, f"stage {stage} mixed dtypes, master")
+        _close({"a": model.a.detach()}, {"a": ref["a"]}, f"stage {stage} model.a")
+        assert torch.equal(model.b.detach(), full["b"].to(torch.bfloat16))
+
+
+def _model_zero_grad(rank: int, world: int, ref: dict[str, torch.Tensor]) -> None:
+    for stage in (1, 2, 3):
+        for clear in ("model", "model-zeros"):  # set_to_none True, then False
+            model, opt = prepare(Stack(), _sgd, ZeroConfig(stage=stage, min_shard_numel=0))
+            _train(model, opt, rank, world, clear=clear)
+            if clear == "model":
+                assert all(p.grad is None for g in opt.param_groups for p in g["params"])
+            _close(full_state_dict(model), ref, f"stage {stage} {clear}.zero_grad()")
+
+
+def _dict_blocks(rank: int, world: int, ref: dict[str, torch.Tensor]) -> None:
+    # stage-3 units returning a dict (tensors nested in it) are gathered again for backward
+    model, opt = prepare(Stack(as_dict=True), _sgd, ZeroConfig(stage=3, min_shard_numel=0))
+    _train(model, opt, rank, world)
+    _close(full_state_dict(model), ref, "stage 3, blocks returning dicts")
+
+
+LOOPS = {
+    "mixed_dtypes": (_mixed, lambda: _reference(Mixed)),
+    "model_zero_grad": (_model_zero_grad, lambda: _reference(Stack, clear="model")),
+    "stage3_dict_output": (_dict_blocks, lambda: _reference(lambda: Stack(as_dict=True))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOOPS))
+def test_training_loop_matches_single_process(tmp_path: Path, case: str) -> None:
+    worker, reference = LOOPS[case]
+    spawn(worker, reference(), world_size=2, tmp_path=tmp_path)
+
+
+# ---------------------------------------------------------------------- hooks and schedulers
+def _hooks(rank: int, world: int) -> None:
+    model, opt = prepare(Stack(), _sgd, ZeroConfig(stage=2, min_shard_numel=0))
+    calls: list[tuple[str, Any, Any, Any]] = []
+    after: list[torch.Tensor] = []
+
+    def record(kind: str) -> Any:
+        def hook(o: Any, args: Any, kwargs: Any) -> None:
+            if o is opt:  # the wrapped optimizer reports its own step too
+                calls.append((kind, args, kwargs, o.param_groups[0]["lr"]))
+            if kind == "post" and o is opt:
+                after.append(model.head.weight.detach().clone())
+
+        return hook
+
+    handles = [
+        opt.register_step_pre_hook(record("pre")),
+        opt.register_step_post_hook(record("post")),
+        register_optimizer_step_pre_hook(record("global-pre")),
+        register_optimizer_step_post_hook(record("global-post")),
+    ]
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(2):
+        model(_mine(_batch(step), rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        # the post hook ran after the model's parameters were updated
+        assert torch.equal(after[-1], model.head.weight.detach())
+    for handle in handles:
+        handle.remove()
+    kinds = [c[0] for c in calls]
+    assert kinds == ["global-pre", "pre", "post", "global-post"] * 2, kinds
+    assert all(c[1] == (opt,) and c[2] == {} for c in calls), calls
+    assert [c[3] for c in calls] == [0.1] * 4 + [0.05] * 4
+    assert opt.param_groups[0]["lr"] == 0.025
+    # state-dict hooks run too
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "tag": 1})
+    assert opt.state_dict()["tag"] == 1
+
+
+def test_step_hooks_and_lr_scheduler(tmp_path: Path) -> None:
+    spawn(_hooks, world_size=2, tmp_path=tmp_path)
+
+
+# ---------------------------------------------------------------------- state dicts
+LOAD_CASES = {  # (stage, param_dtype, offload_optimizer)
+    "stages_1_2": [(1, torch.bfloat16, False), (2, torch.bfloat16, False), (2, None, True)],
+    "stage_3": [(3, None, False), (3, torch.bfloat16, True)],
+}
+
+
+def _loads(rank: int, world: int, pretrained: dict[str, torch.Tensor], which: str) -> None:
+    for stage, dtype, offload in LOAD_CASES[which]:
+        what = f"stage {stage} param_dtype {dtype} offload {offload}"
+        config = ZeroConfig(
+            stage=stage, param_dtype=dtype, offload_optimizer=offload, min_shard_numel=0
+        )
+        compute = dtype or torch.float32
+        model, opt = prepare(Stack(), lambda ps: torch.optim.SGD(ps, lr=0.0), config)
+        model.load_state_dict(pretrained)
+        model(_mine(_batch(0), rank, world).to(compute)).backward()
+        opt.step()  # lr 0: the masters are copied into the model again
+        opt.zero_grad()
+        _close(full_state_dict(model), pretrained, f"{what}: masters after load + step")
+        want = Stack()
+        want.load_state_dict(pretrained)
+        x = _batch(1).to(compute)
+        with torch.no_grad():  # the model computes with the loaded weights
+            got, ref = model(x).item(), want.to(compute)(x).item()
+        assert abs(got - ref) <= (1e-6 if dtype is None else 0.0), (what, got, ref)
+        if stage == 3:
+            with pytest.raises(RuntimeError, match="full_state_dict"):
+                model.state_dict()
+        with pytest.raises(ValueError, match="assign"):
+            model.load_state_dict(pretrained, assign=True)
+
+
+@pytest.mark.parametrize("which", sorted(LOAD_CASES))
+def test_load_state_dict_after_prepare(tmp_path: Path, which: str) -> None:
+    g = torch.Generator().manual_seed(5)
+    pretrained = {k: torch.randn(v.shape, generator=g) for k, v in Stack().state_dict().items()}
+    spawn(_loads, pretrained, which, world_size=2, tmp_path=tmp_path)
+
+
+def _buffers(rank: int, world: int, path: str) -> None:
+    config = ZeroConfig(stage=2, min_shard_numel=0)
+    model, opt = prepare(Normed(), _sgd, config)
+    _train(model, opt, rank, world)
+    save_checkpoint(path, model, opt)
+    saved = [{k: v.clone() for k, v in model.bn.state_dict().items()}]
+    dist.broadcast_object_list(saved, src=0)
+    _train(model, opt, rank, world)
+    want = full_state_dict(model)
+    resumed, ropt = prepare(Normed(), _sgd, config)
+    load_checkpoint(path, resumed, ropt)
+    for key, value in saved[0].items():  # rank 0's buffers, on every rank
+        assert torch.equal(resumed.bn.state_dict()[key], value), key
+    _train(resumed, ropt, rank, world)
+    got = full_state_dict(resumed)
+    if rank == 0:  # rank 0 resumed from its own buffers: bit-equal to the uninterrupted run
+        for key, value in want.items():
+            assert torch.equal(got[key], value), key
+
+
+def test_checkpoint_keeps_buffers(tmp_path: Path) -> None:
+    spawn(_buffers, str(tmp_path / "ckpt"), world_size=2, tmp_path=tmp_path)
