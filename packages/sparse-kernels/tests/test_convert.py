@@ -1,5 +1,6 @@
 """`to_masked_linear_` undoes `to_block_sparse_` exactly: masks, weights, biases, state dict."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -76,3 +77,15 @@ def test_to_masked_linear_of_a_single_layer_model_keeps_edge_tiles_cropped():
     assert torch.equal(linear.weight, weight)
     assert torch.equal(linear.bias, layer.bias)
     assert linear.weight.dtype == layer.values.dtype
+
+
+@pytest.mark.parametrize("block_size", [0, -4])
+def test_block_size_below_one_is_rejected_before_use(block_size):
+    message = rf"`block_size` \({block_size}\) must be >= 1"
+    with pytest.raises(ValueError, match=message):
+        BlockSparseLinear.from_dense(nn.Linear(32, 16), block_size=block_size, sparsity=0.5)
+    model = tiny_llama()
+    for sparsity in (0.5, None):
+        with pytest.raises(ValueError, match=message):
+            to_block_sparse_(model, block_size=block_size, sparsity=sparsity)
+    assert not any(isinstance(m, BlockSparseLinear) for m in model.modules())

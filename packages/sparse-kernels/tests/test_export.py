@@ -84,3 +84,25 @@ def test_compressed_stores_tied_weights_once(tmp_path):
     dense_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     # the dense state dict counts the tied embedding twice; the file holds it once
     assert size < dense_bytes - embedding_bytes
+
+
+def test_compressed_round_trip_of_a_masked_root_linear(tmp_path):
+    from safetensors import safe_open
+    from torch import nn
+
+    from sparse_kernels import apply_mask_
+
+    for mask in [torch.rand(4, 8) > 0.5, torch.tensor([[1, 1, 0, 0] * 2] * 4, dtype=torch.bool)]:
+        lin = nn.Linear(8, 4)
+        apply_mask_(lin, mask)
+        path = tmp_path / "root.safetensors"
+        save_compressed(lin, path)
+        with safe_open(str(path), framework="pt") as f:
+            assert not any(key.startswith(".") for key in f.keys())  # noqa: SIM118
+        fresh = nn.Linear(8, 4)
+        got = load_compressed_(fresh, path)
+        assert set(got) == {""}
+        assert torch.equal(got[""], mask)
+        assert torch.equal(masks(fresh)[""], mask)
+        assert torch.equal(fresh.weight, lin.weight)
+        assert torch.equal(fresh.bias, lin.bias)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_kernels import SparsityConfig, block_mask, nm_mask, unstructured_mask
-from sparse_kernels.masks import block_scores
+from sparse_kernels.masks import block_scores, expand_blocks
 
 SETTINGS = settings(max_examples=40, deadline=None)
 
@@ -108,3 +108,22 @@ def test_config_target_sparsity():
     assert SparsityConfig(pattern="2:4").target_sparsity == 0.5
     assert SparsityConfig(pattern="1:8").target_sparsity == 0.875
     assert SparsityConfig(pattern="block", sparsity=0.9).target_sparsity == 0.9
+
+
+def test_fp64_scores_are_ranked_in_fp64():
+    """1 + 1e-12 and 1 are one value in fp32; fp64 keeps them apart (and 1e39 finite)."""
+    tie = torch.tensor(
+        [[1.0, 1.0 + 1e-12, 0.0, 0.0], [1.0 + 1e-12, 1.0, 0.0, 0.0]], dtype=torch.float64
+    )
+    assert nm_mask(tie, 1, 4).tolist() == [[False, True, False, False], [True, False, False, False]]
+    top = torch.tensor([[1.0 + 1e-12, 1.0, 2.0, 3.0]], dtype=torch.float64)
+    assert unstructured_mask(top, 0.25).tolist() == [[True, False, True, True]]
+    assert unstructured_mask(top, 0.25, per_row=True).tolist() == [[True, False, True, True]]
+    huge = torch.tensor([[1e39, 2e39, 0.0, 0.0]], dtype=torch.float64)  # inf in fp32
+    assert nm_mask(huge, 1, 4).tolist() == [[False, True, False, False]]
+    tiles = torch.ones(4, 4, dtype=torch.float64)
+    tiles[2:, 2:] += 1e-12  # the one tile of 4 with a larger mean
+    assert (
+        block_mask(tiles, 2, 0.75).tolist()
+        == expand_blocks(torch.tensor([[False, False], [False, True]]), 2, (4, 4)).tolist()
+    )

@@ -99,3 +99,22 @@ def test_sparse_then_dense_switches_on_the_same_parameters():
     for module in select_targets(model).values():
         assert id(module.weight) in tracked
         assert float((module.weight == 0).float().mean()) < 0.05
+
+
+@pytest.mark.parametrize("granularity", ["rows", "ROW", "", "per_row"])
+def test_gradual_rejects_unknown_granularity(granularity):
+    with pytest.raises(
+        ValueError, match=rf"`granularity` \({granularity!r}\) must be 'layer' or 'row'"
+    ):
+        GradualPruning(tiny_llama(), final_sparsity=0.5, end_step=4, granularity=granularity)
+
+
+@pytest.mark.parametrize("block_size", [0, -4])
+def test_gradual_rejects_block_size_below_one_at_construction(block_size):
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=rf"`block_size` \({block_size}\) must be >= 1"):
+        GradualPruning(
+            model, final_sparsity=0.5, pattern="block", block_size=block_size, start_step=5,
+            end_step=9,
+        )  # fmt: skip
+    assert masks(model) == {}

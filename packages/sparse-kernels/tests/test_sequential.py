@@ -56,14 +56,16 @@ def _batches() -> list[dict[str, torch.Tensor]]:
 
 
 def _hessians_float64(model: nn.Module, layer: nn.Module, batches) -> dict:
-    """`2 XᵀX / tokens` (float64) of `layer`'s Linears over full forwards of `model`."""
+    """`2 XᵀX / tokens` (float64) of `layer`'s Linears over full forwards of `model`, over the
+    real tokens only (`attention_mask` 1; the Linears' inputs are (batch, seq, features))."""
     linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
     xtx = {n: torch.zeros(m.in_features, m.in_features).double() for n, m in linears.items()}
     tokens = dict.fromkeys(linears, 0)
+    real = {}
 
     def hook(name):
         def fn(module, args):
-            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            x = args[0][real["mask"]].double()
             xtx[name] += x.T @ x
             tokens[name] += x.shape[0]
 
@@ -72,6 +74,8 @@ def _hessians_float64(model: nn.Module, layer: nn.Module, batches) -> dict:
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
     with torch.no_grad():
         for batch in batches:
+            ids = batch["input_ids"]
+            real["mask"] = batch.get("attention_mask", torch.ones_like(ids)) == 1
             model(**batch, use_cache=False)
     for h in handles:
         h.remove()

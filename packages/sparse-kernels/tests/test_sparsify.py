@@ -224,3 +224,38 @@ def test_errors_name_the_problem():
         sparsify_(model, SparsityConfig(targets=["nothing_matches"]))
     with pytest.raises(ValueError, match="no batch"):
         sparsify_(model, SparsityConfig(method="wanda"), calibration=[])
+
+
+@pytest.mark.parametrize("sparsity", [0.3, 0.5, 0.7])
+def test_sparsegpt_row_granularity_prunes_exactly_per_row(sparsity):
+    """granularity="row": every row prunes round(s·in) (here 70 columns in lazy blocks of 32,
+    so shares of 32, 32 and 6 columns); the OBS update keeps it ahead of Wanda per row."""
+    errs = {}
+    for method in ["wanda", "sparsegpt"]:
+        net, batches, x = _correlated_layer(0, rows=12, cols=70)
+        ref = net(x).detach()
+        cfg = SparsityConfig(
+            method=method, sparsity=sparsity, granularity="row", sparsegpt_block=32
+        )
+        mask = sparsify_(net, cfg, calibration=batches)["blocks.0"]
+        assert (~mask).sum(1).tolist() == [round(sparsity * 70)] * 12, method
+        assert (net.blocks[0].weight[~mask] == 0).all()
+        errs[method] = float((net(x).detach() - ref).square().mean())
+    assert errs["sparsegpt"] < errs["wanda"], errs
+
+
+def test_sparsegpt_row_granularity_of_one_row_is_the_layer_ranking():
+    from sparse_kernels.config import parse_pattern
+    from sparse_kernels.sparsegpt import sparsegpt_prune
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 40, generator=gen) * torch.logspace(-1, 1, 40)
+    weight = torch.randn(1, 40, generator=gen)
+    hessian = 2 * x.T @ x / 256
+    pattern = parse_pattern("unstructured")
+    options = {"sparsity": 0.45, "blocksize": 16}
+    w_row, m_row = sparsegpt_prune(weight, hessian, pattern, per_row=True, **options)
+    w_layer, m_layer = sparsegpt_prune(weight, hessian, pattern, **options)
+    assert int((~m_row).sum()) == 18
+    assert torch.equal(m_row, m_layer)
+    assert torch.equal(w_row, w_layer)

@@ -18,7 +18,14 @@ from sparse_kernels.layout import BlockLayout, blocks_to_dense, dense_to_blocks
 
 
 # ------------------------------------------------------------------- PyTorch paths (CPU path)
+def _check_features(t: Tensor, features: int, what: str) -> None:
+    """ValueError unless `t` is (tokens, features): `_pad_cols` would crop or pad it silently."""
+    if t.dim() != 2 or t.shape[1] != features:
+        raise ValueError(f"`{what}` must be (tokens, {features}), got shape {tuple(t.shape)}")
+
+
 def _pad_cols(t: Tensor, cols: int) -> Tensor:
+    assert t.shape[1] <= cols, (tuple(t.shape), cols)  # never crop: callers check the width
     return t if t.shape[1] == cols else torch.nn.functional.pad(t, (0, cols - t.shape[1]))
 
 
@@ -66,6 +73,7 @@ def dsd_torch(
     `addmm` per stored tile into an fp32 accumulator. Above `dense_crossover` tile density:
     one dense GEMM through the materialized weight (faster there).
     """
+    _check_features(x, layout.in_features, "x")
     if layout.density > dense_crossover:
         return _through_dense(
             x,
@@ -103,6 +111,7 @@ def dsdt_torch(
     CPU: BSR of the transposed tiles; other devices: one `addmm` per tile. Above
     `dense_crossover` tile density: one dense GEMM through the materialized weight.
     """
+    _check_features(dy, layout.out_features, "dy")
     if layout.density > dense_crossover:
         return _through_dense(dy, values, layout, torch.matmul).contiguous()
     b = layout.block_size
@@ -138,13 +147,17 @@ def sdd_torch(
 
     For each block row r the stored columns of X are gathered once and one GEMM
     `dY[:, r]ᵀ · X[:, cols(r)]` yields all of that row's tiles. Above `dense_crossover` tile
-    density: the dense dYᵀX, then its stored tiles.
+    density: the dense dYᵀX, then its stored tiles. No tokens: zeros, as for `nn.Linear`.
     """
+    _check_features(x, layout.in_features, "x")
+    _check_features(dy, layout.out_features, "dy")
     if layout.density > dense_crossover:
         return dense_to_blocks(dy.T @ x, layout)
     b = layout.block_size
     rb, cb = layout.row_blocks, layout.col_blocks
     M = x.shape[0]
+    if M == 0:  # the per-row gather below cannot view 0 tokens as (-1, M)
+        return x.new_zeros(layout.nnzb, b, b)
     xt = _pad_cols(x, cb * b).T.contiguous().view(cb, b, M)
     dyt = _pad_cols(dy, rb * b).T.contiguous().view(rb, b, M)
     out = x.new_empty(layout.nnzb, b, b)
@@ -157,6 +170,22 @@ def sdd_torch(
         g = dyt[r] @ xt[col[s:e]].view(-1, M).T  # (b, tiles·b)
         out[s:e] = g.view(b, e - s, b).transpose(0, 1)
     return out
+
+
+def differentiable_backward(
+    dy: Tensor, x: Tensor, values: Tensor, layout: BlockLayout, needs: tuple[bool, ...]
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """(dX, dW's tiles, db) with differentiable PyTorch ops through the dense weight.
+
+    The backward of every backend when it records a graph (`create_graph=True`, e.g. a
+    gradient penalty): higher-order gradients are then those of `F.linear` with the dense
+    weight (the kernels' outputs have no `grad_fn`). One dense GEMM per gradient. `needs`:
+    which of (x, values, bias) want a gradient.
+    """
+    dx = dy @ blocks_to_dense(values, layout) if needs[0] else None
+    dv = dense_to_blocks(dy.T @ x, layout) if needs[1] else None
+    db = dy.sum(0) if needs[2] else None
+    return dx, dv, db
 
 
 # -------------------------------------------------------------------- dense references (tests)

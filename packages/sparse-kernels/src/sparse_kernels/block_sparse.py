@@ -25,6 +25,10 @@ Under autocast (`torch.autocast` enabled for x's device type) the layer computes
 does: x, values and bias are cast to the autocast dtype before the kernels (which then run with
 autocast off), the output has that dtype, and the gradients, computed in that dtype, reach
 fp32 `values` and `bias` through the casts as fp32 tensors. Without autocast nothing is cast.
+
+Higher-order gradients: a backward run with `create_graph=True` computes dX, dW's tiles and db
+with differentiable PyTorch ops through the dense weight on every backend (dense cost), so a
+gradient penalty differentiates as it does through `F.linear`.
 """
 
 from __future__ import annotations
@@ -119,6 +123,10 @@ class _BlockSparseMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         with _autocast_off(dy.device.type):  # backward called inside autocast: no recasts
+            if torch.is_grad_enabled():  # create_graph=True: a backward that is differentiable
+                x, values = ctx.saved_tensors
+                grads = T.differentiable_backward(dy, x, values, ctx.layout, ctx.needs_input_grad)
+                return (*grads[:2], grads[2] if ctx.has_bias else None, None, None)
             return _BlockSparseMM._backward(ctx, dy)
 
     @staticmethod
@@ -179,7 +187,13 @@ def block_sparse_linear(
     Returns:
         (..., out_features) in x's dtype; under autocast for x's device type, in the autocast
         dtype (x, values and bias are cast to it first, as `nn.Linear`'s are).
+
+    Raises:
+        ValueError: if x's last dimension is not `layout.in_features` (every backend).
     """
+    if x.dim() == 0 or x.shape[-1] != layout.in_features:
+        got = "a 0-d tensor" if x.dim() == 0 else f"{x.shape[-1]} features"
+        raise ValueError(f"`x` has {got}, expected {layout.in_features} (`in_features`)")
     chosen = _resolved(backend, x.device, layout.block_size)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -322,7 +336,12 @@ class BlockSparseLinear(nn.Module):
             sparsity: fraction of tiles dropped (exactly `round(sparsity · tiles)`).
             block_mask: explicit (row_blocks, col_blocks) tile mask instead of magnitude.
             backend: `"auto"`, `"torch"` or `"triton"`.
+
+        Raises:
+            ValueError: for `block_size` < 1 or `sparsity` outside [0, 1).
         """
+        if block_size < 1:
+            raise ValueError(f"`block_size` ({block_size}) must be >= 1")
         weight = linear.weight.detach()
         if block_mask is None:
             if not 0.0 <= sparsity < 1.0:

@@ -4,6 +4,10 @@ For each targeted `nn.Linear` with inputs X (tokens x in_features, all batches s
 
 * Wanda needs `‖X_j‖₂²` per input feature: `sumsq[j] = Σ_t X[t, j]²` (fp32).
 * SparseGPT needs the Hessian of the layer-wise squared error, `H = 2 XᵀX / tokens` (fp32).
+
+Padding is left out: when a batch has a 2-D `attention_mask` (batch, seq), a Linear whose input
+is (batch, seq, features) contributes only the positions where the mask is nonzero, so a padded
+batch gives the statistics of its sequences unpadded. Inputs of other shapes count every row.
 """
 
 from __future__ import annotations
@@ -36,6 +40,22 @@ class InputStats:
         return self.xtx * (2.0 / self.tokens)
 
 
+@dataclass
+class TokenMask:
+    """The real positions of the batch being run, shared with the recording hooks."""
+
+    current: Tensor | None = None
+    """(batch, seq) bool (True = a real token), or None: every position counts."""
+
+
+def real_tokens(batch: Mapping[str, Any]) -> Tensor | None:
+    """(batch, seq) bool of the positions a 2-D `attention_mask` marks real, else None."""
+    mask = batch.get("attention_mask")
+    if isinstance(mask, Tensor) and mask.dim() == 2:
+        return mask != 0
+    return None
+
+
 def to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
     """`batch` with its tensors moved to `device`."""
     return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
@@ -43,13 +63,15 @@ def to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
 
 @contextmanager
 def record_input_stats(
-    modules: Mapping[str, nn.Module], *, hessian: bool
+    modules: Mapping[str, nn.Module], *, hessian: bool, tokens: TokenMask | None = None
 ) -> Iterator[dict[str, InputStats]]:
     """Accumulate the input statistics of `modules` while the block runs (forward pre-hooks).
 
     Args:
         modules: qualified name -> Linear whose inputs are recorded.
         hessian: also accumulate XᵀX (in_features² fp32 per module).
+        tokens: the real positions of the batch being run (set by the caller per batch); an
+            input (batch, seq, features) of that mask's shape contributes those rows only.
 
     Yields:
         Qualified name -> statistics, filled by every forward call inside the block.
@@ -58,7 +80,11 @@ def record_input_stats(
 
     def make_hook(name: str) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            x = args[0].detach()
+            real = None if tokens is None else tokens.current
+            if real is not None and x.shape[:-1] == real.shape:
+                x = x[real.to(x.device)]  # padded positions are not calibration data
+            x = x.reshape(-1, x.shape[-1]).float()
             st = stats[name]
             st.tokens += x.shape[0]
             sq = x.square().sum(0)
@@ -113,10 +139,13 @@ def collect_input_stats(
     was_training = model.training
     model.eval()
     seen = 0
+    tokens = TokenMask()
     try:
-        with record_input_stats(modules, hessian=hessian) as stats:
+        with record_input_stats(modules, hessian=hessian, tokens=tokens) as stats:
             for batch in calibration:
-                model(**to_device(check_batch(batch), device))
+                kwargs = to_device(check_batch(batch), device)
+                tokens.current = real_tokens(kwargs)
+                model(**kwargs)
                 seen += 1
     finally:
         model.train(was_training)

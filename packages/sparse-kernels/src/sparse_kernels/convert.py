@@ -39,8 +39,10 @@ def to_block_sparse_(
 
     Raises:
         ValueError: if a target has no mask (with `sparsity=None`) or its mask is not made of
-            whole `block_size` tiles.
+            whole `block_size` tiles, or `block_size` < 1.
     """
+    if block_size < 1:
+        raise ValueError(f"`block_size` ({block_size}) must be >= 1")
     out = {}
     for name, linear in select_targets(model, targets).items():
         block_mask = None

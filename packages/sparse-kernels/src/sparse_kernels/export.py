@@ -47,6 +47,11 @@ def unpack_bits(packed: Tensor, shape: tuple[int, ...] | torch.Size) -> Tensor:
     return bits.reshape(-1)[:numel].view(*shape)
 
 
+def _weight_key(name: str) -> str:
+    """State-dict key of the weight of the module `name` (`""`: the root module itself)."""
+    return f"{name}.weight" if name else "weight"
+
+
 def dense_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """`model.state_dict()` with masked weights baked in under their plain `*.weight` keys."""
     out = {}
@@ -57,7 +62,7 @@ def dense_state_dict(model: nn.Module) -> dict[str, Tensor]:
     for name in masks(model):
         weight = model.get_submodule(name).weight
         assert isinstance(weight, Tensor)
-        out[f"{name}.weight"] = weight.detach()
+        out[_weight_key(name)] = weight.detach()
     return out
 
 
@@ -116,7 +121,7 @@ def save_compressed(model: nn.Module, path: str | os.PathLike[str]) -> int:
     keys are recorded as aliases in the file's metadata and restored by `load_compressed_`.
     """
     state = dense_state_dict(model)
-    found = {f"{name}.weight": m for name, m in masks(model).items()}
+    found = {_weight_key(name): m for name, m in masks(model).items()}
     tensors: dict[str, Tensor] = {}
     formats: dict[str, Any] = {}
     aliases: dict[str, str] = {}
@@ -188,7 +193,7 @@ def load_compressed_(
     model.load_state_dict(state)
     out = {}
     for key, mask in found.items():
-        name = key.removesuffix(".weight")
+        name = "" if key == "weight" else key.removesuffix(".weight")
         if apply_masks:
             module = model.get_submodule(name)
             assert isinstance(module, nn.Linear)

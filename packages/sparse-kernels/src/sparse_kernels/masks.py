@@ -14,6 +14,16 @@ from torch import Tensor
 from sparse_kernels.config import Pattern, SparsityConfig
 
 
+def _ranked(scores: Tensor) -> Tensor:
+    """Detached scores in the dtype they are ranked in.
+
+    fp32 and fp64 as they are; anything narrower (bf16, fp16, integers) in fp32, which holds
+    16-bit floats exactly.
+    """
+    s = scores.detach()
+    return s if s.dtype in (torch.float32, torch.float64) else s.float()
+
+
 def _prune_lowest(scores: Tensor, k: int) -> Tensor:
     """Mask of a 1-D score vector with its `k` lowest entries set to False."""
     mask = torch.ones_like(scores, dtype=torch.bool)
@@ -32,7 +42,7 @@ def unstructured_mask(scores: Tensor, sparsity: float, *, per_row: bool = False)
     """
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"`sparsity` ({sparsity}) must be in [0, 1)")
-    s = scores.detach().float()
+    s = _ranked(scores)
     if not per_row or s.dim() < 2:
         return _prune_lowest(s.flatten(), round(sparsity * s.numel())).view_as(s)
     rows = s.reshape(s.shape[0], -1)
@@ -54,7 +64,7 @@ def nm_mask(scores: Tensor, n: int, m: int) -> Tensor:
     """
     if not 0 < n < m:
         raise ValueError(f"`n` ({n}) must satisfy 0 < n < `m` ({m}) for N:M sparsity")
-    s = scores.detach().float()
+    s = _ranked(scores)
     cols = s.shape[-1]
     if cols % m:
         raise ValueError(
@@ -71,7 +81,7 @@ def block_scores(scores: Tensor, block_size: int) -> Tensor:
 
     Edge tiles of a shape that is not a multiple of `block_size` average their real entries.
     """
-    s = scores.detach().float()
+    s = _ranked(scores)
     rows, cols = s.shape
     rb, cb = -(-rows // block_size), -(-cols // block_size)
     pad = (0, cb * block_size - cols, 0, rb * block_size - rows)

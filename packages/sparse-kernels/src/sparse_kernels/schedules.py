@@ -109,6 +109,10 @@ class GradualPruning(_Schedule):
             raise ValueError(f"need 0 <= `start_step` ({start_step}) < `end_step` ({end_step})")
         if frequency < 1:
             raise ValueError(f"`frequency` ({frequency}) must be >= 1")
+        if block_size < 1:
+            raise ValueError(f"`block_size` ({block_size}) must be >= 1")
+        if granularity not in ("layer", "row"):
+            raise ValueError(f"`granularity` ({granularity!r}) must be 'layer' or 'row'")
         self.model = model
         self.initial_sparsity = initial_sparsity
         self.final_sparsity = final_sparsity

@@ -43,7 +43,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from sparse_kernels.calibration import InputStats, check_batch, record_input_stats, to_device
+from sparse_kernels.calibration import (
+    InputStats,
+    TokenMask,
+    check_batch,
+    real_tokens,
+    record_input_stats,
+    to_device,
+)
 
 LAYER_PATHS = ("model.layers", "layers")
 """Where `decoder_layers` looks for the `nn.ModuleList` of decoder layers, in order."""
@@ -109,8 +116,10 @@ def _call(layer: nn.Module, hidden: Tensor, call: Call) -> Tensor:
 
 def capture_layer_calls(
     model: nn.Module, layers: Sequence[nn.Module], calibration: Iterable[Mapping[str, Any]]
-) -> tuple[list[Tensor], list[list[Call]]]:
-    """Per batch: the hidden states `layers[0]` receives, and every layer's other arguments.
+) -> tuple[list[Tensor], list[list[Call]], list[Tensor | None]]:
+    """Per batch: the hidden states `layers[0]` receives, every layer's arguments, its tokens.
+
+    The tokens are the batch's real positions (`calibration.real_tokens`).
 
     Each layer's `forward` is replaced, for the duration, by a stub that records its call and
     returns the hidden states unchanged, and the last one stops the model's forward: no layer
@@ -120,7 +129,8 @@ def capture_layer_calls(
     (`past_key_values=None`, `use_cache=False`): layers are re-run and must not append to it.
 
     Returns:
-        (hidden states per batch, per batch the `(args, kwargs)` of each layer in order).
+        (hidden states per batch, per batch the `(args, kwargs)` of each layer in order, per
+        batch its (batch, seq) real-token mask or None).
 
     Raises:
         ValueError: if `calibration` yields no batch or a non-mapping, or the forward of a batch
@@ -129,6 +139,7 @@ def capture_layer_calls(
     device = next(model.parameters()).device
     hidden: list[Tensor] = []
     calls: list[list[Call]] = []
+    real: list[Tensor | None] = []
 
     def stub(index: int) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -154,8 +165,10 @@ def capture_layer_calls(
     try:
         for i, batch in enumerate(calibration):
             calls.append([])
+            kwargs = to_device(check_batch(batch), device)
+            real.append(real_tokens(kwargs))
             with contextlib.suppress(_ReachedLayerError):
-                model(**to_device(check_batch(batch), device))
+                model(**kwargs)
             if len(hidden) != i + 1 or len(calls[i]) != len(layers):
                 raise ValueError(
                     f"calibration batch {i}: the forward of {type(model).__name__} called "
@@ -170,7 +183,7 @@ def capture_layer_calls(
                 layer.forward = forward
     if not hidden:
         raise ValueError("`calibration` yielded no batch")
-    return hidden, calls
+    return hidden, calls, real
 
 
 @torch.no_grad()
@@ -202,14 +215,24 @@ def prune_sequential_(
     model.eval()
     try:
         last = max(by_layer, default=-1)
-        hidden, calls = capture_layer_calls(model, list(layers)[: last + 1], calibration)
+        hidden, calls, real = capture_layer_calls(model, list(layers)[: last + 1], calibration)
+        tokens = TokenMask()
         for index in range(last + 1):
             layer = layers[index]
             names = by_layer.get(index, [])
             if names:
-                with record_input_stats({n: modules[n] for n in names}, hessian=hessian) as st:
-                    for h, batch_calls in zip(hidden, calls, strict=True):
+                targets = {n: modules[n] for n in names}
+                with record_input_stats(targets, hessian=hessian, tokens=tokens) as st:
+                    for h, batch_calls, batch_real in zip(hidden, calls, real, strict=True):
+                        tokens.current = batch_real  # padded positions are left out
                         _call(layer, h, batch_calls[index])
+                missing = [name for name in names if st[name].tokens == 0]
+                if missing:
+                    raise ValueError(
+                        f"no calibration token reached {', '.join(missing)} when layer {index} "
+                        f"ran on its inputs; leave them out of `targets` or check the batches "
+                        f"(layers before {index} are already pruned)"
+                    )
                 for name in names:
                     prune(name, modules[name], st.pop(name))  # freed as soon as it is used
             if index < last:

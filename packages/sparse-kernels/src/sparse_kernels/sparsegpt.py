@@ -9,7 +9,8 @@ computed with the upper Cholesky factor of H⁻¹ so each step is one rank-1 upd
 handled in blocks of `blocksize` with lazy updates of the rest of the matrix (a GEMM per block).
 
 Masks: unstructured masks are chosen adaptively per column block (exact total count across
-blocks), N:M masks every `m` columns, block masks once up front from the OBS saliency summed
+blocks; with `per_row`, exact in every row: each row prunes its share of each block), N:M masks
+every `m` columns, block masks once up front from the OBS saliency summed
 over tiles (the weight update then follows that fixed mask). All math in fp32.
 """
 
@@ -46,6 +47,7 @@ def sparsegpt_prune(
     block_size: int = 64,
     blocksize: int = 128,
     dampening: float = 0.01,
+    per_row: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Prune `weight` with SparseGPT; return the updated weight (with zeros) and the mask.
 
@@ -57,6 +59,8 @@ def sparsegpt_prune(
         block_size: tile edge of the block pattern.
         blocksize: columns per lazy-update block.
         dampening: relative diagonal dampening of H.
+        per_row: unstructured only: rank within each row, so every row prunes exactly
+            `round(sparsity · cols)` (each column block: its share of every row).
 
     Returns:
         (new_weight in weight's dtype, bool mask), both (rows, cols).
@@ -95,14 +99,19 @@ def sparsegpt_prune(
         if fixed is not None:
             keep1 = fixed[:, i1:i2].clone()
         elif pattern.kind == "unstructured":
-            # Exact total: this block prunes round(s·end) - round(s·start) of the elements.
-            k = round(sparsity * rows * i2) - round(sparsity * rows * i1)
-            k = min(k, total_pruned, rows * count)
-            score = (W1.square() / d1.square()[None, :]).flatten()
-            keep1 = torch.ones_like(score, dtype=torch.bool)
-            if k > 0:
-                keep1[torch.topk(score, k, largest=False, sorted=False).indices] = False
-            keep1 = keep1.view(rows, count)
+            score = W1.square() / d1.square()[None, :]
+            keep1 = torch.ones_like(W1, dtype=torch.bool)
+            if per_row:  # each row prunes round(s·i2) - round(s·i1) here: round(s·cols) in all
+                k = min(round(sparsity * i2) - round(sparsity * i1), count)
+                if k > 0:
+                    low = torch.topk(score, k, dim=1, largest=False, sorted=False).indices
+                    keep1.scatter_(1, low, False)
+            else:  # exact total: this block prunes round(s·rows·i2) - round(s·rows·i1)
+                k = round(sparsity * rows * i2) - round(sparsity * rows * i1)
+                k = min(k, total_pruned, rows * count)
+                if k > 0:
+                    low = torch.topk(score.flatten(), k, largest=False, sorted=False).indices
+                    keep1.view(-1)[low] = False
         else:
             keep1 = torch.zeros_like(W1, dtype=torch.bool)
         for i in range(count):

@@ -152,11 +152,41 @@ def sparsity_report(model: nn.Module) -> dict[str, float]:
     return out
 
 
+def check_targets(modules: Mapping[str, nn.Linear], config: SparsityConfig) -> None:
+    """ValueError naming every target whose shape `config.pattern` cannot prune.
+
+    N:M groups `m` consecutive input features, so `in_features` must be a multiple of `m`.
+    """
+    pattern = config.parsed
+    if pattern.kind != "nm":
+        return
+    bad = {n: lin.in_features for n, lin in modules.items() if lin.in_features % pattern.m}
+    if bad:
+        raise ValueError(
+            f"`pattern` {config.pattern!r} needs `in_features` to be a multiple of {pattern.m}; "
+            f"not so for {', '.join(f'{n} (in_features={k})' for n, k in bad.items())}: "
+            f"leave them out of `targets` or pick another pattern"
+        )
+
+
+def check_reached(stats: Mapping[str, InputStats]) -> None:
+    """ValueError naming the targets that no calibration token reached."""
+    missing = [name for name, st in stats.items() if st.tokens == 0]
+    if missing:
+        raise ValueError(
+            f"no calibration token reached {', '.join(missing)}: the model's forward on the "
+            f"`calibration` batches never calls them (or every position is masked out); "
+            f"leave them out of `targets` or check the batches"
+        )
+
+
 def _prune_with_stats(
     name: str, linear: nn.Linear, config: SparsityConfig, stats: InputStats | None
 ) -> Tensor:
     """Prune one Linear by `config.method` and attach its mask; return the mask."""
     weight = linear.weight.detach()
+    if config.method != "magnitude" and (stats is None or stats.tokens == 0):
+        check_reached({name: stats or InputStats()})
     if config.method == "magnitude":
         mask = mask_for_config(weight.abs(), config)
     elif config.method == "wanda":
@@ -174,6 +204,7 @@ def _prune_with_stats(
             block_size=config.block_size,
             blocksize=config.sparsegpt_block,
             dampening=config.dampening,
+            per_row=config.granularity == "row",
         )
         stored_weight(linear).copy_(new_weight)
     apply_mask_(linear, mask)
@@ -206,14 +237,20 @@ def sparsify_(
         Qualified name -> boolean mask (True = kept) of every pruned Linear.
 
     Raises:
-        ValueError: if no module is targeted, calibration is missing for wanda/sparsegpt, or
-            (sequential) the model layout is unsupported or a target is outside the layers.
+        ValueError: if no module is targeted, a target's shape does not fit the pattern (N:M:
+            `in_features % m`), calibration is missing for wanda/sparsegpt, no calibration
+            token reaches a target, or (sequential) the model layout is unsupported or a
+            target is outside the layers. The messages name the modules. Every check but the
+            last two runs before any change to the model; an unreached target raises before
+            any Linear is pruned in one-shot mode, and before its own layer is pruned in
+            sequential mode (earlier layers are pruned by then).
     """
     modules = select_targets(model, config.targets)
     if not modules:
         raise ValueError(
             f"no nn.Linear matched `targets` ({config.targets!r}); pass regexes on module names"
         )
+    check_targets(modules, config)
     if config.method == "magnitude":
         return {name: _prune_with_stats(name, lin, config, None) for name, lin in modules.items()}
     if calibration is None:
@@ -228,6 +265,7 @@ def sparsify_(
         prune_sequential_(model, modules, calibration, prune, hessian=hessian)
         return {name: out[name] for name in modules}
     all_stats = collect_input_stats(model, modules, calibration, hessian=hessian)
+    check_reached(all_stats)
     for name, linear in modules.items():
         out[name] = _prune_with_stats(name, linear, config, all_stats.pop(name))
     return out

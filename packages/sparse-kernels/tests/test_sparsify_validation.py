@@ -1,0 +1,105 @@
+"""sparsify_ checks its targets before it changes the model, and its errors name the modules."""
+
+import pytest
+import torch
+from torch import nn
+
+from leanlm_testing.models import random_batches, tiny_llama
+from sparse_kernels import SparsityConfig, masks, sparsify_
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    assert masks(model) == {}
+    after = model.state_dict()
+    assert set(after) == set(before)  # no parametrization keys
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+
+
+@pytest.mark.parametrize(
+    ("method", "sequential"),
+    [("magnitude", False), ("wanda", False), ("wanda", True), ("sparsegpt", False),
+     ("sparsegpt", True)],
+)  # fmt: skip
+def test_nm_shape_error_names_the_modules_before_any_change(method, sequential):
+    model = tiny_llama(intermediate_size=90)  # down_proj: in_features 90, not a multiple of 4
+    before = _snapshot(model)
+    batches = random_batches(256, batches=1, seq_len=8)
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    with pytest.raises(ValueError, match="multiple of 4") as err:
+        sparsify_(
+            model,
+            SparsityConfig(pattern="2:4", method=method),
+            calibration=batches,
+            sequential=sequential,
+        )
+    for i in (0, 1):
+        assert f"model.layers.{i}.mlp.down_proj (in_features=90)" in str(err.value)
+    assert "up_proj" not in str(err.value)
+    assert calls == []  # no calibration pass ran
+    _assert_unchanged(model, before)
+
+
+class _TwoBlocks(nn.Module):
+    """`blocks.1` is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](x)
+
+
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+def test_unreached_target_raises_a_value_error_naming_it_before_pruning(method):
+    net = _TwoBlocks()
+    before = _snapshot(net)
+    with pytest.raises(ValueError, match=r"no calibration token reached blocks\.1:"):
+        sparsify_(
+            net,
+            SparsityConfig(pattern="2:4", method=method),
+            calibration=[{"x": torch.randn(4, 8)}],
+        )
+    _assert_unchanged(net, before)
+
+
+class _Layer(nn.Module):
+    def __init__(self, skip: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.skip = nn.Linear(8, 8), nn.Linear(8, 8), skip
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.a(h) if self.skip else self.b(self.a(h))
+
+
+class _Stack(nn.Module):
+    """`layers.1.b` is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer(False), _Layer(True)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+def test_unreached_target_in_sequential_mode_names_it(method):
+    net = _Stack()
+    layer1 = _snapshot(net.layers[1])
+    with pytest.raises(ValueError, match=r"no calibration token reached layers\.1\.b when layer 1"):
+        sparsify_(
+            net,
+            SparsityConfig(pattern="2:4", method=method),
+            calibration=[{"x": torch.randn(4, 8)}],
+            sequential=True,
+        )
+    _assert_unchanged(net.layers[1], layer1)  # layer 0 is pruned by then, as documented
