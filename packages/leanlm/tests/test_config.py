@@ -1,4 +1,5 @@
 import dataclasses
+import typing
 
 import pytest
 from hypothesis import given
@@ -6,7 +7,7 @@ from hypothesis import strategies as st
 
 from leanlm import PRESETS, ConfigError, RunConfig, load_toml
 from leanlm.cli import main
-from leanlm.config import ModelConfig, dumps_toml, from_dict
+from leanlm.config import ModelConfig, PretrainConfig, dumps_toml, from_dict, override
 from prune_distill import SearchSpace
 
 
@@ -50,7 +51,7 @@ SEARCH = {"search": True, "search_params": 100_000, "search_hidden_size": [128]}
         ({"stages": ["pretrain", "quantize"]}, "stages", "unknown stage 'quantize'"),
         ({"stages": []}, "stages", "at least one stage"),
         ({"collective_timeout_s": 0}, "collective_timeout_s", "(0.0) must be a positive number"),
-        ({"collective_timeout_s": float("nan")}, "collective_timeout_s", "(nan) must be"),
+        ({"collective_timeout_s": float("nan")}, "collective_timeout_s", "finite number, got nan"),
         ({"collective_timeout_s": "10m"}, "collective_timeout_s", "must be float, got str"),
         (
             {"model": {"hidden_size": 30, "num_attention_heads": 4}},
@@ -63,6 +64,12 @@ SEARCH = {"search": True, "search_params": 100_000, "search_hidden_size": [128]}
             "(3) must divide `num_attention_heads` (4)",
         ),
         ({"model": {"num_hidden_layers": 0}}, "model.num_hidden_layers", "must be > 0, got 0"),
+        (
+            {"model": {"hidden_size": 12, "num_attention_heads": 4}},
+            "model.hidden_size",
+            "(12) / `num_attention_heads` (4) = 3 dimensions per head, which rotary embeddings "
+            "need even: use a `hidden_size` that is a multiple of 8 (e.g. 16)",
+        ),
         (
             {"pretrain": {"steps": 10, "warmup_steps": 10}},
             "pretrain.warmup_steps",
@@ -180,6 +187,11 @@ SEARCH = {"search": True, "search_params": 100_000, "search_hidden_size": [128]}
         ({"sparsify": {"block_size": 0}}, "sparsify.block_size", "(0) must be >= 1"),
         # prune-distill's DistillConfig checks the loss settings
         ({"distill": {"top_k": -1}}, "distill.top_k", "(-1) must be >= 1"),
+        (
+            {"stages": ["pretrain", "distill"], "distill": {"top_k": 8193}},
+            "distill.top_k",
+            "(8193) must be <= the vocabulary (8192 tokens, `tokenizer.vocab_size`); 0 distills",
+        ),
         ({"sparsify": {"steps": -1}}, "sparsify.steps", "must be >= 0"),
     ],
 )
@@ -189,6 +201,49 @@ def test_bad_values_name_the_key(data, key, text):
     assert info.value.key == key
     assert text in str(info.value)
     assert str(info.value).startswith(f"config key `{key}`")
+
+
+def _float_keys(cls, prefix=""):
+    """(`--set` key, the key an error names) for every float of a config class and its sections:
+    each float field, and the last item of a list of floats (set as `[0.5, X]`)."""
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        kind, key = hints[field.name], f"{prefix}{field.name}"
+        if dataclasses.is_dataclass(kind):
+            yield from _float_keys(kind, f"{key}.")
+        elif kind is float:
+            yield key, key
+        elif typing.get_origin(kind) is tuple and float in typing.get_args(kind):
+            yield f"{key}=[0.5, ", f"{key}[1]"
+
+
+FLOAT_KEYS = sorted(_float_keys(RunConfig))
+
+
+def test_every_float_key_is_in_the_non_finite_table():
+    named = {named for _, named in FLOAT_KEYS}
+    audited = {"pretrain.lr", "pretrain.grad_clip", "pretrain.weight_decay", "distill.beta"}
+    audited |= {"model.initializer_range", "model.rope_theta", "distill.teacher_correction_lr"}
+    assert audited | {"pretrain.betas[1]", "collective_timeout_s", "sparsify.sparsity"} <= named
+    assert len(named) >= 30
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize(("setting", "key"), FLOAT_KEYS)
+def test_non_finite_values_are_refused_naming_the_key(setting, key, value):
+    """NaN passed every range check (`value <= 0` is False) and inf most of them."""
+    item = f"{setting}{value}]" if setting.endswith(", ") else f"{setting}={value}"
+    with pytest.raises(ConfigError) as info:
+        override(RunConfig(), [item])
+    assert (info.value.key, info.value.message) == (key, f"must be a finite number, got {value}")
+
+
+def test_non_finite_values_built_in_python_are_refused_naming_the_key():
+    sparsify = dataclasses.replace(RunConfig().sparsify, sparsity=float("nan"))  # no own check
+    with pytest.raises(ConfigError, match=r"^config key `sparsify.sparsity`: .* got nan$"):
+        RunConfig(sparsify=sparsify)
+    with pytest.raises(ConfigError, match=r"^config key `lr`: must be a finite number, got nan$"):
+        PretrainConfig(lr=float("nan"))
 
 
 def test_prune_search_round_trips_and_fixed_sizes_are_single_choices(tmp_path):
@@ -222,6 +277,9 @@ def test_model_shapes_validate_consistently(heads, kv_divisor, head_dim):
     if heads % kv_divisor:
         with pytest.raises(ConfigError, match="num_key_value_heads"):
             ModelConfig(**kwargs)
+    elif head_dim % 2:  # rotary embeddings rotate pairs of dimensions
+        with pytest.raises(ConfigError, match=rf"^config key `hidden_size`: .* = {head_dim} dim"):
+            ModelConfig(**kwargs)
     else:
         assert ModelConfig(**kwargs).num_key_value_heads == kv_divisor
 
@@ -240,6 +298,21 @@ def test_cli_reports_bad_config_before_any_work(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "config key `model.num_attention_heads`" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["run", "plan"])
+def test_cli_reports_a_config_that_is_a_folder_or_not_text_in_one_line(tmp_path, command, capsys):
+    """A folder as the config raised IsADirectoryError with a traceback, exit 1."""
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"seed = 1\n\xff\n")
+    for path, says in (
+        (tmp_path, "is a directory, not a TOML config file"),
+        (binary, "is not UTF-8 text, so not a TOML config: 'utf-8' codec can't decode byte 0xff"),
+    ):
+        assert main([command, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"leanlm: error: {path} {says}")
+        assert len(err.splitlines()) == 1, err
 
 
 def test_cli_help_lists_commands(capsys):

@@ -277,6 +277,30 @@ def test_bad_starts_then_the_corrected_rerun(tmp_path, tiny_config, capsys, monk
     assert "Pass --restart-changed" in err
 
 
+def test_a_folder_that_is_not_a_leanlm_run_is_refused_and_left_alone(tmp_path, tiny_config, capsys):
+    """A fresh run (or --resume) into a non-empty folder without a run deleted the user's
+    folders named like stages and overwrote their config.toml; now nothing is touched."""
+    out, path = tmp_path / "project", tmp_path / "run.toml"
+    path.write_text(dumps_toml(tiny_config()))
+    (out / "pretrain").mkdir(parents=True)
+    (out / "pretrain" / "notes.txt").write_text("my notes\n")
+    (out / "config.toml").write_text("# my own config\n[optim]\nlr = 1e-3\n")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for resume in ([], ["--resume"]):
+        assert main(["run", str(path), "--out", str(out), *resume]) == 2
+        assert messages(capsys.readouterr().err) == [
+            f"leanlm: error: --out {out} is not empty and is not a leanlm run folder (it holds "
+            "config.toml, pretrain/); leanlm deletes or overwrites nothing it did not create: "
+            "choose a new or empty --out (--resume continues only a leanlm run folder)"
+        ]
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert not (out / rundir.RUN_MARKER).exists()
+    # a folder holding only what a starting run makes itself is empty for this check
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / lock.LOCK_FILE).write_text("4194303\n")
+    rundir.check_reuse(tmp_path / "new", tiny_config(), resume=False)
+
+
 def _probe_out_dir(out, rounds, failures):
     for _ in range(rounds):
         try:

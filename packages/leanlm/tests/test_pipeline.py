@@ -215,3 +215,36 @@ def test_pretrain_with_came_int8_state(tmp_path, tiny_config):
         rows_, cols = s["exp_avg"].shape
         assert tuple(s["exp_avg_scale"].shape) == (rows_, -(-cols // 128))
         assert s["exp_avg"].abs().max() == 127  # each block's absmax is coded exactly
+
+
+def test_logged_lr_is_the_lr_each_step_applied(tmp_path, tiny_config, monkeypatch):
+    """metrics.jsonl gave each step the lr of the step after it (the scheduler had moved)."""
+    applied = []
+    adamw_step = torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        applied.append(self.param_groups[0]["lr"])
+        return adamw_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    section = {"optimizer": "adamw", "steps": 5, "warmup_steps": 2, "lr": 1e-2}
+    section |= {"min_lr_ratio": 0.1, "eval_every": 5, "checkpoint_every": 0}
+    run_pipeline(tiny_config(pretrain=section), tmp_path / "run")
+    rows = (tmp_path / "run" / "pretrain" / "metrics.jsonl").read_text().splitlines()
+    logged = [(r["step"], r["lr"]) for r in map(json.loads, rows) if "lr" in r]
+    assert logged == list(enumerate(applied, start=1))
+    # transformers' warmup + cosine: step s (from 0) at lr x s / 2, then cosine from lr over
+    # the 3 steps left toward lr x 0.1 (reached after the last step)
+    assert applied == pytest.approx([0.0, 5e-3, 1e-2, 7.75e-3, 3.25e-3], rel=1e-12)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 autocast runs on CUDA")
+def test_fp16_without_cuda_is_refused_before_any_work(tmp_path, tiny_config):
+    """accelerate skips fp16 on the CPU without a word: the run trained in fp32 as "fp16"."""
+    from leanlm.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        run_pipeline(tiny_config(mixed_precision="fp16"), tmp_path / "run")
+    assert info.value.key == "mixed_precision"
+    assert info.value.message.startswith("('fp16') needs a CUDA GPU, and this machine has none")
+    assert not (tmp_path / "run").exists()

@@ -135,12 +135,27 @@ def test_resume_between_stages_skips_finished_ones(full_run, tmp_path):
 def test_one_shot_sparsify_without_fine_tune(tmp_path, tiny_config):
     config = tiny_config(
         stages=("pretrain", "sparsify"),
+        # more windows than the validation split has: the report states how many were scored
+        data=dataclasses.replace(tiny_config().data, eval_windows=100_000),
         sparsify=SparsifyConfig(steps=0, pattern="unstructured", sparsity=0.7, method="magnitude"),
     )
-    _, sparse = run_pipeline(config, tmp_path / "run")
+    dense, sparse = run_pipeline(config, tmp_path / "run")
     metrics = sparse.metrics
     assert metrics["tokens"] == 0
     assert metrics["val_perplexity"] == pytest.approx(metrics["one_shot_val_perplexity"])
+    # the note said "..., X after the sparse fine-tune" with no fine-tune run
+    assert sparse.notes[0].startswith("70.0% of the decoder Linear weights are zero")
+    says = f"perplexity {metrics['one_shot_val_perplexity']:.2f} right after one-shot pruning, "
+    assert says + "no sparse fine-tune (`sparsify.steps` = 0). Its size" in sparse.notes[0]
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "after the sparse fine-tune" not in report
+    windows = dense.metrics["eval_tokens"] // (config.data.seq_len - 1)  # first token unscored
+    assert 0 < windows < 100_000
+    assert (
+        f"validation perplexity over {windows} windows of 32 tokens, spread evenly over the "
+        f"validation split, all there are (`data.eval_windows` is 100000) (each window scored "
+        "on its own; first token unscored). Every stage is scored on the same windows."
+    ) in report
     assert metrics["masked_sparsity"] == pytest.approx(0.7, abs=0.01)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "sparsify" / "model")
     q = model.model.layers[0].self_attn.q_proj.weight

@@ -137,3 +137,32 @@ def test_two_processes_share_one_cache_and_train_like_one(prune_distill_config, 
     torch.testing.assert_close(
         _losses(tmp_path / "two"), _losses(tmp_path / "one"), atol=1e-5, rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("teacher", ["online", "cached"])
+def test_top_k_above_the_vocabulary_is_refused_naming_the_key(
+    prune_distill_config, tmp_path, capsys, teacher
+):
+    """The online teacher crashed at the first step in `torch.topk` (no key named); the cached
+    one silently distilled on the whole vocabulary instead."""
+    from leanlm.cli import main
+    from leanlm_testing.cli_runs import messages
+
+    config = dataclasses.replace(
+        prune_distill_config(teacher=teacher, top_k=513), stages=("distill",)
+    )
+    says = "config key `distill.top_k`: (513) must be <= the vocabulary (512 tokens, {}); 0 "
+    says += "distills on the whole vocabulary"
+    # Python: in the stage, from the student, before any teacher pass or cache
+    with pytest.raises(ConfigError) as info:
+        run_pipeline(config, tmp_path / "run")
+    assert str(info.value) == says.format("the student's")
+    assert not (tmp_path / "run" / "distill" / CACHE_DIR).exists()
+    assert not (tmp_path / "run" / "distill" / "metrics.jsonl").exists()
+    # `leanlm run`: before any work, from `init_model`'s config.json
+    path = tmp_path / "run.toml"
+    path.write_text(dumps_toml(config))
+    assert main(["run", str(path), "--out", str(tmp_path / "cli")]) == 2
+    local = f"`vocab_size` of {config.init_model}/config.json"
+    assert messages(capsys.readouterr().err) == [f"leanlm: error: {says.format(local)}"]
+    assert list((tmp_path / "cli").iterdir()) == []

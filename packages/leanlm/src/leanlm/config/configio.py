@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import math
 import re
 import tomllib
 import types
@@ -39,6 +40,7 @@ def non_negative(obj: object, *names: str, zero: str = "") -> None:
     """`ConfigError` unless every named field is >= 0; `zero` says what 0 means, if anything."""
     for name in names:
         value = getattr(obj, name)
+        _finite(name, value)
         if value < 0:
             meaning = f" (0 = {zero})" if zero else ""
             raise ConfigError(name, f"must be >= 0{meaning}, got {value!r}")
@@ -48,8 +50,40 @@ def positive(obj: object, *names: str) -> None:
     """`ConfigError` unless every named field is > 0."""
     for name in names:
         value = getattr(obj, name)
+        _finite(name, value)
         if value <= 0:
             raise ConfigError(name, f"must be > 0, got {value!r}")
+
+
+def _finite(key: str, value: Any) -> None:
+    """`ConfigError` naming `key` when `value` is a NaN or infinite float.
+
+    TOML has `nan` and `inf`, and NaN passes every comparison a range check makes.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(key, f"must be a finite number, got {value!r}")
+
+
+def check_finite(config: object) -> None:
+    """`ConfigError` naming the dotted key of the first NaN / inf float in `config`.
+
+    `config` is a dataclass; its sections and their lists and tables are searched too (keys
+    like `pretrain.lr`, `pretrain.betas[0]`).
+    """
+
+    def walk(value: Any, key: str) -> None:
+        _finite(key, value)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for field in dataclasses.fields(value):
+                walk(getattr(value, field.name), f"{key}.{field.name}" if key else field.name)
+        elif isinstance(value, list | tuple):
+            for i, item in enumerate(value):
+                walk(item, f"{key}[{i}]")
+        elif isinstance(value, Mapping):
+            for name, item in value.items():
+                walk(item, f"{key}.{name}")
+
+    walk(config, "")
 
 
 _NAMED = re.compile(r"`(\w+)`\s*")
@@ -127,6 +161,8 @@ def convert_value(value: Any, tp: Any, key: str) -> Any:
         return from_dict(tp, value, prefix=key)  # type: ignore[arg-type]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, float):
+        _finite(key, value)
     if (tp in (int, float) and isinstance(value, bool)) or not isinstance(value, tp):
         raise ConfigError(key, f"must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
     return value

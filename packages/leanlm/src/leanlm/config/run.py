@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import tomli_w
 
-from leanlm.config.configio import ConfigError, from_dict, to_dict
+from leanlm.config.configio import ConfigError, check_finite, from_dict, to_dict
 from leanlm.config.extra_sections import EvalConfig, LoggingConfig
 from leanlm.config.prune_section import SEARCHED, PruneConfig
 from leanlm.config.sections import INIT_STAGE, DataConfig, ModelConfig, TokenizerConfig
@@ -55,7 +55,8 @@ class RunConfig:
     seed: int = 0
     """Seeds model initialisation and data order."""
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    """Autocast precision for training and evaluation (parameters stay fp32)."""
+    """Autocast precision for training and evaluation (parameters stay fp32). `fp16` needs a
+    CUDA GPU: a run without one stops before any work, naming this key."""
     collective_timeout_s: float = 600.0
     """Seconds a process waits for the others in a collective (all-reduce, barrier, ...) before
     the run stops, naming the process that stopped answering. It is the `timeout` of the
@@ -92,6 +93,7 @@ class RunConfig:
     """Where training scalars go besides `metrics.jsonl` and TensorBoard (Weights & Biases)."""
 
     def __post_init__(self) -> None:
+        check_finite(self)  # a section built in Python skipped `from_dict`'s check
         if not 0 < self.collective_timeout_s < float("inf"):
             raise ConfigError(
                 "collective_timeout_s",
@@ -204,9 +206,14 @@ def _prune_rules(run: RunConfig) -> None:
 
 
 def _distill_rules(run: RunConfig) -> None:
-    """The teacher is a stage that runs before `distill` (or `init` with `init_model`)."""
+    """The teacher is a stage that runs before `distill` (or `init` with `init_model`).
+
+    And `top_k` fits in `[tokenizer]`'s vocabulary (an `init_model`'s is checked at the start).
+    """
     if "distill" not in run.stages:
         return
+    if not run.init_model:
+        run.distill.check_top_k(run.tokenizer.vocab_size, "`tokenizer.vocab_size`")
     teacher = run.distill.teacher_stage
     before = list(run.stages[: run.stages.index("distill")])
     if run.init_model:
@@ -250,10 +257,21 @@ def load_toml(path: str | Path, *, overrides: Sequence[str] = ()) -> RunConfig:
     Raises:
         ConfigError: for unknown keys, wrong types or impossible values (naming the key).
         FileNotFoundError: if `path` does not exist.
+        ValueError: if `path` is a directory, cannot be read, or is not UTF-8 TOML text.
     """
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a directory, not a TOML config file") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text, so not a TOML config: {err}") from None
+    except OSError as err:
+        raise ValueError(f"{path} cannot be read: {err.strerror}") from None
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"{path} is not valid TOML: {err}") from err
     return _build(data, overrides)

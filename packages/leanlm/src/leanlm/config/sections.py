@@ -153,6 +153,16 @@ class ModelConfig:
                 f"({self.num_key_value_heads}) must divide `num_attention_heads` "
                 f"({self.num_attention_heads})",
             )
+        head_dim = self.hidden_size // self.num_attention_heads
+        if head_dim % 2:  # rotary embeddings rotate pairs of dimensions
+            step = 2 * self.num_attention_heads
+            fit = -(-self.hidden_size // step) * step
+            raise ConfigError(
+                "hidden_size",
+                f"({self.hidden_size}) / `num_attention_heads` ({self.num_attention_heads}) = "
+                f"{head_dim} dimensions per head, which rotary embeddings need even: use a "
+                f"`hidden_size` that is a multiple of {step} (e.g. {fit})",
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -208,9 +218,13 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of `lr` (cosine decay)."""
+    """Where the cosine decay ends, as a fraction of `lr`: transformers'
+    `get_cosine_with_min_lr_schedule_with_warmup`, whose value at step s (counted from 0) step
+    s applies, so `lr x min_lr_ratio` is reached after the last step, which runs just above it."""
     warmup_steps: int = 20
-    """Linear warmup steps."""
+    """Linear warmup steps: step s (counted from 0) < `warmup_steps` runs at
+    `lr x s / warmup_steps`, the first at 0 (transformers' convention). `metrics.jsonl`'s `lr` is
+    the one each step applied."""
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (norm weights are not decayed)."""
     betas: tuple[float, float] = (0.9, 0.95)

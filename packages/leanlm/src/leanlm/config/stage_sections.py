@@ -56,7 +56,10 @@ class DistillConfig(TrainConfig):
     lm_loss_weight: float = 0.0
     """Weight of the next-token cross-entropy in the loss (the KL gets 1 - this)."""
     top_k: int = 0
-    """Distill on the teacher's top-k logits only (0 = the full vocabulary)."""
+    """Distill on the teacher's top-k logits only (0 = the full vocabulary). At most the
+    vocabulary, online or cached: a larger value is refused naming `distill.top_k`, at load
+    against `tokenizer.vocab_size`, or with `init_model` before any work against its
+    `config.json`'s `vocab_size` (a local folder) and when the stage loads its student."""
     hidden_loss_weight: float = 0.0
     """Weight of prune-distill's intermediate hidden-state loss, added to the KL/CE mix (0 = off):
     1 - cosine between student and teacher layer outputs after each model's final norm. When
@@ -91,6 +94,19 @@ class DistillConfig(TrainConfig):
                         f"({getattr(self, key)}) needs the teacher model, which `teacher = "
                         '"cached"` does not load: set it to 0 or use `teacher = "online"`',
                     )
+
+    def check_top_k(self, vocab: int, whose: str) -> None:
+        """`top_k` must not exceed the vocabulary of `vocab` tokens (`whose`: where it is read).
+
+        Raises:
+            ConfigError: naming `distill.top_k`, both values and what to do.
+        """
+        if self.top_k > vocab:
+            raise ConfigError(
+                "distill.top_k",
+                f"({self.top_k}) must be <= the vocabulary ({vocab} tokens, {whose}); 0 "
+                "distills on the whole vocabulary",
+            )
 
     @property
     def options(self) -> prune_distill.DistillConfig:

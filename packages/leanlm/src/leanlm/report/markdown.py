@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from leanlm.config import RunConfig, dumps_toml
+from leanlm.config import DataConfig, RunConfig, dumps_toml
 from leanlm.report import plots
 from leanlm.stages.base import StageResult
 
@@ -216,17 +216,32 @@ def versions() -> str:
     return ", ".join([*found, f"Python {platform.python_version()}"])
 
 
+def windows_line(data: DataConfig, windows: int) -> str:
+    """What the validation windows are: how many were scored, of what, taken from where."""
+    stream = "the first ones of the validation stream"
+    where = stream if data.streaming else "spread evenly over the validation split"
+    asked = data.eval_windows
+    short = f", all there are (`data.eval_windows` is {asked})" if asked > windows else ""
+    return (
+        f"validation perplexity over {windows} windows of {data.seq_len} tokens, {where}{short} "
+        "(each window scored on its own; first token unscored)"
+    )
+
+
 def write_report(
     run_dir: Path,
     config: RunConfig,
     results: list[StageResult],
     *,
     corpus: str,
+    eval_windows: int,
     command: str | None = None,
 ) -> Path:
     """Write `run_dir/report.md`, `loss.png` and `size.png`; returns the report's path.
 
-    `command` is how the run was started (default: this process's `sys.argv`).
+    `eval_windows` is the number of validation windows every stage was scored on (fewer than
+    `data.eval_windows` when the validation data holds fewer); `command` is how the run was
+    started (default: this process's `sys.argv`).
     """
     plots.save(plots.loss_figure(run_dir, results), run_dir / "loss.png")
     plots.save(plots.size_figure(results), run_dir / "size.png")
@@ -239,9 +254,8 @@ def write_report(
 - Commit: `{git_commit()}`; written {now}.
 - Versions: {versions()}.
 - Machine: {machine}.
-- Data: {corpus}; validation perplexity over {config.data.eval_windows or "all"} windows of \
-{config.data.seq_len} tokens spread evenly over the held-out files (each window scored on its \
-own; first token unscored). Every stage is scored on the same windows.
+- Data: {corpus}; {windows_line(config.data, eval_windows)}. Every stage is scored on the same \
+windows.
 
 ## Stages
 

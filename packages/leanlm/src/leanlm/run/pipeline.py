@@ -12,13 +12,13 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
-from leanlm.config import INIT_STAGE, RunConfig, dumps_toml, to_dict
+from leanlm.config import INIT_STAGE, ConfigError, RunConfig, dumps_toml, to_dict
 from leanlm.data.resources import RunResources
 from leanlm.report.downstream import Downstream
 from leanlm.report.markdown import write_report
 from leanlm.report.metrics import WandbRun, peak_memory_mib, require_wandb, reset_peak_memory
 from leanlm.run import interrupt
-from leanlm.run.rundir import CONFIG_FILE, check_reuse, holds_work, stage_hash
+from leanlm.run.rundir import CONFIG_FILE, check_reuse, holds_work, mark_run_dir, stage_hash
 from leanlm.stages import STAGES, StageContext, StageResult
 from leanlm.train.model import weights_stats
 
@@ -31,10 +31,20 @@ def make_accelerator(config: RunConfig) -> Accelerator:
     processes into one gloo group instead of running N independent single-process jobs. The
     group's collectives time out after `config.collective_timeout_s` (FSDP2's mesh and
     shard-zero use this group).
+
+    Raises:
+        ConfigError: `mixed_precision = "fp16"` without CUDA (accelerate would train in fp32).
     """
+    cpu = not torch.cuda.is_available()
+    if cpu and config.mixed_precision == "fp16":
+        raise ConfigError(
+            "mixed_precision",
+            "('fp16') needs a CUDA GPU, and this machine has none: on the CPU accelerate "
+            'would silently train in fp32; use "bf16" (CPU autocast) or "no"',
+        )
     timeout = datetime.timedelta(seconds=config.collective_timeout_s)
     return Accelerator(
-        cpu=not torch.cuda.is_available(),
+        cpu=cpu,
         mixed_precision=config.mixed_precision,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
     )
@@ -52,10 +62,11 @@ def run_pipeline(
 
     Every stage writes `out_dir/<stage>/` (its model folder, metrics, checkpoints, result). With
     `resume`, a stage whose stored result has the same hash is skipped and an unfinished one
-    continues from its latest checkpoint. Without `resume`, `out_dir` must not hold a run (a
-    result or a checkpoint; what a run that failed before its first checkpoint left is
-    replaced). With `resume`, a config change that would discard a stored result or checkpoint
-    (see `leanlm.run.rundir.check_reuse`) stops the run unless `restart_changed`: then the stages
+    continues from its latest checkpoint. `out_dir` must be new, empty or a leanlm run folder
+    (`leanlm.run.rundir.RUN_MARKER`); without `resume` it must not hold a run (a result or a
+    checkpoint; what a run that failed before its first checkpoint left is replaced). With
+    `resume`, a config change that would discard a stored result or checkpoint (see
+    `leanlm.run.rundir.check_reuse`) stops the run unless `restart_changed`: then the stages
     whose inputs changed, and all after them, start over. `command` is how the run was started
     (shown in the report). With `[eval]` tasks each stage's model is then scored by
     lm-evaluation-harness (`leanlm.report.downstream`; a stored result only on the tasks it lacks);
@@ -63,8 +74,10 @@ def run_pipeline(
 
     Raises:
         leanlm.configio.ConfigError: `[eval]` or `[logging]` needs a package that is not
-            installed, or names an unknown task (before any work).
-        FileExistsError: if `out_dir` holds a run and `resume` is false.
+            installed, or names an unknown task, or `mixed_precision = "fp16"` on a machine
+            without CUDA (before any work).
+        FileExistsError: if `out_dir` holds a run and `resume` is false, or files that are not
+            a leanlm run's.
         leanlm.run.rundir.ConfigChangedError: `resume` with a changed config (the keys are listed)
             and not `restart_changed`.
         leanlm.run.interrupt.Interrupted: the run was stopped by SIGTERM / SIGINT.
@@ -80,6 +93,7 @@ def run_pipeline(
     fresh = not holds_work(out_dir)
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
+        mark_run_dir(out_dir)  # first: a worker checking `out_dir` after this sees a run folder
         for name in config.stages if fresh else ():  # logs of a start that failed early
             shutil.rmtree(out_dir / name, ignore_errors=True)
         (out_dir / CONFIG_FILE).write_text(dumps_toml(config))
@@ -139,7 +153,12 @@ def run_pipeline(
         outputs[name] = previous_dir
     if accelerator.is_main_process:
         report = write_report(
-            out_dir, config, results, corpus=resources.corpus.description, command=command
+            out_dir,
+            config,
+            results,
+            corpus=resources.corpus.description,
+            eval_windows=len(resources.validation_windows),
+            command=command,
         )
         accelerator.print(f"[leanlm] done in {time.perf_counter() - start:.0f} s; report: {report}")
     if wandb_run is not None:

@@ -25,8 +25,14 @@ from typing import Any
 from urllib.parse import urlparse
 
 from leanlm.config import ConfigError, RunConfig, to_dict
+from leanlm.run.lock import LOCK_FILE
 
 CONFIG_FILE = "config.toml"
+RUN_MARKER = ".leanlm-run"
+"""Written into `--out` before anything else a run writes there: the folder is a leanlm run's,
+so a later fresh run may replace its `config.toml` and stage folders (a start that failed
+before its first checkpoint). leanlm deletes or overwrites nothing in a folder without it."""
+PROBE_PREFIX = ".leanlm-write-test-"
 MIN_FREE_MIB = 100
 """An `--out` on a disk with less free space than this is refused before the run starts."""
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT})
@@ -44,6 +50,26 @@ def holds_work(out_dir: Path) -> bool:
     if not out_dir.is_dir():
         return False
     return any(out_dir.glob("*/result.json")) or any(out_dir.glob("*/checkpoints/step-*"))
+
+
+def mark_run_dir(out_dir: Path) -> None:
+    """Record that `out_dir` is a leanlm run folder (`RUN_MARKER`); call before writing there."""
+    (out_dir / RUN_MARKER).write_text("a leanlm run folder: config.toml and the stage folders\n")
+
+
+def foreign_entries(out_dir: Path) -> list[str]:
+    """What `out_dir` holds when it is not a leanlm run folder (no marker, no work).
+
+    Names, sorted, a folder's with a trailing `/`. Empty for a run folder, an empty or missing
+    one, or one holding only what a starting run makes itself (its lock, the write probes).
+    """
+    if not out_dir.is_dir() or (out_dir / RUN_MARKER).exists() or holds_work(out_dir):
+        return []
+    return sorted(
+        f"{p.name}/" if p.is_dir() else p.name
+        for p in out_dir.iterdir()
+        if p.name != LOCK_FILE and not p.name.startswith(PROBE_PREFIX)
+    )
 
 
 def stage_hash(config: RunConfig, stage: str, previous_hash: str, processes: int = 1) -> str:
@@ -138,12 +164,27 @@ def check_reuse(
     on disk needs `restart_changed`. So does a resume on another number of `processes` that
     changes a stored stage's global batch (see `stage_hash`).
 
+    A folder that holds neither a run nor the `RUN_MARKER` of one must be empty, with or
+    without `resume`: leanlm writes `config.toml` and the stage folders into `--out`, and
+    never into files it did not create.
+
     Raises:
-        FileExistsError: `out_dir` holds a run and `resume` is false.
+        FileExistsError: `out_dir` holds a run and `resume` is false, or holds files that are
+            not a leanlm run's (named).
         ConfigChangedError: `resume` would discard the work of a stage (the changed keys and
             the stages are listed), unless `restart_changed`.
     """
     if not holds_work(out_dir):
+        foreign = foreign_entries(out_dir)
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (
+                f" and {len(foreign) - 5} more" if foreign[5:] else ""
+            )
+            raise FileExistsError(
+                f"--out {out_dir} is not empty and is not a leanlm run folder (it holds "
+                f"{shown}); leanlm deletes or overwrites nothing it did not create: choose a new "
+                "or empty --out (--resume continues only a leanlm run folder)"
+            )
         return
     if not resume:
         raise FileExistsError(
@@ -187,7 +228,7 @@ def check_out_dir(out_dir: Path) -> None:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         # one probe file per process: the workers of a launch run this check at the same time
-        probe = out_dir / f".leanlm-write-test-{os.getpid()}"
+        probe = out_dir / f"{PROBE_PREFIX}{os.getpid()}"
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as err:
@@ -352,4 +393,8 @@ def preflight(
     )
     if config.init_model:
         check_init_model(config.init_model)
+        local = Path(config.init_model).expanduser() / "config.json"
+        vocab = json.loads(local.read_text()).get("vocab_size") if local.is_file() else None
+        if "distill" in config.stages and isinstance(vocab, int):
+            config.distill.check_top_k(vocab, f"`vocab_size` of {local}")
     check_hub_dataset(config)

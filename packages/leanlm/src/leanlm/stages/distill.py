@@ -59,12 +59,13 @@ class Distill(Stage):
                 f"{cfg.teacher_stage!r} to have run; ran: {list(ctx.outputs)}"
             )
         student = load_model(ctx.input_dir, dtype=TRAIN_DTYPE)
+        vocab = student.get_output_embeddings().weight.shape[0]
+        cfg.check_top_k(vocab, "the student's")
         teacher_dir = ctx.outputs[cfg.teacher_stage]
         if cfg.teacher == "cached":
             from leanlm.train.distill import cached_distillation_loss
             from leanlm.train.teacher_cache import ensure_cache
 
-            vocab = student.get_output_embeddings().weight.shape[0]
             cache = ensure_cache(ctx, cfg, teacher_dir, vocab_size=vocab)
             metrics = train(ctx, student, cfg, cached_distillation_loss(cache, cfg))
             metrics["teacher_cache_bytes"] = cache.disk_bytes

@@ -167,10 +167,15 @@ class Sparsify(Stage):
                 "calibration_tokens": sum(b["input_ids"].numel() for b in batches),
             }
         )
+        after = (
+            f"{metrics['val_perplexity']:.2f} after the sparse fine-tune ({cfg.steps} steps)"
+            if cfg.steps
+            else "no sparse fine-tune (`sparsify.steps` = 0)"
+        )
         note = (
             f"{zeros / target:.1%} of the decoder Linear weights are zero ({cfg.pattern}, "
             f"{cfg.method}); validation perplexity {one_shot.perplexity:.2f} right after one-shot "
-            f"pruning, {metrics['val_perplexity']:.2f} after the sparse fine-tune. Its size on "
+            f"pruning, {after}. Its size on "
             f"disk is the compact format (`{self.name}/{COMPRESSED_FILE}`, "
             f"{metrics['compressed_bytes'] / 1e6:.2f} MB; the reloadable dense-format folder "
             "is larger)."

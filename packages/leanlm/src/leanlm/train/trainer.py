@@ -117,6 +117,8 @@ class _Loop:
         folder = ctx.stage_dir / "checkpoints"
         self.checkpoints = Checkpointer(folder, acc, keep=cfg.keep_checkpoints)
         self.counters = _Counters()
+        self.step_lr = 0.0
+        """The learning rate the last step applied (the scheduler has moved on since)."""
         self.evaluation: EvalResult | None = None
         self.wall_start = time.perf_counter()
 
@@ -201,6 +203,7 @@ class _Loop:
         agreed = acc.reduce(flags, reduction="sum").tolist()
         usable, stop = agreed[0] == self.world, agreed[1] > 0
         c = self.counters
+        self.step_lr = self.scheduler.get_last_lr()[0]  # what this step applies; logged for it
         if usable:
             self.optimizer.step()
         else:
@@ -254,7 +257,7 @@ class _Loop:
             row: dict[str, Any] = {
                 "step": done,
                 "loss": loss_value,
-                "lr": self.scheduler.get_last_lr()[0],
+                "lr": self.step_lr,
                 "tokens": c.tokens,
                 "tokens_per_s": c.tokens / c.train_time,
                 "time_s": c.train_time,
