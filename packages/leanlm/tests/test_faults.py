@@ -277,6 +277,25 @@ def test_bad_starts_then_the_corrected_rerun(tmp_path, tiny_config, capsys, monk
     assert "Pass --restart-changed" in err
 
 
+def test_a_worker_listing_while_the_main_process_marks_the_folder_sees_a_run(
+    tmp_path, monkeypatch
+):
+    """The main process writes the marker, then config.toml, while another rank lists `--out`
+    (each rank checks it): whatever the listing saw, the folder counts as a run folder."""
+    listing = type(tmp_path).iterdir
+
+    def racing(path):
+        names = list(listing(path))  # the listing ran before the main process wrote anything
+        if path == tmp_path:
+            rundir.mark_run_dir(tmp_path)
+            (tmp_path / rundir.CONFIG_FILE).write_text("")
+            names.append(tmp_path / rundir.CONFIG_FILE)  # ... and saw config.toml only
+        return iter(names)
+
+    monkeypatch.setattr(type(tmp_path), "iterdir", racing)
+    assert rundir.foreign_entries(tmp_path) == []
+
+
 def test_a_folder_that_is_not_a_leanlm_run_is_refused_and_left_alone(tmp_path, tiny_config, capsys):
     """A fresh run (or --resume) into a non-empty folder without a run deleted the user's
     folders named like stages and overwrote their config.toml; now nothing is touched."""

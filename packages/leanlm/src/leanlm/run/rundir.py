@@ -63,13 +63,17 @@ def foreign_entries(out_dir: Path) -> list[str]:
     Names, sorted, a folder's with a trailing `/`. Empty for a run folder, an empty or missing
     one, or one holding only what a starting run makes itself (its lock, the write probes).
     """
-    if not out_dir.is_dir() or (out_dir / RUN_MARKER).exists() or holds_work(out_dir):
+    if not out_dir.is_dir():
         return []
-    return sorted(
+    names = sorted(
         f"{p.name}/" if p.is_dir() else p.name
         for p in out_dir.iterdir()
         if p.name != LOCK_FILE and not p.name.startswith(PROBE_PREFIX)
     )
+    # NOTE: after the listing: a run's main process writes the marker before any other file
+    if not names or (out_dir / RUN_MARKER).exists() or holds_work(out_dir):
+        return []
+    return names
 
 
 def stage_hash(config: RunConfig, stage: str, previous_hash: str, processes: int = 1) -> str:
