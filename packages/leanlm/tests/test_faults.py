@@ -277,9 +277,7 @@ def test_bad_starts_then_the_corrected_rerun(tmp_path, tiny_config, capsys, monk
     assert "Pass --restart-changed" in err
 
 
-def test_a_worker_listing_while_the_main_process_marks_the_folder_sees_a_run(
-    tmp_path, monkeypatch
-):
+def test_a_worker_listing_while_the_main_process_marks_the_folder_sees_a_run(tmp_path, monkeypatch):
     """The main process writes the marker, then config.toml, while another rank lists `--out`
     (each rank checks it): whatever the listing saw, the folder counts as a run folder."""
     listing = type(tmp_path).iterdir
