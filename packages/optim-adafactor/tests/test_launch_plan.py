@@ -72,10 +72,5 @@ def test_plan_is_what_the_step_launches() -> None:
 def test_groups_step_exactly_as_one_launch_set(monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch split into groups (small scratch budget) equals the PyTorch path and itself."""
     mtt.check_groups_step_as_one_launch_set(
-        Adafactor, KW,
-        # 800 floats: each matrix's items unchanged, the batches split
-        lambda: monkeypatch.setattr(tables, "MAX_PARTIAL_FLOATS", 800),
-        lambda: [lp.kernel for lp in plan_launches(_make, mtt.SHAPES, torch.float32)].count(
-            "_mt_stats_kernel"
-        ),
-    )  # fmt: skip
+        Adafactor, KW, plan_launches, "_mt_stats_kernel", tables=tables, monkeypatch=monkeypatch
+    )

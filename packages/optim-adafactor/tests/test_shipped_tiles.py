@@ -10,7 +10,6 @@ leave a partial 16-row block. Fresh random gradients every step; bf16 and fp32 p
 the PyTorch path is the reference.
 """
 
-import pytest
 import torch
 
 from leanlm_testing import kernels as kt
@@ -47,10 +46,6 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("multi_tensor", MULTI)
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_matches_torch_path_at_shipped_tiles(gpu_tiles, dtype, config, multi_tensor):
-    kt.check_fused_matches_torch_multi(
-        Adafactor, CONFIGS[config], SHAPES, dtype, multi_tensor=multi_tensor
-    )
+test_fused_matches_torch_path_at_shipped_tiles = kt.shipped_tiles_parity_test(
+    Adafactor, CONFIGS, MULTI
+)

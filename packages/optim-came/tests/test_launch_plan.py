@@ -8,7 +8,6 @@ as one launch set does, and match the PyTorch path.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from leanlm_testing import multi_tensor as mtt
 from leanlm_testing.kernels import fused_kernel_marks
@@ -45,10 +44,10 @@ def test_groups_step_exactly_as_one_launch_set(monkeypatch: pytest.MonkeyPatch) 
     from optim_adafactor import _multi_tables
 
     mtt.check_groups_step_as_one_launch_set(
-        CAME, KW,
-        # 800 floats: each matrix's items unchanged, the batches split
-        lambda: monkeypatch.setattr(_multi_tables, "MAX_PARTIAL_FLOATS", 800),
-        lambda: [lp.kernel for lp in plan_launches(_make, mtt.SHAPES, torch.float32)].count(
-            "_mt_momentum_kernel"
-        ),
-    )  # fmt: skip
+        CAME,
+        KW,
+        plan_launches,
+        "_mt_momentum_kernel",
+        tables=_multi_tables,
+        monkeypatch=monkeypatch,
+    )

@@ -54,13 +54,7 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("multi_tensor", MULTI)
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_matches_torch_path_at_shipped_tiles(gpu_tiles, dtype, config, multi_tensor):
-    kt.check_fused_matches_torch_multi(
-        CAME, CONFIGS[config], SHAPES, dtype, multi_tensor=multi_tensor
-    )
+test_fused_matches_torch_path_at_shipped_tiles = kt.shipped_tiles_parity_test(CAME, CONFIGS, MULTI)
 
 
 @pytest.mark.parametrize("multi_tensor", MULTI)

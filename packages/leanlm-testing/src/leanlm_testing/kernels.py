@@ -309,6 +309,30 @@ def check_fused_matches_torch_multi(
     assert bool(fused._multi_cache) == multi_tensor  # type: ignore[attr-defined]
 
 
+def shipped_tiles_parity_test(
+    optimizer: Callable[..., Any], configs: dict[str, dict[str, Any]], multi: Sequence[bool]
+) -> Callable[..., None]:
+    """A test that the fused step matches the PyTorch path at the shipped tiles, for a module.
+
+    `check_fused_matches_torch_multi(optimizer, configs[config], SHIPPED_TILE_SHAPES, dtype,
+    multi_tensor=...)`, parametrized over fp32 and bf16 parameters, the names of `configs` (the
+    optimizer's keyword arguments) and `multi` (its `multi_tensor` switch), under the test
+    module's `gpu_tiles` fixture (`shipped_tiles_fixture`). Assign it to a `test_...` name.
+    """
+
+    @pytest.mark.parametrize("multi_tensor", multi)
+    @pytest.mark.parametrize("config", list(configs))
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test(
+        gpu_tiles: dict[str, ModuleType], dtype: torch.dtype, config: str, multi_tensor: bool
+    ) -> None:
+        check_fused_matches_torch_multi(
+            optimizer, configs[config], SHIPPED_TILE_SHAPES, dtype, multi_tensor=multi_tensor
+        )
+
+    return test
+
+
 @contextmanager
 def no_host_sync() -> Iterator[None]:
     """CUDA work inside raises on any device -> host synchronization (torch's sync debug mode)."""

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
 
 from leanlm_testing.asserts import assert_verbose_allclose
@@ -202,17 +203,27 @@ def check_plan_is_what_the_step_launches(
 def check_groups_step_as_one_launch_set(
     optimizer: MakeOptimizer,
     kw: dict[str, Any],
-    set_budget: Callable[[], Any],
-    count_groups: Callable[[], int],
+    plan_launches: Callable[..., Sequence[Any]],
+    group_kernel: str,
+    *,
+    tables: ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A batch stepped in several groups equals one launch set bit for bit, and the PyTorch path.
 
-    `set_budget()` shrinks the scratch budget (each matrix's work items unchanged) so that
-    `count_groups()` (from the package's launch plan) is at least 3.
+    The fused optimizer is `optimizer(params, backend="triton", **kw)`. `tables` is the
+    package's work-split module: its scratch budget `MAX_PARTIAL_FLOATS` is shrunk to 800
+    floats (each matrix's work items unchanged, the batches split), so that `group_kernel`
+    (launched once per group) is at least 3 times in the launch plan (`plan_launches`).
     """
     one, _ = run_multi(optimizer, "triton", [torch.float32], 3, **kw)
-    set_budget()
-    assert count_groups() >= 3
+    monkeypatch.setattr(tables, "MAX_PARTIAL_FLOATS", 800)
+
+    def make_opt(params: list[torch.nn.Parameter]) -> Any:
+        return optimizer(params, backend="triton", **kw)
+
+    planned = [lp.kernel for lp in plan_launches(make_opt, SHAPES, torch.float32)]
+    assert planned.count(group_kernel) >= 3, planned
     split, split_opt = run_multi(optimizer, "triton", [torch.float32], 3, **kw)
     ref, ref_opt = run_multi(optimizer, "torch", [torch.float32], 3, **kw)
     assert_fp32_matches(ref, ref_opt, split, split_opt, "groups")
