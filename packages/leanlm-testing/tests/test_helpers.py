@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 
 from leanlm_testing import assert_verbose_allclose, spawn
-from leanlm_testing.models import random_batches, tiny_llama
+from leanlm_testing.models import LlamaShape, random_batches, tiny_llama
 
 
 def test_allclose_passes_within_tolerance():
@@ -58,3 +58,14 @@ def test_tiny_llama_is_deterministic_and_runs():
     assert la.shape == (2, 16, 256)
     assert torch.equal(la, lb)
     assert a.config.num_key_value_heads < a.config.num_attention_heads
+
+
+def test_llama_shape_sets_the_llama_config_sizes():
+    shape = LlamaShape(vocab=300, hidden=48, layers=3, heads=6, kv_heads=3, ffn=80)
+    model = shape.model(seed=1, max_position_embeddings=64, tie_word_embeddings=False)
+    c = model.config
+    sizes = (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads)
+    assert sizes == (300, 48, 3, 6)
+    assert (c.num_key_value_heads, c.intermediate_size) == (3, 80)
+    assert (c.max_position_embeddings, c.tie_word_embeddings) == (64, False)
+    assert not model.training

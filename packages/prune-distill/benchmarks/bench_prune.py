@@ -27,20 +27,17 @@ import torch
 import transformers
 
 from leanlm_testing import bench
-from leanlm_testing.models import random_batches, tiny_llama
+from leanlm_testing.models import LlamaShape, random_batches
 from prune_distill import PruneTarget, collect_importance, forward_kl, prune
+
+SHAPE = LlamaShape(vocab=32000, hidden=512, layers=12, heads=8, kv_heads=2, ffn=1536)
 
 
 @dataclass(frozen=True)
 class BenchConfig:
     """Model shape and workload."""
 
-    vocab: int = 32000
-    hidden: int = 512
-    layers: int = 12
-    heads: int = 8
-    kv_heads: int = 2
-    ffn: int = 1536
+    shape: LlamaShape = SHAPE
     batch_size: int = 4
     seq_len: int = 256
     batches: int = 2
@@ -57,19 +54,10 @@ class Result:
 
 
 def run(cfg: BenchConfig) -> dict[str, Any]:
-    model = tiny_llama(  # seed 0, eval mode
-        vocab_size=cfg.vocab,
-        hidden_size=cfg.hidden,
-        intermediate_size=cfg.ffn,
-        num_hidden_layers=cfg.layers,
-        num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.kv_heads,
-        max_position_embeddings=cfg.seq_len,
-        tie_word_embeddings=True,
-    )
+    model = cfg.shape.model(max_position_embeddings=cfg.seq_len, tie_word_embeddings=True)
     n_params = sum(p.numel() for p in model.parameters())
     batches = random_batches(
-        cfg.vocab, batches=cfg.batches, batch_size=cfg.batch_size, seq_len=cfg.seq_len
+        cfg.shape.vocab, batches=cfg.batches, batch_size=cfg.batch_size, seq_len=cfg.seq_len
     )
     tokens = cfg.batches * cfg.batch_size * cfg.seq_len
     results: list[Result] = []
@@ -100,7 +88,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
         Result(
             "collect_importance, layer_loss=True",
             t_loss,
-            f"{tokens / t_loss:,.0f} tok/s ({cfg.layers + 1} forwards per batch), "
+            f"{tokens / t_loss:,.0f} tok/s ({cfg.shape.layers + 1} forwards per batch), "
             f"{t_loss / t_fwd:.2f}x the anchor",
         )
     )
@@ -130,8 +118,8 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
         )
 
     n_rows = cfg.batch_size * cfg.seq_len
-    s = torch.randn(n_rows, cfg.vocab, requires_grad=True)
-    t_logits = torch.randn(n_rows, cfg.vocab)
+    s = torch.randn(n_rows, cfg.shape.vocab, requires_grad=True)
+    t_logits = torch.randn(n_rows, cfg.shape.vocab)
 
     def kl_step(chunk: int | None) -> Callable[[], None]:
         def run() -> None:
@@ -150,7 +138,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
             Result(
                 f"forward_kl fwd+bwd, {label}",
                 t[label],
-                f"{n_rows} tokens x {cfg.vocab} vocab, fp32, {n_rows / t[label]:,.0f} tok/s",
+                f"{n_rows} tokens x {cfg.shape.vocab} vocab, fp32, {n_rows / t[label]:,.0f} tok/s",
             )
         )
 

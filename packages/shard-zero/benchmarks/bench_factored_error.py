@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
+from leanlm_testing.models import LlamaShape
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_zero import (  # the sibling script, found through the sys.path entry above
     SYSTEMS,
@@ -53,7 +55,7 @@ from bench_zero import (  # the sibling script, found through the sys.path entry
 
 OPTIMIZERS = ("sgd", "adamw", "adafactor", "came")
 CFG = BenchConfig(
-    hidden=128, layers=2, intermediate=344, vocab=512, heads=4, kv_heads=2, batch=4, seq=32
+    shape=LlamaShape(hidden=128, layers=2, ffn=344, vocab=512, heads=4, kv_heads=2), batch=4, seq=32
 )
 
 
@@ -89,7 +91,8 @@ def global_batches(cfg: BenchConfig, steps: int) -> list[torch.Tensor]:
     """The same (2 * batch, seq) token batches in every process."""
     gen = torch.Generator().manual_seed(1)
     return [
-        torch.randint(0, cfg.vocab, (2 * cfg.batch, cfg.seq), generator=gen) for _ in range(steps)
+        torch.randint(0, cfg.shape.vocab, (2 * cfg.batch, cfg.seq), generator=gen)
+        for _ in range(steps)
     ]
 
 

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
 from leanlm_testing import bench
-from leanlm_testing.models import tiny_llama
+from leanlm_testing.models import LlamaShape
 
 SYSTEMS = (
     "ddp",
@@ -65,18 +65,14 @@ SYSTEMS = (
     "shard-zero-3",
 )
 MIB = 2**20
+SHAPE = LlamaShape(hidden=256, layers=4, ffn=688, vocab=4096, heads=8, kv_heads=4)
 
 
 @dataclass(frozen=True)
 class BenchConfig:
     """Model and run sizes."""
 
-    hidden: int = 256
-    layers: int = 4
-    intermediate: int = 688
-    vocab: int = 4096
-    heads: int = 8
-    kv_heads: int = 4
+    shape: LlamaShape = SHAPE
     batch: int = 4
     seq: int = 128
     steps: int = 6
@@ -114,16 +110,7 @@ def deepspeed_available() -> str:
 
 def llama(cfg: BenchConfig) -> Any:
     """The benchmark's Llama, identical in every process (seed 0), in training mode."""
-    model = tiny_llama(
-        vocab_size=cfg.vocab,
-        hidden_size=cfg.hidden,
-        intermediate_size=cfg.intermediate,
-        num_hidden_layers=cfg.layers,
-        num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.kv_heads,
-        max_position_embeddings=cfg.seq,
-        tie_word_embeddings=False,
-    )
+    model = cfg.shape.model(max_position_embeddings=cfg.seq, tie_word_embeddings=False)
     return model.train()
 
 
@@ -397,7 +384,7 @@ def _worker(  # noqa: PLR0917 (torch.multiprocessing.spawn passes arguments posi
     stats: dict[str, int] = {}
     last = cfg.warmup + cfg.steps - 1
     for step in range(last + 1):
-        ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=gen).to(dev)
+        ids = torch.randint(0, cfg.shape.vocab, (cfg.batch, cfg.seq), generator=gen).to(dev)
         dist.barrier()  # not timed: the ranks start each step together
         sync()
         start = time.perf_counter()
@@ -443,7 +430,7 @@ def count_step_communication(
     """Calls per kind and bytes per rank of every collective of one more (untimed) step."""
     from shard_zero.simulate._tracker import CollectiveCounter
 
-    ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=gen).to(dev)
+    ids = torch.randint(0, cfg.shape.vocab, (cfg.batch, cfg.seq), generator=gen).to(dev)
     dist.barrier()
     counter = CollectiveCounter()
     with counter:

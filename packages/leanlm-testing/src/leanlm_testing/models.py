@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,6 +62,36 @@ def tiny_llama(seed: int = 0, **overrides: Any) -> Any:
 
     torch.manual_seed(seed)
     return LlamaForCausalLM(tiny_llama_config(**overrides)).eval()
+
+
+_LLAMA_NAMES = {
+    "vocab": "vocab_size",
+    "hidden": "hidden_size",
+    "layers": "num_hidden_layers",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "ffn": "intermediate_size",
+}
+"""`LlamaShape` field -> the `LlamaConfig` field it sets."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaShape:
+    """The sizes of a Llama decoder under short names (a benchmark config's model part)."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    """Query heads per layer."""
+    kv_heads: int
+    ffn: int
+    """Width of the MLP (`intermediate_size`)."""
+
+    def model(self, seed: int = 0, **overrides: Any) -> Any:
+        """`tiny_llama(seed)` of this shape (eval mode); `overrides`: other `LlamaConfig` fields."""
+        sizes = {name: getattr(self, field) for field, name in _LLAMA_NAMES.items()}
+        return tiny_llama(seed, **sizes, **overrides)
 
 
 def random_batches(

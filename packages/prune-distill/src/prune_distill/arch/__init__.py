@@ -1,7 +1,8 @@
 """Model families as data: one `ArchSpec` per family, one table (`FAMILIES`) here.
 
 A Llama-style family is one `llama_style(...)` call naming what differs (norms, q/k norms,
-fused projections, scales); another layout writes its `ArchSpec` out (`gpt2.py`, `gpt_neox.py`).
+fused projections, scales); GPT-2 and GPT-NeoX are `gpt_style(...)` calls naming their modules
+(`gpt2.py`); another layout writes its `ArchSpec` out.
 Adding a family is one short module and one line in `FAMILIES`.
 """
 
@@ -14,7 +15,7 @@ from torch import nn
 
 from prune_distill.arch._spec import ArchSpec, Axis, Dims, Resize
 from prune_distill.arch.gemma import GEMMA2, GEMMA3
-from prune_distill.arch.gpt2 import GPT2
+from prune_distill.arch.gpt2 import GPT2, gpt_style
 from prune_distill.arch.gpt_neox import GPT_NEOX
 from prune_distill.arch.granite import GRANITE
 from prune_distill.arch.llama import LLAMA, llama_style
@@ -44,6 +45,7 @@ __all__ = [
     "Resize",
     "arch_of",
     "dims_of",
+    "gpt_style",
     "in_width",
     "layers_of",
     "llama_style",
