@@ -38,6 +38,7 @@ def test_outputs_and_report(finished_run):
     report = (out / "report.md").read_text()
     assert "| pretrain |" in report
     assert "val perplexity" in report
+    assert "\n\n\n" not in report  # no empty block (no lm-eval tasks: no tasks note)
     assert (out / "loss.png").stat().st_size > 1000
     assert (out / "config.toml").read_text() == dumps_toml(config)
     rows = [

@@ -95,6 +95,11 @@ def stage_table(results: list[StageResult]) -> str:
     return "\n".join([header, rule, *rows])
 
 
+def _block(text: str) -> str:
+    """`text` as a Markdown block (followed by a blank line), or nothing when it is empty."""
+    return f"{text}\n\n" if text else ""
+
+
 def tasks_note(config: RunConfig, results: list[StageResult]) -> str:
     """What the task columns are: lm-eval's version, metrics, documents and shots."""
     scored = [r.metrics["lm_eval"] for r in results if r.metrics.get("lm_eval")]
@@ -261,10 +266,9 @@ windows.
 
 {stage_table(results)}
 
-{tasks_note(config, results)}
-
-Peak memory is each stage's own peak resident set (CPU; reset before each stage) or allocated
-CUDA memory of one process; wall time includes evaluation and saving.
+{_block(tasks_note(config, results))}Peak memory is each stage's own peak resident set (CPU; reset \
+before each stage) or allocated CUDA memory of one process; wall time includes evaluation and \
+saving.
 
 {notes(results)}
 
