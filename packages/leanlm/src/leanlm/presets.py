@@ -69,7 +69,7 @@ def default() -> RunConfig:
     return RunConfig(
         name="default",
         stages=ALL_STAGES,
-        # fp32: on CPU, bf16 autocast is much slower per step than fp32
+        # fp32: bf16 autocast's speed on a CPU depends on its bf16 instructions and the model size
         data=DataConfig(seq_len=256, eval_windows=64),
         tokenizer=TokenizerConfig(vocab_size=8192),
         model=ModelConfig(),  # the defaults: 4 layers of width 256, 4 query and 2 KV heads
