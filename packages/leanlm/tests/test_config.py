@@ -46,6 +46,16 @@ SEARCH = {"search": True, "search_params": 100_000, "search_hidden_size": [128]}
         ({"pretrain": {"betas": [0.9]}}, "pretrain.betas", "must have 2 items"),
         ({"pretrain": {"betas": 0.9}}, "pretrain.betas", "must be a list"),
         ({"mixed_precision": "fp8"}, "mixed_precision", "must be one of ['no', 'bf16', 'fp16']"),
+        (
+            {"mixed_precision": "fp16", "pretrain": {"zero_stage": 2}},
+            "pretrain.engine",
+            "('zero') cannot train with `mixed_precision = 'fp16'`",
+        ),
+        (
+            {"mixed_precision": "fp16", "pretrain": {"engine": "fsdp2"}},
+            "pretrain.engine",
+            "('fsdp2') cannot train with `mixed_precision = 'fp16'`",
+        ),
         ({"data": {"source": "web"}}, "data.source", "must be one of"),
         ({"data": 3}, "data", "must be a table"),
         ({"stages": ["pretrain", "quantize"]}, "stages", "unknown stage 'quantize'"),

@@ -9,7 +9,7 @@ import leanlm.train.evaluate
 from leanlm.cli import main
 from leanlm.config import dumps_toml
 from leanlm.run.pipeline import run_pipeline
-from leanlm.train.trainer import TrainingDivergedError, causal_lm_loss
+from leanlm.train.trainer import TrainingDivergedError, causal_lm_loss, skip_scaled_step
 
 
 def _poison(monkeypatch, bad_calls):
@@ -60,3 +60,29 @@ def test_cli_reports_divergence(tmp_path, tiny_config, monkeypatch, capsys):
     _poison(monkeypatch, {2})
     assert main(["run", str(tmp_path / "c.toml"), "--out", str(tmp_path / "run")]) == 2
     assert "max_bad_steps" in capsys.readouterr().err
+
+
+def test_a_skipped_step_resets_the_fp16_loss_scaler():
+    """fp16 (CUDA, DDP): `clip` unscales, a skipped step never reaches `scaler.step`/`update`.
+
+    The scaler must still hear of it, or the next step's `unscale_` raises and the scale never
+    drops. torch's CPU GradScaler has the same bookkeeping as accelerate's CUDA one.
+    """
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    for _ in range(2):  # two overflowing steps in a row, each skipped by the trainer
+        scaler.scale(param.sum() * float("inf")).backward()
+        scaler.unscale_(opt)  # what accelerate's clip_grad_norm_ does first
+        assert not torch.isfinite(param.grad).all()
+        skip_scaled_step(scaler)
+        opt.zero_grad(set_to_none=True)
+    assert scaler.get_scale() == 2.0**14  # halved twice, as two overflows would
+    assert torch.equal(param.detach(), torch.ones(3))  # nothing stepped
+    # and a finite step then goes through the scaler as usual
+    scaler.scale(param.sum()).backward()
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    assert torch.allclose(param.detach(), torch.full((3,), 0.9))
+    skip_scaled_step(None)  # no scaler (fp32, bf16): nothing to do

@@ -25,7 +25,11 @@ from leanlm.config.configio import ConfigError, check_finite, from_dict, to_dict
 from leanlm.config.extra_sections import EvalConfig, LoggingConfig
 from leanlm.config.prune_section import SEARCHED, PruneConfig
 from leanlm.config.sections import INIT_STAGE, DataConfig, ModelConfig, TokenizerConfig
-from leanlm.config.shared_sections import named_from_shared, resolve_with_overrides
+from leanlm.config.shared_sections import (
+    TRAINING_STAGES,
+    named_from_shared,
+    resolve_with_overrides,
+)
 from leanlm.config.stage_sections import (
     DENSE_STAGE,
     ControlConfig,
@@ -56,7 +60,8 @@ class RunConfig:
     """Seeds model initialisation and data order."""
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     """Autocast precision for training and evaluation (parameters stay fp32). `fp16` needs a
-    CUDA GPU: a run without one stops before any work, naming this key."""
+    CUDA GPU: a run without one stops before any work, naming this key; and it trains only with
+    `engine = "ddp"` (accelerate's loss scaler steps only the optimizers accelerate prepares)."""
     collective_timeout_s: float = 600.0
     """Seconds a process waits for the others in a collective (all-reduce, barrier, ...) before
     the run stops, naming the process that stopped answering. It is the `timeout` of the
@@ -242,8 +247,25 @@ def _control_rules(run: RunConfig) -> None:
         raise ConfigError("stages", "'control' needs 'pretrain' first or `init_model`")
 
 
-_STAGE_RULES = (_pretrain_rules, _prune_rules, _distill_rules, _control_rules)
-"""The rules between sections, each stage's own (`sparsify` has none), in pipeline order."""
+def _fp16_rules(run: RunConfig) -> None:
+    """fp16 trains only under `ddp`: accelerate's loss scaler never sees a sharded engine's step."""
+    if run.mixed_precision != "fp16":
+        return
+    for stage in run.stages:
+        engine = getattr(run, stage).resolved_engine if stage in TRAINING_STAGES else "ddp"
+        if engine != "ddp" and not (stage == "sparsify" and run.sparsify.steps == 0):
+            raise ConfigError(
+                f"{stage}.engine",
+                f"({engine!r}) cannot train with `mixed_precision = 'fp16'`: its gradients would "
+                "stay multiplied by accelerate's loss scale (the scaler unscales and steps only "
+                "optimizers accelerate prepared); use `mixed_precision = 'bf16'` or "
+                "`engine = 'ddp'`",
+            )
+
+
+_STAGE_RULES = (_pretrain_rules, _prune_rules, _distill_rules, _control_rules, _fp16_rules)
+"""The rules between sections, each stage's own (`sparsify` has none), in pipeline order, then
+the run-wide ones."""
 
 
 def load_toml(path: str | Path, *, overrides: Sequence[str] = ()) -> RunConfig:

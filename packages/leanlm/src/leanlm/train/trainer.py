@@ -58,6 +58,16 @@ def save_pretrained(
     model.save_pretrained(folder, state_dict=state_dict)  # type: ignore[operator]
 
 
+def skip_scaled_step(scaler: torch.amp.GradScaler | None) -> None:
+    """Tell fp16's loss scaler (accelerate's, `None` otherwise) that this step was skipped.
+
+    Its scale drops as after an overflow, and its per-step record is cleared: `clip` has
+    unscaled the gradients, and a second `unscale_` before `update` raises.
+    """
+    if scaler is not None:
+        scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+
+
 @dataclass
 class _Counters:
     """What a training checkpoint carries besides model, optimizer and scheduler."""
@@ -209,6 +219,7 @@ class _Loop:
         else:
             c.bad_steps += 1
             acc.print(f"[{self.name}] step {step + 1}: non-finite loss or gradient, step skipped")
+            skip_scaled_step(acc.scaler)
         self.scheduler.step()  # the schedule follows the step number, skipped or not
         self.optimizer.zero_grad(set_to_none=True)
         c.train_time += time.perf_counter() - t0
