@@ -109,3 +109,47 @@ def test_activation_checkpointing_under_a_sharding_engine(tmp_path, tiny_config,
     torch.testing.assert_close(
         _losses(tmp_path / "two"), _losses(tmp_path / "one"), atol=1e-5, rtol=1e-5
     )
+
+
+def test_checkpointed_bf16_layers_keep_no_weight_copies_and_train_the_same():
+    """Autocast's cache would keep every layer's bf16 weight copy until the forward ends,
+    though a checkpointed layer saves none of them for its backward (it casts again)."""
+    from leanlm.plan_tracking import build, fake_tensors, measure
+    from leanlm_testing.models import tiny_llama_config
+
+    layers, hidden, ffn = 8, 256, 1024
+    cfg = tiny_llama_config(
+        vocab_size=64, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers
+    )
+    layer_bf16 = 2 * (hidden * hidden * 3 + 3 * hidden * ffn)  # q, o, k+v at GQA 4/2; the MLP
+    with fake_tensors():
+        model = build(cfg, torch.float32)
+        enable_activation_checkpointing(model)
+        model.train()
+
+        def step(tracker):
+            tracker.phase = "forward"
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=torch.randint(0, 64, (1, 8))).logits.float().mean()
+            tracker.phase = "backward"
+            loss.backward()
+
+        peaks = measure(step, [model])
+    held = peaks["forward"]["activations"]  # casts, saved layer inputs, temporaries
+    assert held < 2 * layer_bf16, (held, layer_bf16)  # one weight's copy at a time, not 8 layers'
+    assert held > 2 * hidden * hidden  # it did measure the casts (one q_proj copy at least)
+
+    # and the gradients are those of the same bf16 forward without checkpointing
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for checkpointed in (False, True):
+        model = tiny_llama(seed=2)
+        if checkpointed:
+            enable_activation_checkpointing(model)
+        model.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids).logits
+        logits.float().logsumexp(-1).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        assert torch.equal(grads[1][name], grad), name

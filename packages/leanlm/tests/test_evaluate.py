@@ -61,3 +61,29 @@ def test_perplexity_does_not_depend_on_batching():
     assert math.isclose(a.loss, expected.item(), rel_tol=1e-6)
     # 7 windows x 8 scored tokens each
     assert math.isclose(window_nll(logits, windows).item(), expected.item() * 56, rel_tol=1e-6)
+
+
+def test_a_bf16_validation_pass_does_not_keep_every_layers_weight_copy():
+    """Autocast would cache each fp32 weight's bf16 copy until the forward ends (all layers)."""
+    from leanlm.config import DataConfig, RunConfig
+    from leanlm.plan_scoring import evaluate
+    from leanlm.plan_tracking import build, fake_tensors, measure
+    from leanlm_testing.models import tiny_llama_config
+
+    layers, hidden, ffn = 8, 256, 1024
+    cfg = tiny_llama_config(
+        vocab_size=64, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers
+    )
+    layer_bf16 = 2 * (hidden * hidden * 3 + 3 * hidden * ffn)  # q, o, k+v at GQA 4/2; the MLP
+    run = RunConfig(mixed_precision="bf16", data=DataConfig(seq_len=8, eval_windows=1))
+    with fake_tensors():
+        model = build(cfg, torch.float32)  # trainable fp32 weights, as in a training stage
+
+        def step(tracker):
+            tracker.phase = "evaluate"
+            evaluate(run, model, 1, 64)  # evaluate_perplexity under bf16 autocast
+
+        peaks = measure(step, [model])
+    held = peaks["evaluate"]["activations"]  # casts and temporaries
+    assert held < 2 * layer_bf16, (held, layer_bf16)  # one weight's copy at a time, not 8 layers'
+    assert held > 2 * hidden * hidden  # it did measure the casts (one q_proj copy at least)

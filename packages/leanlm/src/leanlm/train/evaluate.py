@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from leanlm.train.autocast import uncached_casts
+
 if TYPE_CHECKING:
     from leanlm.stages.base import StageContext
 
@@ -80,10 +82,10 @@ def evaluate_perplexity(
     for i in range(0, passes * batch_size, batch_size):
         batch = mine[i : i + batch_size].to(device)
         if batch.shape[0] == 0:  # lockstep: a forward the others need; nothing to score
-            with autocast():
+            with autocast(), uncached_casts():
                 model(input_ids=windows[:1].to(device))
             continue
-        with autocast():
+        with autocast(), uncached_casts():
             logits = model(input_ids=batch).logits
         totals[0] += window_nll(logits, batch).double()
         totals[1] += batch.shape[0] * (batch.shape[1] - 1)

@@ -109,16 +109,20 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     transformers' `activation_checkpointing_enable` on the outermost `PreTrainedModel` in
     `model` (`model` itself, or the student inside `StudentWithHiddenLoss`), with the
     non-reentrant `torch.utils.checkpoint`, which composes with autocast, FSDP2's and
-    shard-zero's hooks and `no_sync`. Only training forwards (`model.training`) checkpoint.
+    shard-zero's hooks and `no_sync`. Only training forwards (`model.training`) checkpoint;
+    the layers run without autocast's weight cache (`uncached_casts`).
 
     Raises:
         TypeError: `model` holds no transformers model.
     """
     from transformers import PreTrainedModel
 
+    from leanlm.train.autocast import uncached_contexts
+
     for module in model.modules():  # outermost first
         if isinstance(module, PreTrainedModel):
-            module.activation_checkpointing_enable({"use_reentrant": False})
+            kwargs = {"use_reentrant": False, "context_fn": uncached_contexts}
+            module.activation_checkpointing_enable(kwargs)
             return
     raise TypeError(
         f"`activation_checkpointing` needs a transformers model; got {type(model).__name__}"
