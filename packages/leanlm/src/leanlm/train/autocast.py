@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 
 import torch
 
@@ -25,6 +25,28 @@ def uncached_casts() -> Iterator[None]:
         torch.set_autocast_cache_enabled(enabled)
 
 
-def uncached_contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
-    """`torch.utils.checkpoint`'s `context_fn`: its forward and its recomputation uncached."""
-    return uncached_casts(), uncached_casts()
+def uncache_layers(model: torch.nn.Module) -> None:
+    """Run every checkpointed decoder layer of `model` under `uncached_casts`.
+
+    A module forward hook pair, outside the layer's `forward` (which transformers wraps in the
+    checkpoint and leanlm may compile). `torch.utils.checkpoint` records the cache setting at
+    entry, so the recomputation in the backward runs uncached too.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module.register_forward_pre_hook(_stop_caching)
+            module.register_forward_hook(_restore_caching, always_call=True)
+
+
+_SAVED: list[bool] = []  # the cache setting before each layer call now running
+
+
+def _stop_caching(module: torch.nn.Module, args: object) -> None:
+    _SAVED.append(torch.is_autocast_cache_enabled())
+    torch.set_autocast_cache_enabled(False)
+
+
+def _restore_caching(module: torch.nn.Module, args: object, output: object) -> None:
+    torch.set_autocast_cache_enabled(_SAVED.pop())

@@ -110,19 +110,19 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     `model` (`model` itself, or the student inside `StudentWithHiddenLoss`), with the
     non-reentrant `torch.utils.checkpoint`, which composes with autocast, FSDP2's and
     shard-zero's hooks and `no_sync`. Only training forwards (`model.training`) checkpoint;
-    the layers run without autocast's weight cache (`uncached_casts`).
+    the layers run without autocast's weight cache (`uncache_layers`).
 
     Raises:
         TypeError: `model` holds no transformers model.
     """
     from transformers import PreTrainedModel
 
-    from leanlm.train.autocast import uncached_contexts
+    from leanlm.train.autocast import uncache_layers
 
     for module in model.modules():  # outermost first
         if isinstance(module, PreTrainedModel):
-            kwargs = {"use_reentrant": False, "context_fn": uncached_contexts}
-            module.activation_checkpointing_enable(kwargs)
+            module.activation_checkpointing_enable({"use_reentrant": False})
+            uncache_layers(module)
             return
     raise TypeError(
         f"`activation_checkpointing` needs a transformers model; got {type(model).__name__}"
