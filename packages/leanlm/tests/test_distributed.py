@@ -206,13 +206,19 @@ def test_zero_offload_optimizer_trains_as_without_it(tmp_path, tiny_config):
 @pytest.mark.distributed
 def test_compiled_layers_train_under_every_engine(tmp_path, tiny_config):
     # `compile = true` composes with each engine (layers compiled before DDP wraps or ZeRO /
-    # FSDP2 shard them, their hooks outside the compiled code): 2 processes train as 1 eager
-    # process with the same global batch.
+    # FSDP2 shard them, their hooks outside the compiled code), and under ZeRO-3 and FSDP2 with
+    # activation checkpointing (recomputed inside backward, the unit re-gathered): 2 processes
+    # train as 1 eager process with the same global batch.
     common = {"steps": 4, "micro_batch_size": 2, "warmup_steps": 1, "eval_every": 4}
     common |= {"checkpoint_every": 0, "optimizer": "adamw"}
     eager = tiny_config(pretrain={**common, "grad_accum_steps": 2})
     _leanlm_run(tmp_path, "eager", eager, processes=1)
-    engines = {"ddp": {}, "zero3": {"zero_stage": 3}, "fsdp2": {"engine": "fsdp2"}}
+    checkpointed = {"activation_checkpointing": True}
+    engines = {
+        "ddp": {},
+        "zero3": {"zero_stage": 3, **checkpointed},
+        "fsdp2": {"engine": "fsdp2", **checkpointed},
+    }
     for name, engine in engines.items():
         compiled = tiny_config(pretrain={**common, **engine, "compile": True})
         log = _leanlm_run(tmp_path, name, compiled, processes=2)

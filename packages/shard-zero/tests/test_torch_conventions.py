@@ -21,7 +21,14 @@ from torch.optim.optimizer import (
 )
 
 from leanlm_testing import spawn
-from shard_zero import ZeroConfig, full_state_dict, load_checkpoint, prepare, save_checkpoint
+from shard_zero import (
+    ZeroConfig,
+    full_state_dict,
+    load_checkpoint,
+    memory_stats,
+    prepare,
+    save_checkpoint,
+)
 from shard_zero._layout import Entry, make_buckets
 
 STEPS = 3
@@ -284,3 +291,46 @@ def _buffers(rank: int, world: int, path: str) -> None:
 
 def test_checkpoint_keeps_buffers(tmp_path: Path) -> None:
     spawn(_buffers, str(tmp_path / "ckpt"), world_size=2, tmp_path=tmp_path)
+
+
+# ---------------------------------------------------------------------- stage 3 at rest
+def _at_rest(rank: int, world: int, want: dict[str, torch.Tensor]) -> None:
+    for dtype in (None, torch.bfloat16):
+        compute = dtype or torch.float32
+        model = Stack()
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        count = sum(p.numel() for p in model.parameters())
+        config = ZeroConfig(stage=3, param_dtype=dtype, min_shard_numel=0)
+        model, opt = prepare(model, _sgd, config)
+        params = dict(model.named_parameters())
+        for step in range(STEPS):
+            model(_mine(_batch(step), rank, world).to(compute)).backward()
+            opt.step()
+            opt.zero_grad()
+            # outside forward and backward: the same parameter objects, their shapes, dtype
+            # and device, and no data behind them (reads NaN, writes refused or lost)
+            assert dict(model.named_parameters()) == params
+            assert sum(p.numel() for p in model.parameters()) == count
+            assert memory_stats(model)["params"] == 0
+            for name, p in model.named_parameters():
+                assert (p.shape, p.dtype, p.device) == (shapes[name], compute, torch.device("cpu"))
+                assert p.isnan().all(), name
+                if p.numel() == 1:  # one element: torch writes it (into the placeholder)
+                    continue
+                with pytest.raises(RuntimeError, match="single memory location"), torch.no_grad():
+                    p.copy_(torch.zeros(p.shape, dtype=compute))
+                with pytest.raises(RuntimeError, match="single memory location"):
+                    nn.init.normal_(p)
+            with torch.no_grad():  # writes torch lets through a placeholder: lost, own element
+                model.head.weight.zero_()
+                model.head.bias.fill_(3.0)
+            assert model.head.weight.eq(0).all()
+            assert model.head.bias.eq(3).all()
+            others = [p for n, p in model.named_parameters() if not n.startswith("head.")]
+            assert all(p.isnan().all() for p in others)
+        if dtype is None:  # the writes and reads above changed nothing
+            _close(full_state_dict(model), want, "stage 3 after reads and writes at rest")
+
+
+def test_stage_3_parameters_at_rest_are_nan_placeholders(tmp_path: Path) -> None:
+    spawn(_at_rest, _reference(Stack), world_size=2, tmp_path=tmp_path)

@@ -8,8 +8,8 @@ dict's own values (full precision), into its master. At stage 3 the pre-hook als
 freed unit its storage for the duration of the load (the full compute-dtype parameters, no
 collective), so that torch's in-place copies write into real memory; the post-hook frees it.
 
-At stage 3 a freed unit's parameters point at 0 bytes: `model.state_dict()` raises instead of
-returning tensors whose reads would crash the process (`full_state_dict` has their values).
+At stage 3 a freed unit's parameters are placeholders (NaN, see `_units`): `model.state_dict()`
+raises instead of returning them (`full_state_dict` has their values).
 """
 
 from __future__ import annotations
@@ -74,9 +74,8 @@ class ModelHooks:
             )
         self._loads.append((state_dict, prefix))
         for unit in self.units.units if self.units else []:
-            storage = unit.full.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(unit.nbytes)
+            if unit.full.untyped_storage().nbytes() == 0:
+                unit.give_storage()
                 self._given.append(unit)
 
     def _post_load(self, module: nn.Module, incompatible_keys: Any) -> None:
@@ -89,7 +88,7 @@ class ModelHooks:
                         self._set_master(e, value)
         finally:
             for unit in self._given:
-                unit.full.untyped_storage().resize_(0)
+                unit.take_storage()
             self._given.clear()
 
     def _loaded_value(

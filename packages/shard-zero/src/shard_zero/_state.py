@@ -105,7 +105,9 @@ def memory_stats(model: nn.Module, optimizer: ZeroOptimizer | None = None) -> di
     """
     engine = engine_of(model)
     entries = engine.entries
-    seen: set[tuple[int, int]] = set()
+    # resting stage-3 parameters view one placeholder element per dtype: not model memory
+    resting = engine.stage3.placeholder_storages() if engine.stage == 3 else []
+    seen = {_storage_key(t) for t in resting}
     params = _bytes(list(model.parameters()), seen)
     state_tensors: list[torch.Tensor] = []
     if optimizer is not None:

@@ -1,7 +1,12 @@
 """Stage 3: wrapping units, gathered for forward and backward and freed right after use.
 
-A unit's parameters are views of one flat buffer (`Unit.full`) whose storage is resized to 0 at
-rest. Gathering a unit casts the masters' rows into this rank's row of the all-gather output
+A unit's parameters are views of one flat buffer (`Unit.full`) while it is gathered; at rest the
+buffer's storage is resized to 0 and each parameter's `.data` is a stride-0 view of its own NaN
+element (`Units._nans`): the right shape, dtype and device, no memory; reads see NaN and most
+in-place writes raise, instead of reaching freed memory. Autograd keeps working across the
+swap: what forward saved are views of `full`'s storage object, which the next gather resizes
+back (as FSDP does), and a `.data` assignment keeps the parameter's version counter.
+Gathering a unit casts the masters' rows into this rank's row of the all-gather output
 (one foreach copy; the all-gather runs in place, as FSDP2's), then gives `full` its storage and
 copies the rows in (one foreach copy; the output is dropped), so a prefetched unit holds only
 its all-gather output until it is needed. The gathered rows are rank-major and the parameters
@@ -69,6 +74,8 @@ class Unit:
         numel = sum(e.param.numel() for e in entries)
         self.full = torch.empty(numel, dtype=dtype, device=device)
         self.nbytes = self.full.untyped_storage().nbytes()
+        self.views: list[torch.Tensor] = []  # each entry's parameter inside `full`
+        self.resting: list[torch.Tensor] = []  # each entry's stride-0 placeholder
         self.state = _READY
         self.gather: Gather | None = None
         self.grads_left = len(entries)  # gradients still to arrive in this backward
@@ -78,10 +85,22 @@ class Unit:
         """The unit's (sharded, trainable) entries in layout order."""
         return self.layout.entries
 
+    def give_storage(self) -> None:
+        """Give `full` its storage and point the parameters at their views (values unwritten)."""
+        self.full.untyped_storage().resize_(self.nbytes)
+        for e, view in zip(self.entries, self.views, strict=True):
+            e.param.data = view
+
+    def take_storage(self) -> None:
+        """Release `full`'s storage and point the parameters at their placeholders."""
+        self.full.untyped_storage().resize_(0)
+        for e, rest in zip(self.entries, self.resting, strict=True):
+            e.param.data = rest
+
     def free(self) -> None:
-        """Release the gathered storage (the parameters' views stay, pointing at 0 bytes)."""
+        """Release the gathered storage (the parameters become their placeholders)."""
         if self.state == _READY:
-            self.full.untyped_storage().resize_(0)
+            self.take_storage()
             self.state = _FREE
 
 
@@ -95,7 +114,13 @@ class Units:
         self.units: list[Unit] = []
         self.fwd_order: list[Unit] = []  # the units in the order the last forward ran them
         self._of_module: dict[int, Unit] = {}
+        # per dtype, one NaN element for each resting parameter (built in `_build`)
+        self._nans: dict[torch.dtype, torch.Tensor] = {}
         self._build()
+
+    def placeholder_storages(self) -> list[torch.Tensor]:
+        """The NaN buffers the placeholders view (memory accounting skips them)."""
+        return list(self._nans.values())
 
     def _build(self) -> None:
         engine = self.engine
@@ -115,15 +140,18 @@ class Units:
             if members:
                 groups.append((name, members, module))
         rest = [e for e in engine.sharded if e.param not in assigned]
-        for name, members, module in [("", rest, model), *groups]:
-            dtypes = {e.param.dtype for e in members}
-            if len(dtypes) > 1:
-                raise ValueError(
-                    f"stage 3 unit {name or '<root>'!r} mixes parameter dtypes "
-                    f"{sorted(map(str, dtypes))}; set `param_dtype` or use a `wrap_policy` "
-                    "with uniform dtypes"
-                )
-            dtype = next(iter(dtypes)) if dtypes else torch.float32
+        groups = [("", rest, model), *groups]
+        dtypes = [_unit_dtype(name, members) for name, members, _ in groups]
+        # the placeholders: per dtype one buffer, one NaN element of its own for each entry, so
+        # that a write torch lets through a stride-0 view (`fill_`, `zero_`, any write to a
+        # one-element parameter) shows in no other parameter (`free_all` writes NaN again)
+        counts: dict[torch.dtype, int] = {}
+        for dtype, (_, members, _) in zip(dtypes, groups, strict=True):
+            counts[dtype] = counts.get(dtype, 0) + len(members)
+        for dtype, n in counts.items():
+            self._nans[dtype] = torch.full((n,), float("nan"), dtype=dtype, device=engine.device)
+        used = dict.fromkeys(counts, 0)
+        for (name, members, module), dtype in zip(groups, dtypes, strict=True):
             ident = len(self.units)
             unit = Unit(
                 name, members, dtype, root=module is model, ident=ident, device=engine.device
@@ -135,6 +163,9 @@ class Units:
                 view = unit.full[offset : offset + e.param.numel()].view(e.shape)
                 view.copy_(e.param.data)
                 e.param.data = view
+                unit.views.append(view)
+                unit.resting.append(self._nans[dtype][used[dtype]].expand(e.shape))
+                used[dtype] += 1
                 offset += e.param.numel()
             unit.free()
             self.units.append(unit)
@@ -195,8 +226,9 @@ class Units:
             return
         engine = self.engine
         if engine.world == 1:  # every row is here and the layouts agree: no payload, no unpack
-            unit.full.untyped_storage().resize_(unit.nbytes)
-            pairs = [(e.param.data, engine.compute_rows(e)) for e in unit.entries]
+            unit.give_storage()
+            views = zip(unit.entries, unit.views, strict=True)
+            pairs = [(v, engine.compute_rows(e)) for e, v in views]
             copy_pairs(pairs, from_host=engine.offload)
             unit.state = _READY
             return
@@ -217,22 +249,28 @@ class Units:
             assert unit.gather is not None
             gather, unit.gather = unit.gather, None
             out = gather.wait()
-            unit.full.untyped_storage().resize_(unit.nbytes)
+            unit.give_storage()
             b = unit.layout
             copy_pairs(
                 [
                     pair
-                    for e, off in zip(b.entries, b.offsets, strict=True)
-                    for pair in unpack_pairs(out, off, e, e.param.data)
+                    for e, off, view in zip(b.entries, b.offsets, unit.views, strict=True)
+                    for pair in unpack_pairs(out, off, e, view)
                 ]
             )
             unit.state = _READY
 
     def free_all(self) -> None:
-        """Free every unit (end of backward, or after a step) and reset its gradient count."""
+        """Free every unit (end of backward, or after a step) and reset its gradient count.
+
+        The placeholders' NaN is written again: a `fill_` or `zero_` on a resting parameter
+        (the in-place ops torch lets write through a stride-0 view) changes it.
+        """
         for unit in self.units:
             unit.free()
             unit.grads_left = len(unit.entries)
+        for nan in self._nans.values():
+            nan.fill_(float("nan"))
 
     # ------------------------------------------------------------------ hooks
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -271,6 +309,18 @@ class Units:
         self.gather_wait(unit)
         if self.engine.config.prefetch and 0 < position <= len(self.fwd_order):
             self.gather_start(self.fwd_order[position - 1])
+
+
+def _unit_dtype(name: str, members: list[Entry]) -> torch.dtype:
+    """The one dtype of a unit's parameters (fp32 for an empty unit)."""
+    dtypes = {e.param.dtype for e in members}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"stage 3 unit {name or '<root>'!r} mixes parameter dtypes "
+            f"{sorted(map(str, dtypes))}; set `param_dtype` or use a `wrap_policy` "
+            "with uniform dtypes"
+        )
+    return next(iter(dtypes)) if dtypes else torch.float32
 
 
 def _nothing() -> None:
