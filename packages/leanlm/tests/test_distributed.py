@@ -189,6 +189,25 @@ def test_a_run_moves_between_two_three_and_one_process_with_the_same_global_batc
 
 
 @pytest.mark.distributed
+def test_zero_came_int8_state_resumes_bit_equal(tmp_path, tiny_config):
+    # 8-bit CAME under ZeRO-2 on 2 processes: even row shards give every rank an
+    # `exp_avg_scale` of one shape, which the checkpoint loader once could not place (a
+    # ValueError on resume). Cut back to the step-2 checkpoint, the run ends bit-equal.
+    common = {"steps": 4, "micro_batch_size": 2, "optimizer": "came", "state_dtype": "int8"}
+    common |= {"zero_stage": 2, "checkpoint_every": 2, "eval_every": 4, "warmup_steps": 1}
+    config = tiny_config(pretrain=common)
+    _leanlm_run(tmp_path, "two", config, processes=2)
+    cut = _cut(tmp_path / "two", tmp_path / "cut", 2)
+    log = _leanlm_run(tmp_path, "two", config, processes=2, out=cut, resume=True)
+    assert "resuming from step-00000002 (step 2)" in log
+    assert torch.equal(_losses(cut), _losses(tmp_path / "two"))
+    a = load_file(tmp_path / "two" / "pretrain" / "model" / "model.safetensors")
+    b = load_file(cut / "pretrain" / "model" / "model.safetensors")
+    for name in a:
+        assert torch.equal(b[name], a[name]), name
+
+
+@pytest.mark.distributed
 def test_zero_offload_optimizer_trains_as_without_it(tmp_path, tiny_config):
     # ZeRO-Offload keeps the fp32 masters and CAME's state on the host and steps there (on a
     # CPU model: separate CPU tensors): the same sums in the same order as the on-device engine.

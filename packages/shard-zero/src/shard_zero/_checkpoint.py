@@ -339,7 +339,9 @@ def _row_sharded(e: Entry, shapes: list[tuple[int, ...]], rows: list[int], key: 
     * both possible (e.g. saved at world 1, or a column count equal to the rows per rank): the
       parameter has >= 3 dims -> row-sharded (factored statistics of a stack of matrices keep the
       leading dim); else the state key decides: containing `row` -> row-sharded, `col` -> whole
-      (the names Adafactor, CAME, torch and Hugging Face use); otherwise `ValueError`.
+      (the names Adafactor, CAME, torch and Hugging Face use), ending in `scale` with the
+      parameter's number of dims -> row-sharded (the per-row block scales of a quantized state,
+      e.g. `exp_avg_scale` of 8-bit CAME and Adafactor: rows x blocks); otherwise `ValueError`.
     """
     rest = e.shape[1:]
     if not e.shape:
@@ -359,11 +361,12 @@ def _row_sharded(e: Entry, shapes: list[tuple[int, ...]], rows: list[int], key: 
         return True
     if by_rows and "col" in lower and "row" not in lower:
         return False
+    if by_rows and lower.endswith("scale") and len(shapes[0]) == len(e.shape):
+        return True
     raise ValueError(
         f"cannot tell whether optimizer state {key!r} of {e.name!r} (saved shapes "
-        f"{shapes[:4]}, rows per saved rank {rows[:4]}) is split by rows or whole; load it at "
-        f"the saving world size ({len(rows)}) with the same `min_shard_numel`, or name row "
-        "statistics '*row*' and column statistics '*col*'"
+        f"{shapes[:4]}, rows per saved rank {rows[:4]}) is split by rows or whole; name row "
+        "statistics '*row*', column statistics '*col*' and per-row block scales '*scale'"
     )
 
 
