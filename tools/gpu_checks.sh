@@ -98,11 +98,17 @@ step bench-adafactor 30 "$PY" packages/optim-adafactor/benchmarks/bench_adafacto
 # (library, forced CUTLASS, direct cuSPARSELt with alg 0 / searched, per-call compression; kernels
 # per call from the profiler): why 2:4 ran at 0.10-0.35x cuBLAS. Its log lines follow bench-sparse's
 # (`run` brings back 8 files).
+# Last, issue 24's remaining rows (GPT-13B's 5120->20480 MLP, and 8192 tokens; ~40 s expected),
+# so that a step cut by its limit keeps the earlier tables.
 step bench-sparse 90 bash -c '"$0" packages/sparse-kernels/benchmarks/bench_sparse.py --device "$1" \
-  --blocks 64 128 --prefill-tokens 4096 --decode-tokens 1 16 --rep-ms 40 \
+  --shapes 4096x4096,4096x14336 --blocks 64 128 --prefill-tokens 4096 --decode-tokens 1 16 --rep-ms 40 \
   && "$0" packages/sparse-kernels/benchmarks/bench_sparse.py --device "$1" --blocks 128 64 \
-  --sparsities 0.5 --prefill-tokens 4096 --decode-tokens 1 16 --no-24 --rep-ms 25 --cuda-graphs --kernel-times; \
-  "$0" packages/sparse-kernels/benchmarks/bench_24.py --device "$1"' "$PY" "$DEVICE"
+  --shapes 4096x4096,4096x14336 --sparsities 0.5 --prefill-tokens 4096 --decode-tokens 1 16 --no-24 \
+  --rep-ms 25 --cuda-graphs --kernel-times; \
+  "$0" packages/sparse-kernels/benchmarks/bench_24.py --device "$1"; \
+  "$0" packages/sparse-kernels/benchmarks/bench_sparse.py --device "$1" --shapes 5120x20480,4096x14336 \
+  --blocks 128 64 --sparsities 0.5 0.75 --prefill-tokens 4096 8192 --decode-tokens 1 32 --no-24 \
+  --rep-ms 25' "$PY" "$DEVICE"
 # The sparsify stage's fine-tune, dense vs masked vs block-sparse layers (tokens/s, peak memory).
 step sparse-finetune 75 "$PY" packages/leanlm/benchmarks/bench_sparse_finetune.py --device "$DEVICE"
 # Each engine at world 1 in a fresh process (1.1B on a GPU); zero3's allocator trace replayed

@@ -13,13 +13,18 @@ download): on CUDA the TinyLlama-1.1B widths (hidden 2048, MLP 5632, 32 heads / 
 One seeded model is copied into every case, so all start from the same weights:
 
 * `dense`: not pruned;
-* `masked d`: what the stage fine-tunes today for `pattern = "block"`: `sparsify_` with the stage's
-  `SparsifyConfig(...).sparsity_config` (method magnitude: the tile choice does not change the
-  cost) keeps `d` of the `--block` tiles of every decoder Linear, as a mask parametrization
-  (dense compute);
+* `masked d`: `sparsify_` with the stage's `SparsifyConfig(...).sparsity_config` (method
+  magnitude: the tile choice does not change the cost) keeps `d` of the `--block` tiles of every
+  decoder Linear, as a mask parametrization (dense compute): what the stage fine-tunes for
+  `pattern = "block"` when `[sparsify] block_sparse_layers` is off (`false`, or `"auto"` on a CPU
+  or with a `block_size` other than 16, 32, 64, 128);
 * `block-sparse d`: the same masked model after `to_block_sparse_` (the masks' tiles kept
-  exactly): `BlockSparseLinear` layers storing and training only those tiles. The stage does not
-  make this conversion today; this case is what it would train if it did.
+  exactly): `BlockSparseLinear` layers storing and training only those tiles. What the stage
+  fine-tunes when `block_sparse_layers` is on (`"auto"`, the default, on CUDA with one of those
+  block sizes; or `true`): after the one-shot evaluation it converts every masked decoder Linear
+  that kept a tile with `to_block_sparse_(..., backend="auto")` (one with no tile stays masked),
+  and turns them back into masked Linears (`to_masked_linear_`) before it saves (a resumed run
+  keeps the choice its fine-tune started with).
 
 Every case trains with the stage's optimizer step (`decay_param_groups`, `optimizer_over`,
 `causal_lm_loss`, gradient clipping, the warmup + cosine schedule, `SparsifyConfig`'s defaults)

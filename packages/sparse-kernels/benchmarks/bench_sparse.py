@@ -8,6 +8,7 @@ Commands (from the repository root):
     # GPU: Triton BlockSparseLinear and torch 2:4 vs F.linear (cuBLAS), bf16, prefill + decode
     python packages/sparse-kernels/benchmarks/bench_sparse.py --device cuda
         [--prefill-tokens 2048 4096 8192] [--decode-tokens 1 8 32] [--blocks 32 64 128]
+        [--shapes 4096x4096,4096x14336,5120x20480]
     # dry run of the GPU code path on CPU through the Triton interpreter (tiny shapes)
     python packages/sparse-kernels/benchmarks/bench_sparse.py --device cpu --backend triton --tiny
         [--kernels sm90 --blocks 64]
@@ -18,11 +19,12 @@ dropped (tiles chosen by magnitude, random for a random init). Times are medians
 2·tokens·size² per dense GEMM (3 GEMMs for forward+backward) and density x that for the
 sparse layer; "useful GFLOP/s" divides the sparse layer's (non-zero) FLOPs by its time.
 
-GPU mode: bf16 weights (out x in) 4096x4096 (attention projection) and 14336x4096 (MLP
-4096->14336), no bias; prefill (tokens 2048-8192: forward and forward+backward) and decode
-(tokens 1-32: forward). Anchor: `F.linear` on the dense weight (cuBLAS), timed in the same
-run. Sparse: `BlockSparseLinear(backend="triton")` at each block size and sparsity, and 2:4
-through `to_semi_structured_` (torch's cuSPARSELt/CUTLASS kernels; forward only). `--kernels`:
+GPU mode: bf16 weights, no bias, `--shapes` IN x OUT (default 4096x4096, an attention
+projection; 4096x14336, the Llama-3-8B MLP up-projection; 5120x20480, the GPT-13B one);
+prefill (tokens 2048-8192: forward and forward+backward) and decode (tokens 1-32: forward).
+Anchor: `F.linear` on the dense weight (cuBLAS), timed in the same run. Sparse:
+`BlockSparseLinear(backend="triton")` at each block size and sparsity, and 2:4 through
+`to_semi_structured_` (torch's cuSPARSELt/CUTLASS kernels; forward only). `--kernels`:
 the forward/dX kernels of the block rows, "sm80" (`_bsr_kernels`, SPARSE_KERNELS_SM90=0), "sm90"
 (the TMA/wgmma persistent kernel of `_bsr_hopper`, forced with SPARSE_KERNELS_SM90=1; blocks 64
 and 128 only) or "both" (the default on an sm_90 GPU: each block row twice; else "sm80"). Times are
@@ -363,6 +365,17 @@ def run_gpu(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
+def shapes_arg(text: str) -> list[tuple[int, int]]:
+    """`--shapes`: comma-separated IN x OUT weight shapes, e.g. "4096x4096,5120x20480"."""
+    shapes = [tuple(item.strip().lower().split("x")) for item in text.split(",")]
+    if not all(len(s) == 2 and all(d.isdigit() and int(d) > 0 for d in s) for s in shapes):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of INxOUT positive integers, "
+            "e.g. 4096x4096,4096x14336,5120x20480"
+        )
+    return [(int(a), int(b)) for a, b in shapes]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -378,6 +391,12 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, nargs="+", help="default: CPU 32 64, GPU 32 64 128")
     parser.add_argument("--sparsities", type=float, nargs="+", default=[0.5, 0.75, 0.9])
     parser.add_argument("--repeats", type=int, default=5, help="CPU timing repeats")
+    parser.add_argument(
+        "--shapes", type=shapes_arg,
+        help="GPU mode and --tiny: weights IN x OUT, comma-separated (default: cuda "
+        "4096x4096,4096x14336,5120x20480; --tiny 64x96,64x160); ignored by the CPU table "
+        "(--size), as the GPU token options are, so gpu_checks.sh's CPU dry run takes it",
+    )  # fmt: skip
     parser.add_argument("--prefill-tokens", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--decode-tokens", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench time per point (ms)")
@@ -402,16 +421,16 @@ def main() -> None:
         parser.error("--device cuda: no CUDA device visible to torch")
     if args.device == "cpu" and backend == "triton" and not args.tiny:
         parser.error("--device cpu --backend triton runs the interpreter: add --tiny")
-    args.shapes = [(4096, 4096), (4096, 14336)]
-    if backend == "torch":
+    if backend == "torch":  # the CPU table: --size, not --shapes (nor the GPU token options)
         args.blocks = args.blocks or [32, 64]
         run_cpu(args)
         return
     if args.tiny:  # a few tiles per weight, odd token counts: seconds under the interpreter
-        args.shapes = [(64, 96), (64, 160)]
+        args.shapes = args.shapes or [(64, 96), (64, 160)]
         args.prefill_tokens, args.decode_tokens = [33], [1, 8]
         args.blocks = args.blocks or [16, 32]
         args.repeats = 1
+    args.shapes = args.shapes or [(4096, 4096), (4096, 14336), (5120, 20480)]
     args.blocks = args.blocks or [32, 64, 128]
     hopper = args.device == "cuda" and torch.cuda.get_device_capability() == (9, 0)
     kernels = args.kernels or ("both" if hopper else "sm80")

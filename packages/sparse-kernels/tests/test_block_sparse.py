@@ -4,17 +4,16 @@ Tolerances (vs an fp32 dense product of the same, already-rounded inputs): fp32 
 a different order, (atol, rtol) = (1e-5, 1e-5); outputs rounded to fp16 / bf16 are within one or
 two ulps: fp16 (2e-3, 2e-3), bf16 (1e-2, 1.6e-2) (the interpreter truncates fp32 -> bf16).
 fp32 under matmul precision "high"/"medium" (TF32 dots): against the float64 product of the
-TF32-rounded inputs, within the worst-case bound of an fp32 sum (`matmul_error_bound`).
+TF32-rounded inputs, within the worst-case bound of an fp32 sum (`matmul_error_bound`; the
+`assert_fp32_products` fixture of conftest.py, shared with test_sm90.py).
 """
-
-from contextlib import contextmanager
 
 import pytest
 import torch
 from torch import nn
 
 from leanlm_testing import assert_verbose_allclose
-from leanlm_testing.tf32 import interpreted_tf32_dots, matmul_error_bound, round_to_tf32
+from leanlm_testing.tf32 import interpreted_tf32_dots
 from sparse_kernels import BlockSparseLinear
 from sparse_kernels import _bsr_kernels as K
 from sparse_kernels import _bsr_torch as T
@@ -29,6 +28,7 @@ SHAPES = {
     "tail_heavy": (33, 17, 70, 16, 0.7),
     "tiny": (1, 3, 5, 16, 1.0),
 }
+SM80 = (K.dsd_triton, K.dsdt_triton, K.sdd_triton)  # launchers for `assert_fp32_products`
 TOL = {
     torch.float32: (1e-5, 1e-5),
     torch.float16: (2e-3, 2e-3),
@@ -63,41 +63,6 @@ def _skip_without_triton():
 def _skip_unless_interpreter():
     if not (K.INTERPRET and K.HAS_TRITON):
         pytest.skip("records the dots' precision through the Triton interpreter")
-
-
-@contextmanager
-def _matmul_precision(precision):
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(old)
-
-
-def _assert_tf32_products(x, dy, values, layout, *, roundings):
-    """Y, dX, dW tiles of the kernels (fp32 inputs, no bias) are TF32 matmuls: within the fp32
-    sum bound of the float64 products of the inputs rounded to TF32 by one of `roundings`."""
-    M, Kf, N = x.shape[0], layout.in_features, layout.out_features
-    got = {"Y": K.dsd_triton(x, values, layout, None), "dX": K.dsdt_triton(dy, values, layout)}
-    got["dW"] = blocks_to_dense(K.sdd_triton(dy, x, layout, values), layout)  # dense: 0 elsewhere
-    worst = {}
-    for rounding in roundings:
-        rx, rdy, rv = (round_to_tf32(t, rounding=rounding) for t in (x, dy, values))
-        w = blocks_to_dense(rv, layout)
-        # (operands, reduction terms): dW adds up to 16 split partials
-        ops = {"Y": (rx, w.T, Kf), "dX": (rdy, w, N), "dW": (rdy.T, rx, M + 16)}
-        ratios = {}
-        for name, (a, b, terms) in ops.items():
-            ref = a.double() @ b.double()
-            if name == "dW":
-                ref = blocks_to_dense(dense_to_blocks(ref, layout), layout)
-            err = (got[name].double() - ref).abs()
-            ratios[name] = (err / matmul_error_bound(a, b, terms=terms).clamp_min(1e-300)).max()
-        worst[rounding] = {k: float(v) for k, v in ratios.items()}
-        if max(ratios.values()) <= 1:
-            return
-    raise AssertionError(f"TF32 results beyond the fp32 sum bound (max error / bound): {worst}")
 
 
 def test_layout_indexes_both_ways():
@@ -270,12 +235,12 @@ def test_triton_kernels_at_gpu_tiles_fp32(block):
 @pytest.mark.parametrize(
     ("precision", "fp32_dots"), [("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")]
 )
-def test_launchers_pass_the_matmul_precision_to_the_dots(precision, fp32_dots):
+def test_launchers_pass_the_matmul_precision_to_the_dots(precision, fp32_dots, matmul_precision):
     """The precision each launched dot received (recorded by the interpreter), per setting."""
     _skip_unless_interpreter()
     for dtype, expected in ((torch.float32, fp32_dots), (torch.bfloat16, "tf32")):
         layout, values, x, dy, bias = _case("tiny", dtype, _device())
-        with _matmul_precision(precision), interpreted_tf32_dots() as seen:
+        with matmul_precision(precision), interpreted_tf32_dots() as seen:
             K.dsd_triton(x, values, layout, bias)
             K.dsdt_triton(dy, values, layout)
             K.sdd_triton(dy, x, layout, values)
@@ -285,14 +250,16 @@ def test_launchers_pass_the_matmul_precision_to_the_dots(precision, fp32_dots):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("precision", ["highest", "high"])
-def test_fp32_kernels_follow_the_matmul_precision(precision):
+def test_fp32_kernels_follow_the_matmul_precision(
+    precision, matmul_precision, assert_fp32_products
+):
     """ "highest": IEEE fp32 (the fp32 tolerance); "high": TF32 dots (rounded operands, here
     emulated in the interpreter as the tensor cores do), checked against the TF32 model."""
     _skip_unless_interpreter()
     layout, values, x, dy, _ = _case("pow2", torch.float32, _device())
-    with _matmul_precision(precision), interpreted_tf32_dots(rounding="zero"):
+    with matmul_precision(precision), interpreted_tf32_dots(rounding="zero"):
         if precision == "high":
-            _assert_tf32_products(x, dy, values, layout, roundings=("zero",))
+            assert_fp32_products(x, dy, values, layout, roundings=("zero",), kernels=SM80)
             return
         atol, rtol = TOL[torch.float32]
         y = K.dsd_triton(x, values, layout, None)
@@ -334,9 +301,9 @@ def test_backend_validation():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("tokens", [1, 2048])
-def test_triton_kernels_real_sizes_gpu(tokens, block, dtype, gpu_case):
+def test_triton_kernels_real_sizes_gpu(tokens, block, dtype, gpu_case, matmul_precision):
     """fp32 at torch's default matmul precision "highest": IEEE dots, fp32 reference."""
-    with _matmul_precision("highest"):
+    with matmul_precision("highest"):
         _check_real_sizes_gpu(*gpu_case(tokens, block, dtype), dtype)
 
 
@@ -364,12 +331,14 @@ def _check_real_sizes_gpu(layout, values, x, dy, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("tokens", [1, 2048])
-def test_triton_kernels_tf32_real_sizes_gpu(tokens, block, gpu_case):
+def test_triton_kernels_tf32_real_sizes_gpu(
+    tokens, block, gpu_case, matmul_precision, assert_fp32_products
+):
     """fp32 at matmul precision "high": TF32 dots, against the float64 product of the operands
     rounded to TF32 (to nearest, or cut as Triton's unconverted operands may be)."""
     layout, values, x, dy = gpu_case(tokens, block, torch.float32)
-    with _matmul_precision("high"):
-        _assert_tf32_products(x, dy, values, layout, roundings=("zero", "nearest"))
+    with matmul_precision("high"):
+        assert_fp32_products(x, dy, values, layout, roundings=("zero", "nearest"), kernels=SM80)
 
 
 def test_to_block_sparse_replaces_masked_linears_with_same_outputs():

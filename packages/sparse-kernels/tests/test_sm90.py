@@ -7,14 +7,18 @@ outside the tensor, as TMA does), at odd shapes and at the tiles they ship with 
 256 tokens x 64 or 128 features, BK 64 / 32; dW: 64 / 32-token steps). The interpreter says
 nothing about TMA, wgmma or pipelining on a GPU: that is compile evidence
 (integration_tests/test_gpu_compile.py) and the `gpu` tests below (all of them, the
-no-host-sync one included, passed on an H100 at 112dea4). The kernel choice (`prefer_sm90`)
+no-host-sync one included, passed on an H100 at 112dea4, before the fp32 cases were added;
+those have not run on a GPU). The kernel choice (`prefer_sm90`)
 is checked against the H100 times measured at 112dea4.
 Tolerances as test_block_sparse.py: vs the fp32 dense product of the same inputs, fp32
 (1e-4, 1e-5) for sums of up to 2 · block products (dW: 4x atol, sums over all tokens), bf16
-(1e-2, 1.6e-2).
+(1e-2, 1.6e-2). fp32 under matmul precision "high"/"medium" (TF32 dots, emulated by the
+interpreter) and "highest" (IEEE) as there too: against the float64 product of the inputs
+rounded to TF32 (or as they are), within the worst-case fp32 sum bound (`assert_fp32_products`).
 """
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,6 +26,7 @@ import torch
 
 from leanlm_testing import assert_verbose_allclose
 from leanlm_testing.kernels import no_host_sync
+from leanlm_testing.tf32 import interpreted_tf32_dots
 from sparse_kernels import BlockSparseLinear
 from sparse_kernels import _bsr_hopper as H
 from sparse_kernels import _bsr_hopper_dw as HW
@@ -88,6 +93,29 @@ def test_sm90_kernel_matches_dense_reference_at_shipped_tiles(name, dtype):
     # program count: other items arrive last) gives the same bits
     assert not P.sm90_plan(layout).pair_counts.any()
     assert torch.equal(HW.sdd_sm90(dy, x, layout, values, splits=3, programs=2), dv)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(
+    ("precision", "fp32_dots"), [("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")]
+)
+def test_sm90_fp32_follows_the_matmul_precision(
+    precision, fp32_dots, matmul_precision, assert_fp32_products
+):
+    """fp32 forward, dX and dW (3 token splits summed in the kernel) at the shipped tiles:
+    every dot gets the precision the setting asks for, and the results are the fp32 sums of the
+    products of the inputs as those dots take them: cut to TF32 (as the tensor cores take raw
+    fp32 registers, emulated by the interpreter) for "tf32", as they are for "ieee"."""
+    if not (K.INTERPRET and K.HAS_TRITON):
+        pytest.skip("records and emulates the dots' precision through the Triton interpreter")
+    layout, values, x, dy, _ = _case("tail_heavy", torch.float32)
+    kernels = (partial(H.dsd_sm90, programs=3), partial(H.dsdt_sm90, programs=3),
+               partial(HW.sdd_sm90, splits=3, programs=3))  # fmt: skip
+    rounding = "zero" if fp32_dots == "tf32" else None
+    with matmul_precision(precision), interpreted_tf32_dots(rounding="zero") as seen:
+        assert_fp32_products(x, dy, values, layout, roundings=(rounding,), kernels=kernels)
+    assert set(seen) == {fp32_dots}
+    assert len(seen) > 3  # many dots per kernel: the persistent loops ran
 
 
 @pytest.mark.interpreter
@@ -248,13 +276,33 @@ def test_block_sparse_linear_takes_the_forced_sm90_path(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("dtype", "precision"),
+    [
+        pytest.param(torch.bfloat16, None, id="bf16"),
+        pytest.param(torch.float16, None, id="fp16"),
+        pytest.param(torch.float32, "high", id="fp32-tf32"),
+        pytest.param(torch.float32, "highest", id="fp32-ieee"),
+    ],
+)
 @pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("tokens", [1, 4095])
-def test_sm90_kernel_real_sizes_gpu(tokens, block, dtype, gpu_case):
+def test_sm90_kernel_real_sizes_gpu(
+    tokens, block, dtype, precision, gpu_case, matmul_precision, assert_fp32_products
+):
+    """bf16/fp16 against the fp32 reference. fp32 at matmul precision "high" (TF32 dots) against
+    the float64 product of the inputs rounded to TF32 (cut or to nearest), at "highest" (IEEE
+    dots) of the inputs as they are, within the fp32 sum bound; dW with 1 and 3 splits."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm_90 GPU")
     layout, values, x, dy = gpu_case(tokens, block, dtype, density=0.5)
+    if dtype == torch.float32:
+        roundings = ("zero", "nearest") if precision == "high" else (None,)
+        with matmul_precision(precision):
+            for splits in (None, 3):
+                kernels = (H.dsd_sm90, H.dsdt_sm90, partial(HW.sdd_sm90, splits=splits))
+                assert_fp32_products(x, dy, values, layout, roundings=roundings, kernels=kernels)
+        return
     atol, rtol = (2e-2, 2e-2) if dtype == torch.bfloat16 else (5e-3, 5e-3)
     ref = T.dsd_dense_reference(x, values, layout, None)
     assert_verbose_allclose(H.dsd_sm90(x, values, layout, None), ref, atol=atol, rtol=rtol,
