@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from leanlm_testing import bench
 from leanlm_testing import optim_basics as basics
 from optim_adafactor import factored
 from optim_came import CAME, _quant
@@ -189,3 +190,21 @@ def test_state_bytes_per_parameter() -> None:
     opt.init_state()
     nbytes = sum(t.numel() * t.element_size() for t in opt.state[p].values() if torch.is_tensor(t))
     assert nbytes / p.numel() == pytest.approx(1 + 4 / 128 + 2 * 4 * (512 + 1024) / p.numel())
+
+
+def test_state_bytes_per_parameter_at_the_tinyllama_shape() -> None:
+    # issue 29's target, <= 1.1 state bytes per parameter on a Llama-shaped model, on
+    # TinyLlama-1.1B's parameter set (meta tensors: no memory): the int8 first moment, its
+    # per-block scales, the factored statistics, and the vectors' full-size fp32 states
+    shapes = bench.LlamaShapes(
+        hidden=2048, intermediate=5632, layers=22, vocab=32000, kv_hidden=256
+    ).shapes()
+    per_param = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+        params = [torch.empty(s, device="meta", requires_grad=True) for s in shapes]
+        opt = CAME(params, lr=1e-3, state_dtype=dtype)
+        opt.init_state()
+        per_param[dtype] = bench.state_bytes(opt) / sum(p.numel() for p in params)
+    assert per_param[torch.int8] <= 1.1, per_param
+    assert per_param[torch.int8] > 1 + 4 / 128  # the codes and one fp32 scale per 128
+    assert per_param[torch.bfloat16] == pytest.approx(per_param[torch.float32] - 2, abs=1e-3)
