@@ -14,7 +14,10 @@ random gradients, for
 
 * torch's AdamW: the for-loop (what `torch.optim.AdamW()` picks on CPU tensors), `foreach=True`
   and `fused=True` (skipped where this torch has no CPU fused kernel);
-* optim-came's CAME on its PyTorch path (`backend="torch"`, the path CPU tensors take).
+* optim-came's CAME on its PyTorch path (`backend="torch"`, the path CPU tensors take);
+* optim-adafactor's Adafactor on its PyTorch path (`backend="torch"`): Hugging Face's defaults
+  (relative step, factored second moment, no momentum), and with `beta1=0.9, weight_decay=0.1`
+  (adds an fp32 first moment).
 
 Each case warms up once (allocating its state), then the cases run in turn for `--rounds`
 rounds; the table gives the median ms per step, parameters per second (Ψ / median) and, for
@@ -32,6 +35,7 @@ from pathlib import Path
 import torch
 
 from leanlm_testing import bench
+from optim_adafactor import Adafactor
 from optim_came import CAME
 
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -94,6 +98,14 @@ CASES: dict[str, tuple[Factory, int | None]] = {
         lambda ps: CAME(ps, lr=1e-4, weight_decay=0.1, backend="torch"),
         None,
     ),
+    'Adafactor (optim-adafactor, HF defaults, backend="torch")': (
+        lambda ps: Adafactor(ps, backend="torch"),
+        None,
+    ),
+    'Adafactor beta1=0.9, weight_decay=0.1 (backend="torch")': (
+        lambda ps: Adafactor(ps, beta1=0.9, weight_decay=0.1, backend="torch"),
+        None,
+    ),
 }
 
 
@@ -136,7 +148,11 @@ def main() -> None:
     cfg = Config(shapes=shapes, rounds=args.rounds, threads=args.threads)
     results = run(cfg)
     where = Path(__file__).parents[1]
-    print(bench.header("bench_offload", "cpu", ["shard-zero", "optim-came"], where=where))
+    print(
+        bench.header(
+            "bench_offload", "cpu", ["shard-zero", "optim-came", "optim-adafactor"], where=where
+        )
+    )
     psi = results[0].params
     print(f"# Ψ = {psi:,} fp32 parameters ({shapes}), {cfg.rounds} interleaved rounds")
     anchor = results[0].seconds or float("nan")

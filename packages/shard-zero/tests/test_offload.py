@@ -1,6 +1,7 @@
 """ZeRO-Offload (`offload_optimizer`): the optimizer steps host copies, with the same result.
 
-One world-2 run (gloo, CPU) trains, for every stage, AdamW and CAME engines with and without
+One world-2 run (gloo, CPU) trains, for every stage, AdamW, CAME and Adafactor (factored
+statistics, beta1 momentum, HF's relative step) engines with and without
 `offload_optimizer` side by side on the same micro-batches (one under `no_sync()`, then two
 backwards outside it, so the second adds into a gradient already on the host) with clipping.
 On a CPU model "host" and "device" are both CPU memory, so the test checks identity and values:
@@ -14,7 +15,7 @@ On a CPU model "host" and "device" are both CPU memory, so the test checks ident
   with a bf16 accumulator offloaded between micro-batches) and, in fp32, match single-process
   training (world 1 without offload) to the parity tests' update-error bound;
 * a checkpoint written with offload loads without it and back, and training on equals the
-  uninterrupted run bit for bit.
+  uninterrupted run bit for bit (CAME and Adafactor).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from leanlm_testing import spawn
 from leanlm_testing.asserts import update_error
 from leanlm_testing.distributed import CPU_AND_CUDA, single_process_group
 from leanlm_testing.models import random_batches, tiny_llama
+from optim_adafactor import Adafactor
 from optim_came import CAME
 from shard_zero import (
     ZeroConfig,
@@ -49,12 +51,17 @@ BF16 = torch.bfloat16
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
     "came": lambda ps: CAME(ps, lr=1e-2, weight_decay=0.01, instability_init=1.0),
+    # factored 2-D statistics, momentum and HF's relative step with parameter scale: the host
+    # step all-reduces each row shard's column sums, row-statistic mean, update and parameter
+    # RMS over the host group
+    "adafactor": lambda ps: Adafactor(ps, beta1=0.9, weight_decay=0.1),
 }
 # (stage, optimizer, extra config): fp32 cases are also compared with single-process training
 CASES: list[tuple[int, str, dict[str, Any]]] = [
     *[(s, opt, {}) for s in (1, 2, 3) for opt in OPTIMIZERS],
     (2, "adamw", {"param_dtype": BF16}),
     (3, "came", {"param_dtype": BF16, "accum_dtype": BF16, "offload_accum": True}),
+    (1, "adafactor", {"param_dtype": BF16}),
 ]
 
 
@@ -166,10 +173,11 @@ def _run(rank: int, world: int, tmp: str) -> None:
         if not extra:  # world 2 with offload against world 1 without
             err = update_error(*refs[name], got)
             assert err < TOL, (stage, name, err)
-    _checkpoint_round_trip(rank, world, Path(tmp))
+    for name in ("came", "adafactor"):
+        _checkpoint_round_trip(rank, world, Path(tmp) / name, name)
 
 
-def _checkpoint_round_trip(rank: int, world: int, tmp: Path) -> None:
+def _checkpoint_round_trip(rank: int, world: int, tmp: Path, name: str) -> None:
     """offload (stage 3) -> save -> on-device (stage 2) -> save -> offload (stage 3): the same.
 
     (Stage 1 sums micro-batches before reducing them, so it is not bit-equal to stages 2-3.)"""
@@ -180,7 +188,7 @@ def _checkpoint_round_trip(rank: int, world: int, tmp: Path) -> None:
             min_shard_numel=100,
             offload_optimizer=offload,
         )
-        return prepare(tiny_llama(seed=0), _make("came"), config)
+        return prepare(tiny_llama(seed=0), _make(name), config)
 
     def train(run: Any, ids: torch.Tensor) -> None:
         _backward([run], ids, rank, world)
@@ -201,8 +209,8 @@ def _checkpoint_round_trip(rank: int, world: int, tmp: Path) -> None:
         train(run, batches[1])
     weights = [full_state_dict(m) for m, _ in (first, plain, back)]
     for key, value in weights[0].items():
-        assert torch.equal(weights[1][key], value), ("offload -> on-device", key)
-        assert torch.equal(weights[2][key], value), ("on-device -> offload", key)
+        assert torch.equal(weights[1][key], value), (name, "offload -> on-device", key)
+        assert torch.equal(weights[2][key], value), (name, "on-device -> offload", key)
 
 
 @pytest.mark.distributed
