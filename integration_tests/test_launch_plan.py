@@ -1,8 +1,9 @@
 """tools/launch_plan.py: the launches of a fused CAME / Adafactor step at real sizes, on CPU.
 
 The tool runs without TRITON_INTERPRET (the GPU's tiles), on meta tensors. The targets of the
-work split are checked on its records: every launch moving more than 64 MB has at least 4 x 132
-programs and max/mean elements per program <= 2; and each pass covers every parameter element.
+work split are checked on its records: every launch gives a program at most 65,536 elements,
+every launch moving more than 64 MB has at least 4 x 132 programs and max/mean elements per
+program <= 2; and each pass covers every parameter element.
 """
 
 import json

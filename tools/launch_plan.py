@@ -8,9 +8,9 @@ the step's own launch code runs, with the GPU tiles, and records each launch ins
 One JSON record per launch of the steady-state step: `optimizer` (came | came-int8 | adafactor |
 adafactor-int8), `case`, `kernel`, `programs`, `max_elements` and `mean_elements` (per program:
 elements of the parameter a program steps, or the partial sums it reduces) and `bytes` (DRAM
-bytes that launch moves, computed from the kernel). `--check` exits 1 unless every launch moving
-more than 64 MB has at least 4 x 132 programs (4 per SM of an H100) and max/mean elements per
-program <= 2.
+bytes that launch moves, computed from the kernel). `--check` exits 1 unless every launch gives
+a program at most 64K elements and every launch moving more than 64 MB has at least 4 x 132
+programs (4 per SM of an H100) and max/mean elements per program <= 2.
 Run it without TRITON_INTERPRET (the interpreter's tiles are not the GPU's).
 """
 
@@ -35,6 +35,7 @@ SMS = 132  # H100 SXM
 MIN_PROGRAMS = 4 * SMS
 BIG_BYTES = 64 * 2**20
 MAX_IMBALANCE = 2.0
+MAX_ELEMENTS = 1 << 16  # per program, every launch (a row item: R whole rows, R·cols <= 64K)
 
 # TinyLlama: 2 x 32000x2048, 22 x {q, k, v, o, gate, up, down}, 45 vectors of 2048
 TINYLLAMA = LlamaShapes(hidden=2048, intermediate=5632, layers=22, vocab=32000, kv_hidden=256)
@@ -83,11 +84,13 @@ def failures(recs: list[dict[str, Any]]) -> list[str]:
     """The launches that miss the targets (see the module docstring)."""
     bad = []
     for r in recs:
+        what = f"{r['optimizer']} {r['case']} {r['kernel']}"
+        if r["max_elements"] > MAX_ELEMENTS:
+            bad.append(f"{what}: {r['max_elements']} elements in a program")
         if r["bytes"] <= BIG_BYTES:
             continue
         imbalance = r["max_elements"] / max(r["mean_elements"], 1e-9)
         if r["programs"] < MIN_PROGRAMS or imbalance > MAX_IMBALANCE:
-            what = f"{r['optimizer']} {r['case']} {r['kernel']}"
             bad.append(
                 f"{what}: {r['programs']} programs, max/mean {imbalance:.2f}, "
                 f"{r['bytes'] / 2**20:.0f} MiB"

@@ -43,8 +43,8 @@ def launch_config(aligned: bool, *, stats: bool = False) -> tuple[int, int, int]
     Aligned rows: 8 x 256 on 8 warps (16-byte vector loads), the statistics kernels (`stats`)
     8 x 128 on 4 warps. Unaligned rows (columns not a multiple of 16, or an unaligned start)
     make every load a scalar load with its own address: 16 x 32 on 4 warps. Larger tiles
-    spilled registers (ptxas evidence in benchmarks/RESULTS.md). SUB is also the rows of an
-    apply work item.
+    spilled registers (ptxas evidence in benchmarks/RESULTS.md). The aligned or unaligned SUB
+    is also the row tile of the work items (`_multi_tables.rows_per_item`).
     """
     if aligned:
         return (8, BLOCK_M // 2, 4) if stats else (8, BLOCK_M, NUM_WARPS)

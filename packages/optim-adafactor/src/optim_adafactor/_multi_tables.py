@@ -2,11 +2,12 @@
 
 Triton cannot take a list of tensors, so each matrix of a batch is a row of small int64 tables
 (device addresses, geometry, work items; see `build`) that the kernels read, as torch's fused
-AdamW does with its tensor lists. Row items of about `ITEM_ELEMENTS` elements give every program
-of a pass about the same work whatever a matrix's width; column partials are summed in a fixed
-order (deterministic, no atomics), and a batch is launched in groups so the scratch stays bounded
-(`MAX_PARTIAL_FLOATS`). Tables are built once per parameter set and cached, without host sync;
-`plan_launches` records the launches of a real `step()` on meta tensors.
+AdamW does with its tensor lists. Row items of whole rows and at most `ITEM_ELEMENTS` elements
+(`rows_per_item`) give every program of a pass about the same work whatever a matrix's width;
+column partials are summed in a fixed order (deterministic, no atomics), and a batch is launched
+in groups so the scratch stays bounded (`MAX_PARTIAL_FLOATS`). Tables are built once per parameter
+set and cached, without host sync; `plan_launches` records the launches of a real `step()` on
+meta tensors.
 """
 
 from __future__ import annotations
@@ -50,11 +51,15 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def rows_per_item(n: int, m: int, sub: int) -> int:
-    """Rows of a row item of an (n, m) matrix: a multiple of `sub` with R·m ≈ ITEM_ELEMENTS.
+    """Rows R of a row item of an (n, m) matrix: the most whole row tiles with R·m <= ITEM_ELEMENTS.
 
-    More rows where the matrix's partials alone would exceed `MAX_PARTIAL_FLOATS`.
+    R is a multiple of `sub` (the kernels' row tile), at least one tile: rows wider than
+    ITEM_ELEMENTS / sub make items of one tile (more elements, but no masked tile rows and no
+    more column partials per element than one per `sub` rows). More rows only where the
+    matrix's partials alone would exceed `MAX_PARTIAL_FLOATS`.
     """
-    rows = sub * max(1, -(-ITEM_ELEMENTS // (sub * m)))
+    fit = ITEM_ELEMENTS // m
+    rows = max(sub, fit - fit % sub)
     items_allowed = max(1, MAX_PARTIAL_FLOATS // m)
     if -(-n // rows) > items_allowed:
         rows = sub * ceil_div(ceil_div(n, items_allowed), sub)
@@ -176,7 +181,8 @@ def build(
       `gaddr` (n_mats,): the gradient's (`Tables.gaddr`, rebuilt only when a gradient moved);
     - `geo` (n_mats, GEO): rows, columns and the matrix's ranges in the item tables and buffers;
     - `rows` (nR, 5): row items `(matrix, first row, end row, partial offset, row-partial
-      offset)`, R whole rows with R·m ≈ `ITEM_ELEMENTS`; each writes its column partials once;
+      offset)`, R whole rows with R·m <= `ITEM_ELEMENTS` (`rows_per_item`); each writes its
+      column partials once;
     - `cols` (nC, 3): column items `(matrix, first column, end column)`, each summing about
       `COL_PARTIALS` partials of its columns over the matrix's row items.
     """
