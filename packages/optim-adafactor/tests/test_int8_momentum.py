@@ -188,7 +188,7 @@ def test_fused_matches_torch_path(dtype, sr, multi_tensor) -> None:
     _check_fused(FUSED_SHAPES, dtype, sr=sr, multi_tensor=multi_tensor)
 
 
-gpu_tiles = kt.shipped_tiles_fixture([_kernels.__name__, Adafactor._multi_module])
+gpu_tiles = kt.shipped_tiles_fixture([_kernels.__name__, "optim_adafactor._multi_kernels"])
 
 
 @pytest.mark.parametrize("multi_tensor", [False, True])

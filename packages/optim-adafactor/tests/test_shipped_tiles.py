@@ -2,7 +2,7 @@
 
 Under `TRITON_INTERPRET=1` the kernel modules pick narrower tiles to stay fast; these tests patch
 in the GPU values of their tile constants (read from copies of the modules imported as on a
-GPU), for the per-tensor kernels (`_kernels`) and the multi-tensor step (`Adafactor._multi_module`):
+GPU), for the per-tensor kernels (`_kernels`) and the multi-tensor step (`_multi_kernels`):
 16 x 256 tiles on 8 warps for rows whose width is a multiple of 16, 16 x 64 on 4 warps
 otherwise. Widths cover one full 256-column tile, the multi-tile column loop with a full and a
 partial last tile, and odd widths (257, 300, 513) over several 64-column tiles; row counts
@@ -13,14 +13,14 @@ the PyTorch path is the reference.
 import torch
 
 from leanlm_testing import kernels as kt
-from optim_adafactor import Adafactor, _kernels
+from optim_adafactor import Adafactor, _kernels, _multi_kernels
 
 pytestmark = kt.fused_kernel_marks(_kernels, torch.device("cpu"))
 
 SHAPES = kt.SHIPPED_TILE_SHAPES
-# the per-tensor tiles are `_kernels`' (the fused phases, `Adafactor._kernels_module`, launch there)
-MODULES = [m for m in (_kernels.__name__, Adafactor._multi_module) if m is not None]
-MULTI = [False, True] if Adafactor._multi_module is not None else [False]
+# the per-tensor tiles are `_kernels`' (the fused phases, `Adafactor._kernels()`, launch there)
+MODULES = [_kernels.__name__, _multi_kernels.__name__]
+MULTI = [False, True]
 
 
 gpu_tiles = kt.shipped_tiles_fixture(MODULES)
@@ -32,7 +32,7 @@ def test_tiles_are_the_shipped_ones_and_span_several(gpu_tiles) -> None:
     kt.assert_tiles_span_several(_kernels, gpu, SHAPES)
     for name, copy in gpu_tiles.items():  # every module's launch_config now returns the GPU's
         live = __import__(name, fromlist=["launch_config"])
-        for arg in (True, False) if name == Adafactor._multi_module else (256, 300):
+        for arg in (True, False) if name == _multi_kernels.__name__ else (256, 300):
             assert live.launch_config(arg) == copy.launch_config(arg)
 
 

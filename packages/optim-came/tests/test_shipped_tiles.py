@@ -3,43 +3,37 @@
 Under `TRITON_INTERPRET=1` the kernel modules pick narrower tiles to stay fast; these tests
 patch in the GPU values of their tile constants (read from copies imported as on a GPU) for
 optim-came's kernels, the optim-adafactor statistics kernels they reuse and a multi-tensor
-step if `CAME._multi_module` names one: 16 x 256 tiles on 8 warps for widths that are multiples
+step (`_multi_kernels`): 16 x 256 tiles on 8 warps for widths that are multiples
 of 16, 16 x 64 on 4 warps otherwise. Widths
 cover one full 256-column tile, the multi-tile column loop with a partial last tile, and odd
 widths (257, 300, 513); row counts leave a partial 16-row block. Fresh random gradients every
 step; bf16 and fp32 parameters; the PyTorch path is the reference.
 """
 
-import importlib.util
-
 import pytest
 import torch
 
 from leanlm_testing import kernels as kt
-from optim_came import CAME, _kernels
+from optim_came import CAME, _kernels, _multi_kernels
 
 pytestmark = kt.fused_kernel_marks(_kernels, torch.device("cpu"))
 
 SHAPES = kt.SHIPPED_TILE_SHAPES
 # dependencies first: optim-came's multi-tensor step takes optim-adafactor's tile constants
 MODULES = [
-    m
-    for m in (
-        "optim_adafactor._kernels",
-        "optim_adafactor._multi_kernels",
-        CAME._kernels_module,
-        getattr(CAME, "_multi_module", None),
-    )
-    if m is not None and importlib.util.find_spec(m) is not None
+    "optim_adafactor._kernels",
+    "optim_adafactor._multi_kernels",
+    _kernels.__name__,
+    _multi_kernels.__name__,
 ]
-MULTI = [False, True] if getattr(CAME, "_multi_module", None) is not None else [False]
+MULTI = [False, True]
 
 
 gpu_tiles = kt.shipped_tiles_fixture(MODULES)
 
 
 def test_tiles_are_the_shipped_ones_and_span_several(gpu_tiles) -> None:
-    gpu = gpu_tiles[CAME._kernels_module]
+    gpu = gpu_tiles[_kernels.__name__]
     kt.assert_tiles_span_several(_kernels, gpu, SHAPES)
 
 

@@ -11,7 +11,6 @@ from `_state.LosslessState`, option checks from `checks`. Nothing here syncs wit
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -92,17 +91,15 @@ class StepWork:
 class FactoredOptimizer(LosslessState):
     """Base class of `Adafactor` and `CAME`: everything but the algorithm's phases.
 
-    Subclasses set `_torch_path` (the module of their PyTorch phases) and `_kernels_module` (the
-    dotted name of their fused phases' module, imported on first use) and implement
+    Subclasses set `_torch_path` (the module of their PyTorch phases), return their fused
+    phases' module from `_kernels` (imported there, on first use: it imports Triton) and implement
     `_parse_group`, `_init_state`, `_is_factored`, `_make_work`, `_step_local` and
-    `_step_sharded`; they may refine `_step_fused`, `_fused_supported`, `_refresh_state`,
-    `_state_dtype` and `_convert_loaded_state`.
+    `_step_sharded`; they may return a multi-tensor module from `_multi` and refine
+    `_step_fused`, `_fused_supported`, `_refresh_state`, `_state_dtype` and
+    `_convert_loaded_state`.
     """
 
     _torch_path: ClassVar[ModuleType]
-    _kernels_module: ClassVar[str]
-    #: Module of the multi-tensor fused step (`eligible`, `batch_key`, `step_batch`), or None.
-    _multi_module: ClassVar[str | None] = None
     #: Batch the fused steps of 2-D matrices into multi-tensor launches, and (`Adafactor`) the
     #: PyTorch steps of torch semantics into `torch._foreach_*` ops (False: per tensor).
     multi_tensor: bool = True
@@ -160,13 +157,11 @@ class FactoredOptimizer(LosslessState):
     def _step_fused(self, works: list[Any]) -> None:
         """Step the unsharded parameters of the fused path, after all others.
 
-        With a `_multi_module` (and `multi_tensor`), its `eligible` works are grouped by its
+        With a `_multi` module (and `multi_tensor`), its `eligible` works are grouped by its
         `batch_key` (same options, step, dtypes, alignment) and each group is stepped by one
         set of multi-tensor launches (`step_batch`); the others one by one (`_step_local`).
         """
-        multi = None
-        if self._multi_module is not None and self.multi_tensor:
-            multi = importlib.import_module(self._multi_module)
+        multi = self._multi() if self.multi_tensor else None
         batches: dict[tuple[object, ...], list[Any]] = {}
         for w in works:
             if multi is not None and multi.eligible(w):
@@ -301,7 +296,16 @@ class FactoredOptimizer(LosslessState):
         return chunk_shape(w.grad) if self._chunked(w) else w.grad.shape
 
     def _kernels(self) -> ModuleType:
-        return importlib.import_module(self._kernels_module)
+        """The module of the fused phases (a subclass imports it here: it imports Triton)."""
+        raise NotImplementedError
+
+    def _multi(self) -> ModuleType | None:
+        """The multi-tensor fused step's module, imported on first use, or None.
+
+        It provides `eligible`, `batch_key`, `step_batch` and `fuse_vector`; without it the
+        fused parameters step one by one.
+        """
+        return None
 
     def _phases(self, w: StepWork) -> Any:
         """The module implementing the element-wise phases of `w`: the kernels or PyTorch."""
@@ -338,7 +342,8 @@ class FactoredOptimizer(LosslessState):
 
     def _fuses_vector(self, p: Tensor) -> bool:
         """Whether the multi-tensor module steps unfactored `p` (`fuse_vector`; unsharded)."""
-        if self._multi_module is None or not self.multi_tensor:
+        multi = self._multi() if self.multi_tensor else None
+        if multi is None:
             return False
         from optim_adafactor.sharding import row_shard_of
 
@@ -347,7 +352,6 @@ class FactoredOptimizer(LosslessState):
             or row_shard_of(p, self._row_shards) is not None
         ):
             return False
-        multi = importlib.import_module(self._multi_module)
         return bool(multi.fuse_vector(p))
 
     def _prepare(self, p: Tensor, opts: Any, index: int) -> StepWork:

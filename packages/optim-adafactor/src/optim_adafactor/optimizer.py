@@ -65,8 +65,16 @@ class Adafactor(FactoredOptimizer):
     """
 
     _torch_path: ClassVar[ModuleType] = _torch_path
-    _kernels_module: ClassVar[str] = "optim_adafactor._triton_path"
-    _multi_module: ClassVar[str | None] = "optim_adafactor._multi_kernels"
+
+    def _kernels(self) -> ModuleType:
+        from optim_adafactor import _triton_path
+
+        return _triton_path
+
+    def _multi(self) -> ModuleType | None:
+        from optim_adafactor import _multi_kernels
+
+        return _multi_kernels
 
     def __init__(  # noqa: PLR0917 (HF's positional signature is the anchor)
         self,

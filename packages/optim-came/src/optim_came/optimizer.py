@@ -67,8 +67,16 @@ class CAME(FactoredOptimizer):
     """
 
     _torch_path: ClassVar[ModuleType] = _torch_path
-    _kernels_module: ClassVar[str] = "optim_came._kernels"
-    _multi_module: ClassVar[str | None] = "optim_came._multi_kernels"
+
+    def _kernels(self) -> ModuleType:
+        from optim_came import _kernels
+
+        return _kernels
+
+    def _multi(self) -> ModuleType | None:
+        from optim_came import _multi_kernels
+
+        return _multi_kernels
 
     def __init__(  # noqa: PLR0917 (came-pytorch's positional signature is the anchor)
         self,
