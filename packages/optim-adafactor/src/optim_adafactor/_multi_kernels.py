@@ -24,7 +24,6 @@ from optim_adafactor import _multi_vec_kernels as vec
 
 if TYPE_CHECKING:
     from optim_adafactor._torch_path import Work
-    from optim_adafactor.optimizer import Adafactor
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -329,7 +328,7 @@ def launch_scalars(
         )  # fmt: skip
 
 
-def step_batch(opt: Adafactor, works: list[Work], cache: dict[tuple[object, ...], Any]) -> None:
+def step_batch(opt: vec.Stepping, works: list[Work], cache: dict[tuple[object, ...], Any]) -> None:
     """One fused step of every matrix in `works` (same `batch_key`): four launches per group.
 
     For a matrix `g` of shape (n, m):

@@ -15,7 +15,7 @@ import importlib.util
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -24,7 +24,15 @@ from optim_adafactor import _multi_tables as mt
 
 if TYPE_CHECKING:
     from optim_adafactor._torch_path import Work
-    from optim_adafactor.optimizer import Adafactor
+    from optim_adafactor.checks import Scalar
+
+
+class Stepping(Protocol):
+    """What the multi-tensor steps use of `Adafactor` (a protocol: `optimizer` imports them)."""
+
+    _sr_seed: int
+    _step_sizes: dict[Tensor, Scalar | tuple[Tensor, int]]
+
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -156,7 +164,7 @@ def fusable(p: Tensor) -> bool:
     )
 
 
-def step_vectors(opt: Adafactor, works: list[Work], cache: dict[tuple[object, ...], Any]) -> None:
+def step_vectors(opt: Stepping, works: list[Work], cache: dict[tuple[object, ...], Any]) -> None:
     """One fused step of every small unfactored tensor in `works` (same batch key): 1 launch."""
     w0 = works[0]
     o, step, p0, g0 = w0.opts, w0.step, w0.param, w0.grad

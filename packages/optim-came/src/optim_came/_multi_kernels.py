@@ -21,8 +21,8 @@ from optim_adafactor.quant import quant_tile
 from optim_came._multi_vec_kernels import step_vectors
 
 if TYPE_CHECKING:
+    from optim_adafactor.base import FactoredOptimizer
     from optim_came._torch_path import Work
-    from optim_came.optimizer import CAME
 
 HAS_TRITON = mt.HAS_TRITON
 BLOCK_T = 4 if mt.INTERPRET else 32  # column tiles of a row partial summed per load
@@ -274,7 +274,9 @@ def batch_key(w: Work) -> tuple[object, ...]:
     return (id(w.opts), w.step, w.param.dtype, w.grad.dtype, m.dtype, aligned)
 
 
-def step_batch(opt: CAME, works: list[Work], cache: dict[tuple[object, ...], Any]) -> None:
+def step_batch(
+    opt: FactoredOptimizer, works: list[Work], cache: dict[tuple[object, ...], Any]
+) -> None:
     """One fused CAME step of every matrix in `works` (same `batch_key`).
 
     Seven launches per group of matrices (`_multi_tables`), for a matrix `g` of shape (n, m):

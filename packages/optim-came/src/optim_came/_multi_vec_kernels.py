@@ -21,8 +21,8 @@ from torch import Tensor
 from optim_adafactor import multi_tensor as mt
 
 if TYPE_CHECKING:
+    from optim_adafactor.base import FactoredOptimizer
     from optim_came._torch_path import Work
-    from optim_came.optimizer import CAME
 
 HAS_TRITON = mt.HAS_TRITON
 
@@ -101,7 +101,9 @@ if HAS_TRITON:
         return launches
 
 
-def step_vectors(opt: CAME, works: list[Work], cache: dict[tuple[object, ...], Any]) -> None:
+def step_vectors(
+    opt: FactoredOptimizer, works: list[Work], cache: dict[tuple[object, ...], Any]
+) -> None:
     """One fused step of every small unfactored tensor in `works` (same batch key): 1 launch."""
     w0 = works[0]
     o, step, p0, g0, m0 = w0.opts, w0.step, w0.param, w0.grad, w0.state["exp_avg"]
