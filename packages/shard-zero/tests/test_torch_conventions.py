@@ -24,6 +24,7 @@ from leanlm_testing import spawn
 from shard_zero import (
     ZeroConfig,
     full_state_dict,
+    gathered,
     load_checkpoint,
     memory_stats,
     prepare,
@@ -334,3 +335,65 @@ def _at_rest(rank: int, world: int, want: dict[str, torch.Tensor]) -> None:
 
 def test_stage_3_parameters_at_rest_are_nan_placeholders(tmp_path: Path) -> None:
     spawn(_at_rest, _reference(Stack), world_size=2, tmp_path=tmp_path)
+
+
+# ---------------------------------------------------------------------- gathered()
+def _check_refused_inside_forward(model: nn.Module, opt: Any, x: torch.Tensor) -> None:
+    """Inside forward a unit (the root) is gathered already: refused, on every rank."""
+    refused: list[str] = []
+
+    def nested(*_: Any) -> None:
+        try:
+            with gathered(model):
+                pass
+        except RuntimeError as err:
+            refused.append(str(err))
+
+    handle = model.blocks[0].register_forward_pre_hook(nested)
+    model(x).backward()
+    handle.remove()
+    opt.zero_grad()
+    assert len(refused) == 1
+    assert "outside forward and backward" in refused[0]
+
+
+def _gathered(rank: int, world: int) -> None:
+    x = _batch(9)
+    for stage in (3, 2):
+        what = f"stage {stage}"
+        model, opt = prepare(Stack(), _sgd, ZeroConfig(stage=stage, min_shard_numel=0))
+        _train(model, opt, rank, world)
+        full = full_state_dict(model)
+        with gathered(model):  # the full values, equal to the masters (fp32 compute)
+            inside = {n: p.detach().clone() for n, p in model.named_parameters()}
+            if stage == 3:  # changed, not written back: the masters keep their values
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(3.0)
+        assert inside.keys() == full.keys()
+        _close(inside, full, f"{what}: inside gathered()")
+        if stage == 3:
+            _close(full_state_dict(model), full, f"{what}: after a change without writeback")
+            assert all(p.isnan().all() for p in model.blocks.parameters()), what
+        with gathered(model, writeback=True), torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+        halved = {k: v * 0.5 for k, v in full.items()}
+        _close(full_state_dict(model), halved, f"{what}: after writeback")
+        plain = Stack()
+        plain.load_state_dict(halved)
+        with torch.no_grad():  # the next forward computes with the written-back values
+            assert abs(model(x).item() - plain(x).item()) < 1e-6, what
+        if stage == 3:
+            _check_refused_inside_forward(model, opt, x)
+    model, _ = prepare(Stack(), _sgd, ZeroConfig(stage=3, param_dtype=torch.bfloat16))
+    full = full_state_dict(model)
+    with gathered(model):  # bf16 compute: the masters rounded once
+        for name, p in model.named_parameters():
+            assert torch.equal(p, full[name].to(torch.bfloat16)), name
+    with pytest.raises(ValueError, match="param_dtype"), gathered(model, writeback=True):
+        pass
+
+
+def test_gathered_gives_full_values_and_writes_back(tmp_path: Path) -> None:
+    spawn(_gathered, world_size=2, tmp_path=tmp_path)

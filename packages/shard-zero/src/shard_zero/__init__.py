@@ -3,6 +3,7 @@
 from shard_zero._api import prepare
 from shard_zero._checkpoint import load_checkpoint, save_checkpoint
 from shard_zero._config import ZeroConfig
+from shard_zero._gathered import gathered
 from shard_zero._layout import RowShardInfo
 from shard_zero._optimizer import ZeroOptimizer
 from shard_zero._state import full_state_dict, memory_stats
@@ -12,6 +13,7 @@ __all__ = [
     "ZeroConfig",
     "ZeroOptimizer",
     "full_state_dict",
+    "gathered",
     "load_checkpoint",
     "memory_stats",
     "prepare",

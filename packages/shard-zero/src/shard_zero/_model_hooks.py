@@ -85,7 +85,7 @@ class ModelHooks:
                 for e in self.engine.entries:
                     value = self._loaded_value(e, state_dict, prefix)
                     if value is not None:
-                        self._set_master(e, value)
+                        self.set_master(e, value)
         finally:
             for unit in self._given:
                 unit.take_storage()
@@ -101,7 +101,7 @@ class ModelHooks:
                 return value.detach() if tuple(value.shape) == e.shape else None
         return None
 
-    def _set_master(self, e: Entry, value: torch.Tensor) -> None:
+    def set_master(self, e: Entry, value: torch.Tensor) -> None:
         """Copy this rank's rows of `value` into `e`'s master (and its host compute rows)."""
         rows = value[e.start : e.end] if e.sharded else value
         e.master.copy_(rows.reshape(e.master.shape))
