@@ -86,9 +86,11 @@ step tests 110 "$PY" -m pytest "${plugin[@]}" -o minversion=7.0 -W default \
 step bench-came 75 "$PY" packages/optim-came/benchmarks/bench_came.py --device "$DEVICE" \
   --repeats 3
 # Issue 23's whole-step target: the 1.1B TinyLlama shape (bf16), each optimizer against fused AdamW,
-# interleaved rounds (CPU: a tiny Llama); issue 29's int8 CAME and bitsandbytes' AdamW8bit included.
+# interleaved rounds (CPU: a tiny Llama); issue 29's int8 CAME and bitsandbytes' AdamW8bit included,
+# and came-r16: CAME with the multi-tensor row items of before 7b70ad0 (16-row down_proj items), so
+# that one run says whether 7b70ad0's shorter items (8 rows, +3% computed bytes) are faster.
 step optimizer-step 70 "$PY" packages/leanlm/benchmarks/bench_optimizer_step.py --device "$DEVICE" \
-  --rounds 5 --optimizers adamw came came-fp32 came-int8 adafactor adamw8bit
+  --rounds 5 --optimizers adamw came came-r16 came-fp32 came-int8 adafactor adamw8bit
 step bench-adafactor 30 "$PY" packages/optim-adafactor/benchmarks/bench_adafactor.py \
   --device "$DEVICE" --repeats 5
 # Then the 50% rows again replayed from CUDA graphs: graph replay has no host work per call, so

@@ -15,7 +15,9 @@ resident models and states hold (CUDA only: `max_memory_allocated` after
 `reset_peak_memory_stats`). A second table profiles one optimizer step of each (after the timed
 rounds): its six longest kernels (CPU: operators) with launches and time and, for ours on a GPU,
 the DRAM bytes the launch plan gives each kernel and the bandwidth that makes. CAME runs with a
-bf16 first moment (`came`), fp32 (`came-fp32`) or int8 (`came-int8`); CAME and Adafactor
+bf16 first moment (`came`), fp32 (`came-fp32`) or int8 (`came-int8`), or bf16 with the
+multi-tensor row items of before 7b70ad0 (`came-r16`, not in the default list: 16-row items of
+5632-wide matrices instead of 8, to time both work splits in one run); CAME and Adafactor
 stochastically round the bf16 parameters, AdamW is torch's fused one (foreach on CPU, where fused
 is not built). `adamw8bit` (not in the default list) is bitsandbytes' `AdamW8bit` with AdamW's
 lr and defaults; without bitsandbytes it is left out with a note.
@@ -28,6 +30,7 @@ import functools
 import importlib
 import statistics
 import time
+import unittest.mock
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +39,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from leanlm_testing import bench
 from optim_adafactor import Adafactor
+from optim_adafactor import _multi_tables as mt
 from optim_came import CAME
 
 
@@ -59,9 +63,33 @@ def _adamw(params: list[torch.nn.Parameter], device: str) -> torch.optim.Optimiz
     return torch.optim.AdamW(params, lr=1e-4, foreach=True)
 
 
+def _rows_rounded_up(n: int, m: int, sub: int) -> int:
+    """The multi-tensor row items before 7b70ad0: R rounded *up* to about ITEM_ELEMENTS.
+
+    (16-row items of TinyLlama's 5632-wide `down_proj`, 90,112 elements, in 3 groups; today's
+    `rows_per_item` rounds down: 8 rows, 45,056 elements, 4 groups.) Kept here only to time
+    both splits in one run (`came-r16`).
+    """
+    rows = sub * max(1, -(-mt.ITEM_ELEMENTS // (sub * m)))
+    items_allowed = max(1, mt.MAX_PARTIAL_FLOATS // m)
+    if -(-n // rows) > items_allowed:
+        rows = sub * mt.ceil_div(mt.ceil_div(n, items_allowed), sub)
+    return rows
+
+
+class CameRoundedUp(CAME):
+    """CAME whose multi-tensor tables are built with the items of before 7b70ad0 (A/B)."""
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """CAME's step, its tables (built at the first step, then cached) split the old way."""
+        with unittest.mock.patch.object(mt, "rows_per_item", _rows_rounded_up):
+            return super().step(closure)
+
+
 #: ours: name -> (class, settings); all with lr 1e-4 and stochastic rounding of bf16 parameters
 OURS: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]] = {
     "came": (CAME, {"state_dtype": torch.bfloat16}),
+    "came-r16": (CameRoundedUp, {"state_dtype": torch.bfloat16}),
     "came-fp32": (CAME, {}),
     "came-int8": (CAME, {"state_dtype": torch.int8}),
     "adafactor": (Adafactor, {"relative_step": False, "scale_parameter": False}),
