@@ -193,8 +193,8 @@ def _hooks(rank: int, world: int) -> None:
 
     def record(kind: str) -> Any:
         def hook(o: Any, args: Any, kwargs: Any) -> None:
-            if o is opt:  # the wrapped optimizer reports its own step too
-                calls.append((kind, args, kwargs, o.param_groups[0]["lr"]))
+            # every call, also one for the wrapped optimizer (whose own step runs inside)
+            calls.append((kind, args, kwargs, o.param_groups[0]["lr"]))
             if kind == "post" and o is opt:
                 after.append(model.head.weight.detach().clone())
 
@@ -216,7 +216,7 @@ def _hooks(rank: int, world: int) -> None:
         assert torch.equal(after[-1], model.head.weight.detach())
     for handle in handles:
         handle.remove()
-    kinds = [c[0] for c in calls]
+    kinds = [c[0] for c in calls]  # global hooks once per step, not again for the wrapped one
     assert kinds == ["global-pre", "pre", "post", "global-post"] * 2, kinds
     assert all(c[1] == (opt,) and c[2] == {} for c in calls), calls
     assert [c[3] for c in calls] == [0.1] * 4 + [0.05] * 4

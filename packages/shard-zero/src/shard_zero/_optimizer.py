@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
+from torch.optim import optimizer as torch_optimizer
 
 from shard_zero._engine import CLIP_IDENT, ZeroEngine
 
@@ -54,7 +56,8 @@ class ZeroOptimizer(Optimizer):
         self.engine.check_step()  # before the weights change: a diverged step raises here
         self.engine.release_params()  # stages 1-2, mixed precision: refilled by push_params
         try:
-            loss = self.optimizer.step()
+            with _no_global_step_hooks():  # they run around this step, once
+                loss = self.optimizer.step()
         finally:
             self.engine.push_params()
         self.engine.comm.end_step()
@@ -140,3 +143,23 @@ class ZeroOptimizer(Optimizer):
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage={self.engine.stage}, {self.optimizer!r})"
+
+
+@contextmanager
+def _no_global_step_hooks() -> Iterator[None]:
+    """Hide torch's global optimizer step hooks from the wrapped optimizer's own step.
+
+    `profile_hook_step` runs them around `ZeroOptimizer.step`; without this they would run a
+    second time around the wrapped optimizer's step inside it, with that optimizer as argument
+    (torch's `ZeroRedundancyOptimizer` does), so an EMA or logging hook would act twice.
+    """
+    pre = torch_optimizer._global_optimizer_pre_hooks
+    post = torch_optimizer._global_optimizer_post_hooks
+    saved = (dict(pre), dict(post))
+    pre.clear()
+    post.clear()
+    try:
+        yield
+    finally:
+        pre.update(saved[0])
+        post.update(saved[1])
