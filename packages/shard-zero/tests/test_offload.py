@@ -21,6 +21,7 @@ On a CPU model "host" and "device" are both CPU memory, so the test checks ident
 from __future__ import annotations
 
 import contextlib
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -232,18 +233,20 @@ def test_offload_optimizer_is_validated(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def _world_one(device: torch.device) -> None:
-    """World 1 on `device`: offload against the on-device engine, AdamW, fp32 (CUDA: stages
-    1-3; CPU, where the world-2 test covers every stage: stage 3).
+    """World 1 on `device`: offload against the on-device engine, AdamW and Adafactor, fp32
+    (CUDA: stages 1-3; CPU, where the world-2 test covers every stage: stage 3).
 
     The masters and the optimizer state are host tensors (pinned on CUDA) and the device holds
     neither; the weights are bit-equal on CPU, and on CUDA within 1e-5 update error (torch's CPU
-    and CUDA AdamW and gradient norms round differently).
+    and CUDA AdamW, Adafactor's PyTorch path on the host and its fused kernels on the device,
+    and the gradient norms round differently).
     """
-    for stage in (1, 2, 3) if device.type == "cuda" else (3,):  # the CPU: the spawned test
+    stages = (1, 2, 3) if device.type == "cuda" else (3,)  # the CPU: the spawned test
+    for stage, name in itertools.product(stages, ("adamw", "adafactor")):
         runs = [
             prepare(
                 tiny_llama(seed=0).to(device),
-                _make("adamw"),
+                _make(name),
                 ZeroConfig(
                     stage=stage,
                     min_shard_numel=100,
@@ -271,10 +274,10 @@ def _world_one(device: torch.device) -> None:
         init = {k: v.cpu() for k, v in tiny_llama(seed=0).state_dict().items()}
         on_device, got = (full_state_dict(m) for m, _ in runs)
         if device.type == "cpu":
-            assert all(torch.equal(got[k], v) for k, v in on_device.items()), stage
+            assert all(torch.equal(got[k], v) for k, v in on_device.items()), (stage, name)
         else:
             err = update_error(init, on_device, got)
-            assert err < 1e-5, (stage, err)
+            assert err < 1e-5, (stage, name, err)
 
 
 @pytest.mark.parametrize("device", CPU_AND_CUDA)
