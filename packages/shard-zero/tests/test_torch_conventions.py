@@ -384,6 +384,10 @@ def _gathered(rank: int, world: int) -> None:
         plain.load_state_dict(halved)
         with torch.no_grad():  # the next forward computes with the written-back values
             assert abs(model(x).item() - plain(x).item()) < 1e-6, what
+        # that forward had no backward: at stage 3 it left the root unit gathered, which is
+        # not "inside forward"
+        with gathered(model):
+            _close(dict(model.named_parameters()), halved, f"{what}: after an eval forward")
         if stage == 3:
             _check_refused_inside_forward(model, opt, x)
     model, _ = prepare(Stack(), _sgd, ZeroConfig(stage=3, param_dtype=torch.bfloat16))

@@ -51,11 +51,13 @@ def gathered(model: nn.Module, *, writeback: bool = False) -> Iterator[None]:
             "values with `model.load_state_dict(...)` (full precision) instead"
         )
     units = engine.stage3.units if engine.stage == 3 else []
-    if in_backward() or any(u.full.untyped_storage().nbytes() > 0 for u in units):
+    if in_backward() or (units and engine.stage3.in_forward):
         raise RuntimeError(
-            "shard_zero.gathered: a stage-3 unit is gathered already (inside forward or "
-            "backward); use it between steps, outside forward and backward"
+            "shard_zero.gathered: called inside the model's forward or backward, whose units "
+            "it would free; use it between steps, outside forward and backward"
         )
+    # (a forward without backward, e.g. evaluation, leaves the root unit gathered: kept, freed
+    # on leaving like the others)
     for unit in units:  # every rank launches the units' all-gathers in the same order
         engine.stage3.gather_start(unit)
     for unit in units:

@@ -113,6 +113,7 @@ class Units:
         self.before_backward: Callable[[], None] = _nothing
         self.units: list[Unit] = []
         self.fwd_order: list[Unit] = []  # the units in the order the last forward ran them
+        self.in_forward = False  # between the model's forward pre-hook and its forward hook
         self._of_module: dict[int, Unit] = {}
         # per dtype, one NaN element for each resting parameter (built in `_build`)
         self._nans: dict[torch.dtype, torch.Tensor] = {}
@@ -172,6 +173,7 @@ class Units:
             self._of_module[id(module)] = unit
             if unit.root:
                 module.register_forward_pre_hook(self._root_pre_forward)
+                module.register_forward_hook(self._root_post_forward, always_call=True)
             else:
                 module.register_forward_pre_hook(self._unit_pre_forward)
                 module.register_forward_hook(self._unit_post_forward)
@@ -276,7 +278,11 @@ class Units:
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if not in_backward():
             self.fwd_order = []
+        self.in_forward = True
         self.gather_wait(self.unit_of_module(module))
+
+    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.in_forward = False  # (also when the forward raised: `always_call`)
 
     def _unit_pre_forward(self, module: nn.Module, args: Any) -> None:
         unit = self.unit_of_module(module)
