@@ -214,6 +214,18 @@ def _hooks(rank: int, world: int) -> None:
         sched.step()
         # the post hook ran after the model's parameters were updated
         assert torch.equal(after[-1], model.head.weight.detach())
+    # a global hook removed by the wrapped optimizer's own hook stays removed
+    removed = register_optimizer_step_pre_hook(record("removed"))
+    inner = opt.optimizer.register_step_pre_hook(lambda *_: removed.remove())
+    model(_mine(_batch(2), rank, world)).backward()
+    opt.step()
+    opt.zero_grad()
+    inner.remove()
+    model(_mine(_batch(3), rank, world)).backward()
+    opt.step()
+    opt.zero_grad()
+    assert [c[0] for c in calls].count("removed") == 1, calls
+    calls[:] = [c for c in calls if c[0] != "removed"][:8]
     for handle in handles:
         handle.remove()
     kinds = [c[0] for c in calls]  # global hooks once per step, not again for the wrapped one
@@ -338,6 +350,29 @@ def test_stage_3_parameters_at_rest_are_nan_placeholders(tmp_path: Path) -> None
 
 
 # ---------------------------------------------------------------------- gathered()
+def _check_blocks_nest_and_keep_pending_units(
+    model: nn.Module, opt: Any, x: torch.Tensor, want: dict[str, torch.Tensor]
+) -> None:
+    """Nested blocks and a forward inside one free nothing (writeback writes values, not the
+    NaN placeholders); a backward inside one makes writeback raise; a block between a forward
+    and its backward keeps the units that backward needs."""
+    with gathered(model), gathered(model, writeback=True), torch.no_grad():
+        model(x)
+    _close(full_state_dict(model), want, "nested blocks with a forward inside")
+    with (
+        pytest.raises(RuntimeError, match="a backward inside the block"),
+        gathered(model, writeback=True),
+    ):
+        model(x).backward()
+    opt.zero_grad()
+    _close(full_state_dict(model), want, "writeback refused after a backward inside")
+    loss = model(x)
+    with gathered(model):
+        pass
+    loss.backward()  # the root unit, gathered before the block, is still there
+    opt.zero_grad()
+
+
 def _check_refused_inside_forward(model: nn.Module, opt: Any, x: torch.Tensor) -> None:
     """Inside forward a unit (the root) is gathered already: refused, on every rank."""
     refused: list[str] = []
@@ -390,6 +425,7 @@ def _gathered(rank: int, world: int) -> None:
             _close(dict(model.named_parameters()), halved, f"{what}: after an eval forward")
         if stage == 3:
             _check_refused_inside_forward(model, opt, x)
+            _check_blocks_nest_and_keep_pending_units(model, opt, x, halved)
     model, _ = prepare(Stack(), _sgd, ZeroConfig(stage=3, param_dtype=torch.bfloat16))
     full = full_state_dict(model)
     with gathered(model):  # bf16 compute: the masters rounded once
@@ -401,3 +437,36 @@ def _gathered(rank: int, world: int) -> None:
 
 def test_gathered_gives_full_values_and_writes_back(tmp_path: Path) -> None:
     spawn(_gathered, world_size=2, tmp_path=tmp_path)
+
+
+# ---------------------------------------------------------------------- tied across units
+class CrossTied(Stack):
+    """Two wrapped blocks share one weight (a parameter in two stage-3 units)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks[2].lin.weight = self.blocks[0].lin.weight
+
+
+def _cross_tied(rank: int, world: int, want: dict[str, torch.Tensor]) -> None:
+    model, opt = prepare(CrossTied(), _sgd, ZeroConfig(stage=3, min_shard_numel=0))
+    _train(model, opt, rank, world)
+    _close(full_state_dict(model), want, "a weight tied across two stage-3 units")
+
+
+def test_weight_tied_across_units_trains_as_one_process(tmp_path: Path) -> None:
+    # before: the second layer read the first one's freed placeholder (NaN)
+    spawn(_cross_tied, _reference(CrossTied), world_size=2, tmp_path=tmp_path)
+
+
+# ---------------------------------------------------------------------- torch.compile
+def _compiled(rank: int, world: int, want: dict[str, torch.Tensor]) -> None:
+    model, opt = prepare(Stack(), _sgd, ZeroConfig(stage=3, min_shard_numel=0))
+    compiled = torch.compile(model, backend="aot_eager")  # the hooks run eagerly
+    _train(compiled, opt, rank, world)
+    _close(full_state_dict(model), want, "torch.compile(model) at stage 3")
+
+
+def test_compiled_model_at_stage_3_trains_as_one_process(tmp_path: Path) -> None:
+    # before: the hooks' `.data` swaps were traced, and backward found a saved tensor modified
+    spawn(_compiled, _reference(Stack), world_size=2, tmp_path=tmp_path)

@@ -5,10 +5,12 @@ at stage 3 the parameters are placeholders at rest (`_units`), so reading or cha
 its unit gathered. Inside the block every stage-3 unit is gathered (one all-gather per unit, the
 whole model in the compute dtype on every rank); on leaving, `writeback=True` copies this rank's
 rows of every trainable parameter into its fp32 master (and the host rows of
-`offload_optimizer`), so changes survive the next step, and the units are freed; without it a
-stage-3 change is dropped. At stages 1-2 the parameters are full already and gathering costs
-nothing; a change there reaches the masters only where they share the parameters' memory (fp32
-without offload), and `writeback` copies it into the others (the next step would undo it).
+`offload_optimizer`), so changes survive the next step, and the units gathered for the block are
+freed; without it a stage-3 change is dropped. Blocks nest, and a forward inside one frees no
+unit; a backward inside one does (then `writeback` raises instead of writing placeholders). At
+stages 1-2 the parameters are full already and gathering costs nothing; a change there reaches
+the masters only where they share the parameters' memory (fp32 without offload), and
+`writeback` copies it into the others (the next step would undo it).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from shard_zero._units import in_backward
 def gathered(model: nn.Module, *, writeback: bool = False) -> Iterator[None]:
     """Give every parameter of a prepared `model` its full value inside the block (a collective).
 
-    Call it on every rank, outside forward and backward, with the same `writeback`.
+    Call it on every rank, outside forward and backward, with the same `writeback`. Blocks
+    nest; a forward inside one frees no unit; units gathered before it stay gathered after it.
 
     Args:
         model: a model returned by `prepare`.
@@ -38,7 +41,8 @@ def gathered(model: nn.Module, *, writeback: bool = False) -> Iterator[None]:
 
     Raises:
         ValueError: `writeback=True` with a `param_dtype` other than fp32.
-        RuntimeError: called inside forward or backward (a stage-3 unit is in use).
+        RuntimeError: called inside forward or backward; or `writeback=True` after a backward
+            inside the block freed a unit (nothing is written back).
     """
     engine = engine_of(model)
     if not isinstance(writeback, bool):
@@ -56,22 +60,33 @@ def gathered(model: nn.Module, *, writeback: bool = False) -> Iterator[None]:
             "shard_zero.gathered: called inside the model's forward or backward, whose units "
             "it would free; use it between steps, outside forward and backward"
         )
-    # (a forward without backward, e.g. evaluation, leaves the root unit gathered: kept, freed
-    # on leaving like the others)
+    # units gathered already (an outer block; the root unit after a forward, whose backward
+    # may follow) stay gathered on leaving; inside the block no forward frees a unit (`pinned`)
+    kept = [u for u in units if u.ready]
     for unit in units:  # every rank launches the units' all-gathers in the same order
         engine.stage3.gather_start(unit)
     for unit in units:
         engine.stage3.gather_wait(unit)
+    if units:
+        engine.stage3.pinned += 1
     done = False
     try:
         yield
         done = True
     finally:
         try:
+            if units:
+                engine.stage3.pinned -= 1
             if writeback and done:
+                if not all(u.ready for u in units):
+                    raise RuntimeError(
+                        "shard_zero.gathered(writeback=True): a backward inside the block freed "
+                        "a unit, whose parameters are placeholders now; nothing written back"
+                    )
                 with torch.no_grad():
                     for e in engine.entries:
                         engine.model_hooks.set_master(e, e.param.detach())
         finally:
             for unit in units:
-                unit.free()
+                if unit not in kept:
+                    unit.free()

@@ -153,13 +153,17 @@ def _no_global_step_hooks() -> Iterator[None]:
     second time around the wrapped optimizer's step inside it, with that optimizer as argument
     (torch's `ZeroRedundancyOptimizer` does), so an EMA or logging hook would act twice.
     """
-    pre = torch_optimizer._global_optimizer_pre_hooks
-    post = torch_optimizer._global_optimizer_post_hooks
-    saved = (dict(pre), dict(post))
-    pre.clear()
-    post.clear()
+    # empty dicts in their place (not the real ones cleared): a handle removed inside the step
+    # refers to the real dict, so it stays removed; one registered inside is moved over after
+    # those registered before it
+    hooks = torch_optimizer
+    saved = (hooks._global_optimizer_pre_hooks, hooks._global_optimizer_post_hooks)
+    hooks._global_optimizer_pre_hooks = OrderedDict()
+    hooks._global_optimizer_post_hooks = OrderedDict()
     try:
         yield
     finally:
-        pre.update(saved[0])
-        post.update(saved[1])
+        added = (hooks._global_optimizer_pre_hooks, hooks._global_optimizer_post_hooks)
+        hooks._global_optimizer_pre_hooks, hooks._global_optimizer_post_hooks = saved
+        saved[0].update(added[0])
+        saved[1].update(added[1])

@@ -85,6 +85,11 @@ class Unit:
         """The unit's (sharded, trainable) entries in layout order."""
         return self.layout.entries
 
+    @property
+    def ready(self) -> bool:
+        """Whether the unit is gathered (its parameters hold their full values)."""
+        return self.state == _READY
+
     def give_storage(self) -> None:
         """Give `full` its storage and point the parameters at their views (values unwritten)."""
         self.full.untyped_storage().resize_(self.nbytes)
@@ -114,6 +119,7 @@ class Units:
         self.units: list[Unit] = []
         self.fwd_order: list[Unit] = []  # the units in the order the last forward ran them
         self.in_forward = False  # between the model's forward pre-hook and its forward hook
+        self.pinned = 0  # depth of `gathered()` blocks: units are not freed inside them
         self._of_module: dict[int, Unit] = {}
         # per dtype, one NaN element for each resting parameter (built in `_build`)
         self._nans: dict[torch.dtype, torch.Tensor] = {}
@@ -129,9 +135,22 @@ class Units:
         policy = engine.config.wrap_policy or _default_wrap_policy(model)
         assigned: set[torch.Tensor] = set()
         groups: list[tuple[str, list[Entry], nn.Module]] = []
-        for name, module in model.named_modules():
-            if module is model or not policy(name, module):
-                continue
+        wrapped = [
+            (name, module)
+            for name, module in model.named_modules()
+            if module is not model and policy(name, module)
+        ]
+        # a parameter in two wrapped modules that are not nested (a weight tied across layers)
+        # would be freed by one while the other reads it: it goes to the root unit
+        owners: dict[torch.Tensor, list[str]] = {}
+        for name, module in wrapped:
+            for p in module.parameters():
+                names = owners.setdefault(p, [])
+                if not any(name.startswith(n + ".") for n in names):
+                    names.append(name)
+        shared = {p for p, names in owners.items() if len(names) > 1}
+        assigned.update(shared)
+        for name, module in wrapped:
             members = [
                 engine.by_param[p]
                 for p in module.parameters()
@@ -140,7 +159,7 @@ class Units:
             assigned.update(e.param for e in members)
             if members:
                 groups.append((name, members, module))
-        rest = [e for e in engine.sharded if e.param not in assigned]
+        rest = [e for e in engine.sharded if e.param not in assigned or e.param in shared]
         groups = [("", rest, model), *groups]
         dtypes = [_unit_dtype(name, members) for name, members, _ in groups]
         # the placeholders: per dtype one buffer, one NaN element of its own for each entry, so
@@ -275,15 +294,18 @@ class Units:
             nan.fill_(float("nan"))
 
     # ------------------------------------------------------------------ hooks
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # run eagerly under compile
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if not in_backward():
             self.fwd_order = []
         self.in_forward = True
         self.gather_wait(self.unit_of_module(module))
 
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # run eagerly under compile
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self.in_forward = False  # (also when the forward raised: `always_call`)
 
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # run eagerly under compile
     def _unit_pre_forward(self, module: nn.Module, args: Any) -> None:
         unit = self.unit_of_module(module)
         self.gather_wait(unit)
@@ -295,11 +317,13 @@ class Units:
             if index + 1 < len(self.units):
                 self.gather_start(self.units[index + 1])
 
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # run eagerly under compile
     def _unit_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if in_backward():  # a recompute: its backward follows at once, keep it gathered
             return
         unit = self.unit_of_module(module)
-        unit.free()
+        if not self.pinned:
+            unit.free()
         if not torch.is_grad_enabled():
             return
         position = len(self.fwd_order) - 1
