@@ -470,3 +470,32 @@ def _compiled(rank: int, world: int, want: dict[str, torch.Tensor]) -> None:
 def test_compiled_model_at_stage_3_trains_as_one_process(tmp_path: Path) -> None:
     # before: the hooks' `.data` swaps were traced, and backward found a saved tensor modified
     spawn(_compiled, _reference(Stack), world_size=2, tmp_path=tmp_path)
+
+
+# ---------------------------------------------------------------------- second backward
+def _twice(model: nn.Module, opt: Any, rank: int, world: int) -> None:
+    """Each step: two forwards, then two backwards (the first retaining its graph again)."""
+    for step in range(STEPS):
+        x = _mine(_batch(step), rank, world)
+        first, second = model(x), model(x * 0.5)
+        first.backward(retain_graph=True)
+        first.backward()
+        second.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _second_backward(rank: int, world: int, want: dict[str, torch.Tensor]) -> None:
+    for stage in (3, 2):
+        model, opt = prepare(Stack(), _sgd, ZeroConfig(stage=stage, min_shard_numel=0))
+        _twice(model, opt, rank, world)
+        _close(full_state_dict(model), want, f"stage {stage}: a second backward")
+
+
+def test_second_backward_through_one_forward(tmp_path: Path) -> None:
+    # before: at stage 3 the first backward's end freed the root unit, and nothing gathered it
+    # again for the second ("setStorage ... size 0")
+    model = Stack()
+    _twice(model, _sgd(list(model.parameters())), 0, 1)
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    spawn(_second_backward, want, world_size=2, tmp_path=tmp_path)

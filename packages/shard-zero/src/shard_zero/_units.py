@@ -304,6 +304,17 @@ class Units:
     @torch.compiler.disable  # type: ignore[untyped-decorator]  # run eagerly under compile
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self.in_forward = False  # (also when the forward raised: `always_call`)
+        if in_backward() or not torch.is_grad_enabled():
+            return
+        # a backward that begins at the model's outputs gathers the root unit again: the end
+        # of an earlier backward through the same forward (`retain_graph=True`, two forwards
+        # then two backwards) freed it
+        root = self.unit_of_module(module)
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(  # type: ignore[no-untyped-call]
+                    lambda grad, u=root: self._pre_backward(u, 0)
+                )
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]  # run eagerly under compile
     def _unit_pre_forward(self, module: nn.Module, args: Any) -> None:
