@@ -8,9 +8,9 @@ Command (from the repo root; on a GPU the 1.1B TinyLlama shape, on CPU a tiny on
 At world 1 nothing is sharded, so the numbers are each engine's own copies, hooks and streams:
 a plain fp32 model under bf16 autocast, FSDP2 (`fully_shard` per decoder layer + root,
 `MixedPrecisionPolicy(bf16, fp32)`) and shard-zero stages (param_dtype bf16, fp32 masters), all
-with `torch.optim.AdamW(lr=1e-4)` on batch 4 x 1024. Each engine runs in a fresh process
-(`--engine NAME` is that child), so nothing one leaves behind counts against the next; `--rounds`
-repeats the list, interleaved, and the table gives medians.
+with `torch.optim.AdamW(lr=1e-4)` on batch 4 x 1024 (`fused=True` on the host for
+`zero2-offload`). Each engine runs in a fresh process (`--engine NAME` is that child), so
+nothing one leaves behind counts against the next; `--rounds` repeats the list, interleaved, and the table gives medians.
 
 Measured per engine: device memory allocated before the model is built, after it, and the peak
 (`torch.cuda.max_memory_allocated` / `max_memory_reserved`), the median step time after the
@@ -66,7 +66,9 @@ def _wrap(name: str, model, device: str):
     """(model, optimizer, autocast context factory) for engine `name`."""
 
     def make_opt(params):
-        return torch.optim.AdamW(params, lr=1e-4)
+        # offload: the host masters step with torch's fused CPU AdamW (the README's advice; the
+        # 2026-11-27 row, 1713.6 ms, ran its default for-loop); on the device torch's default
+        return torch.optim.AdamW(params, lr=1e-4, fused=name.endswith("offload") or None)
 
     if name == "plain":
         return model, make_opt(model.parameters()), lambda: torch.autocast(device, torch.bfloat16)

@@ -90,6 +90,45 @@ def test_parameters_on_two_devices_are_rejected() -> None:
     assert model_device(nn.ReLU()) == torch.device("cpu")
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_changing_parameters_after_prepare_raises(tmp_path: Path, stage: int) -> None:
+    """A cast, a resize or a new module after `prepare` raises, naming the parameter.
+
+    Before: at stage 3 `model.half()` was undone by the next gather (training went on in
+    fp32), a resized embedding failed with an unrelated IndexError/shape error, and a replaced
+    head trained without its gradients reaching any optimizer.
+    """
+    changes: dict[str, Callable[[nn.Module], Any]] = {
+        "is \\(24, 8\\) float16 on cpu, was \\(24, 8\\) float32": lambda m: m.half(),
+        "'head.weight' is \\(2, 24\\)": lambda m: setattr(m.head.weight, "data", torch.zeros(2, 24)),
+        "'head.weight' is a new Parameter": lambda m: setattr(m, "head", nn.Linear(WIDTH, 1)),
+    }
+    with single_process_group("cpu", tmp_path):
+        for message, change in changes.items():
+            model, opt = prepare(Stack(), _adamw, ZeroConfig(stage=stage, min_shard_numel=0))
+            model(_data()).backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                change(model)
+            if "new Parameter" in message:  # the forward runs; the step finds it
+                model(_data()).backward()
+                with pytest.raises(RuntimeError, match=message):
+                    opt.step()
+                continue
+            with pytest.raises(RuntimeError, match=f"changed after `prepare` .*{message}"):
+                model(_data())
+    # unchanged: the hooks let training run (a forward under no_grad, two steps)
+    (tmp_path / "again").mkdir()
+    with single_process_group("cpu", tmp_path / "again"):
+        model, opt = prepare(Stack(), _adamw, ZeroConfig(stage=stage, min_shard_numel=0))
+        with torch.no_grad():
+            model(_data())
+        for _ in range(2):
+            model(_data()).backward()
+            opt.step()
+
+
 _FACTORIES = {
     torch.empty,
     torch.zeros,

@@ -10,6 +10,12 @@ collective), so that torch's in-place copies write into real memory; the post-ho
 
 At stage 3 a freed unit's parameters are placeholders (NaN, see `_units`): `model.state_dict()`
 raises instead of returning them (`full_state_dict` has their values).
+
+A forward pre-hook (first of the model's) checks that the model still has the parameters
+`prepare` saw, with their shapes, dtypes and devices: `model.half()`, `model.to(device)` or
+`resize_token_embeddings()` after `prepare` would otherwise be undone silently at stage 3 (the
+gathers write the compute parameters back) or fail later with an unrelated shape or index error
+(the masters, buckets and optimizer keep the old parameters). It raises naming the parameter.
 """
 
 from __future__ import annotations
@@ -41,12 +47,45 @@ class ModelHooks:
         self._names = {id(e): names[id(e.param)] for e in engine.entries}
         self._unit_of = {id(e): u for u in (units.units if units else []) for e in u.entries}
         model = engine.model
+        self._signature = _signature(model)
+        model.register_forward_pre_hook(self._check_parameters, prepend=True)
         model.register_load_state_dict_pre_hook(self._pre_load)  # type: ignore[no-untyped-call]
         model.register_load_state_dict_post_hook(self._post_load)  # type: ignore[no-untyped-call]
         if units is not None:  # torch marks the hook with an attribute: a function, not a method
             model.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
                 lambda module, state_dict, prefix, meta: self._post_state_dict(state_dict, prefix)
             )
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # run eagerly under compile
+    def _check_parameters(self, module: nn.Module, args: Any) -> None:
+        """Each forward: the parameters' shapes, dtypes and devices (~40 µs at 201 tensors)."""
+        for (name, p, *was), now in zip(self._signature, self._params_now(), strict=True):
+            if now != was:
+                self._changed(f"{name!r} is {_describe(now)}, was {_describe(was)}")
+
+    def check_parameters(self) -> None:
+        """Each step: also the parameters' identities (a module replaced or added)."""
+        now = [(name, p) for name, p in self.engine.model.named_parameters()]
+        if [(n, id(p)) for n, p in now] != [(n, id(p)) for n, p, *_ in self._signature]:
+            was = {n: p for n, p, *_ in self._signature}
+            new = [n for n, p in now if was.get(n) is not p]
+            gone = set(was) - {n for n, _ in now}
+            self._changed(
+                f"{new[0]!r} is a new Parameter" if new else f"{sorted(gone)[0]!r} is gone"
+            )
+        self._check_parameters(self.engine.model, ())
+
+    def _params_now(self) -> list[list[Any]]:
+        return [[p.shape, p.dtype, p.device] for _, p, *_ in self._signature]
+
+    @staticmethod
+    def _changed(change: str) -> None:
+        raise RuntimeError(
+            f"shard-zero: the model's parameters changed after `prepare` ({change}). Its "
+            "masters, gradient buckets and optimizer hold the parameters `prepare` saw: cast, "
+            "move or resize the model (`.half()`, `.to()`, `resize_token_embeddings()`, a new "
+            "module) before `prepare`; `ZeroConfig(param_dtype=...)` sets the compute dtype"
+        )
 
     @contextmanager
     def allow_reading(self) -> Iterator[None]:
@@ -123,3 +162,13 @@ class ModelHooks:
                 "`model.state_dict()` cannot return it; call `shard_zero.full_state_dict(model)` "
                 "on every rank for the full values, or `save_checkpoint` to save and resume"
             )
+
+
+def _signature(model: nn.Module) -> list[list[Any]]:
+    """[name, parameter, shape, dtype, device] of every parameter, in registration order."""
+    return [[name, p, p.shape, p.dtype, p.device] for name, p in model.named_parameters()]
+
+
+def _describe(rest: list[Any]) -> str:
+    shape, dtype, device = rest
+    return f"{tuple(shape)} {str(dtype).removeprefix('torch.')} on {device}"

@@ -52,6 +52,7 @@ class ZeroOptimizer(Optimizer):
         """Reduce outstanding gradients, step the shards, then update the model's parameters."""
         if closure is not None:
             raise ValueError("`closure` is not supported by shard-zero (run backward yourself)")
+        self.engine.model_hooks.check_parameters()  # a module replaced after `prepare` raises
         self.engine.reduce_leftover()
         self.engine.check_step()  # before the weights change: a diverged step raises here
         self.engine.release_params()  # stages 1-2, mixed precision: refilled by push_params
