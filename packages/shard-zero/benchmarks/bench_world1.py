@@ -10,7 +10,8 @@ a plain fp32 model under bf16 autocast, FSDP2 (`fully_shard` per decoder layer +
 `MixedPrecisionPolicy(bf16, fp32)`) and shard-zero stages (param_dtype bf16, fp32 masters), all
 with `torch.optim.AdamW(lr=1e-4)` on batch 4 x 1024 (`fused=True` on the host for
 `zero2-offload`). Each engine runs in a fresh process (`--engine NAME` is that child), so
-nothing one leaves behind counts against the next; `--rounds` repeats the list, interleaved, and the table gives medians.
+nothing one leaves behind counts against the next; `--rounds` repeats the list, interleaved,
+and the table gives medians.
 
 Measured per engine: device memory allocated before the model is built, after it, and the peak
 (`torch.cuda.max_memory_allocated` / `max_memory_reserved`), the median step time after the

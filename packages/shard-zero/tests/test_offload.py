@@ -15,7 +15,9 @@ On a CPU model "host" and "device" are both CPU memory, so the test checks ident
   with a bf16 accumulator offloaded between micro-batches) and, in fp32, match single-process
   training (world 1 without offload) to the parity tests' update-error bound;
 * a checkpoint written with offload loads without it and back, and training on equals the
-  uninterrupted run bit for bit (CAME and Adafactor).
+  uninterrupted run bit for bit (CAME and Adafactor);
+* the CUDA side stream of the gradient copies, through recorded CPU stand-ins of the stream
+  calls (the order of waits, copies and `record_stream`; the real one runs in the `gpu` case).
 """
 
 from __future__ import annotations
@@ -285,3 +287,82 @@ def test_world_one_offload_on_device(tmp_path: Path, device: str) -> None:
     """On CUDA: NCCL (the host optimizer's statistics then go over a new gloo group)."""
     with single_process_group(device, tmp_path) as where:
         _world_one(where)
+
+
+class _Streams:
+    """CUDA's stream calls on the CPU, recorded: the engine's side stream and the current one."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.inside = False  # inside `torch.cuda.stream(side)`
+        self.side, self.current = _Stream(self, "side"), _Stream(self, "current")
+
+    @contextlib.contextmanager
+    def stream(self, s: _Stream) -> Any:
+        assert s is self.side
+        self.inside = True
+        yield
+        self.inside = False
+
+
+class _Stream:
+    def __init__(self, streams: _Streams, name: str) -> None:
+        self.streams, self.name = streams, name
+
+    def wait_stream(self, other: _Stream) -> None:
+        self.streams.log.append(f"{self.name} waits for {other.name}")
+
+    def synchronize(self) -> None:
+        self.streams.log.append(f"sync {self.name}")
+
+
+def test_gradient_copies_run_on_the_side_stream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA each gradient goes to the host on a side stream; CPU stand-ins record the calls.
+
+    Each copy waits for the current stream (the reduction), runs inside the side stream and
+    keeps its source alive for it (`record_stream`); a backward that adds to a host gradient
+    first makes the current stream wait for the side stream; step and zero_grad synchronize
+    both. Training equals the engine without the stand-ins bit for bit.
+    """
+    fake = _Streams()
+    copy = torch.Tensor.copy_
+
+    def logged_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> Any:
+        if fake.inside:
+            fake.log.append("copy")
+        return copy(dst, src, non_blocking)
+
+    with single_process_group("cpu", tmp_path):
+        results = []
+        for fakes in (False, True):
+            config = ZeroConfig(
+                stage=2, min_shard_numel=100, bucket_numel=5000, offload_optimizer=True
+            )
+            model, opt = prepare(tiny_llama(seed=0), _make("adamw"), config)
+            engine = engine_of(model)
+            if fakes:
+                monkeypatch.setattr(torch.cuda, "current_stream", lambda device: fake.current)
+                monkeypatch.setattr(torch.cuda, "stream", fake.stream)
+                monkeypatch.setattr(torch.Tensor, "copy_", logged_copy)
+                monkeypatch.setattr(
+                    torch.Tensor, "record_stream", lambda t, s: fake.log.append(f"record {s.name}")
+                )
+                engine.copy_stream = fake.side
+            ids = _batches()[0]
+            _loss(model, ids[:6]).backward()
+            one_copy = ["side waits for current", "copy", "record side"]
+            copies = len(engine.entries)
+            assert not fakes or fake.log == one_copy * copies, fake.log[:8]
+            fake.log.clear()
+            _loss(model, ids[6:]).backward()  # adds into the gradients on the host
+            assert not fakes or fake.log.count("current waits for side") == copies, fake.log[:8]
+            assert not fakes or fake.log.count("copy") == copies
+            fake.log.clear()
+            opt.step()
+            assert not fakes or fake.log[:2] == ["sync current", "sync side"], fake.log[:4]
+            opt.zero_grad()
+            monkeypatch.undo()
+            results.append(full_state_dict(model))
+        assert all(torch.equal(results[1][k], v) for k, v in results[0].items())

@@ -100,7 +100,9 @@ def test_changing_parameters_after_prepare_raises(tmp_path: Path, stage: int) ->
     """
     changes: dict[str, Callable[[nn.Module], Any]] = {
         "is \\(24, 8\\) float16 on cpu, was \\(24, 8\\) float32": lambda m: m.half(),
-        "'head.weight' is \\(2, 24\\)": lambda m: setattr(m.head.weight, "data", torch.zeros(2, 24)),
+        "'head.weight' is \\(2, 24\\)": (
+            lambda m: setattr(m.head.weight, "data", torch.zeros(2, 24))
+        ),
         "'head.weight' is a new Parameter": lambda m: setattr(m, "head", nn.Linear(WIDTH, 1)),
     }
     with single_process_group("cpu", tmp_path):

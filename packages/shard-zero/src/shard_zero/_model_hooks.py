@@ -59,7 +59,7 @@ class ModelHooks:
     @torch.compiler.disable  # type: ignore[untyped-decorator]  # run eagerly under compile
     def _check_parameters(self, module: nn.Module, args: Any) -> None:
         """Each forward: the parameters' shapes, dtypes and devices (~40 µs at 201 tensors)."""
-        for (name, p, *was), now in zip(self._signature, self._params_now(), strict=True):
+        for (name, _, *was), now in zip(self._signature, self._params_now(), strict=True):
             if now != was:
                 self._changed(f"{name!r} is {_describe(now)}, was {_describe(was)}")
 

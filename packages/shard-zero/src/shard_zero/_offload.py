@@ -4,7 +4,8 @@ Without offload a sharded parameter's reduced gradient accumulates in `master.gr
 the device) or `low_acc` (bf16). With `offload_optimizer` the master is a host tensor: the fp32
 device accumulator is `Entry.dev_grad` instead, and `_offload` copies the complete gradient
 into the host `master.grad` (after adding the bf16 and host accumulators on the device, as
-`Reducer.materialize` does without offload) and drops the device copy. A gradient already on
+`Reducer.materialize` does without offload) and drops the device copy; on CUDA the copy runs on
+a side stream (`Shards.to_host`), overlapped with the rest of backward. A gradient already on
 the host that a later backward adds to is first copied back (`_device_grad`), so every sum runs
 on the device, in the same order as without offload.
 """
@@ -45,7 +46,7 @@ class OffloadGrads:
         if not self.engine.offload:
             return e.master.grad
         if e.dev_grad is None and e.master.grad is not None:
-            e.dev_grad = e.master.grad.to(self.engine.device, copy=True, non_blocking=True)
+            e.dev_grad = self.engine.from_host(e.master.grad)
             e.master.grad = None
         return e.dev_grad
 
@@ -73,7 +74,7 @@ class OffloadGrads:
             return
         if e.host_grad is None:
             e.host_grad = engine.host_empty(e.master.shape, torch.float32)
-        e.host_grad.copy_(g, non_blocking=True)
+        engine.to_host(e.host_grad, g)  # off the compute stream on CUDA
         e.master.grad = e.host_grad
 
     def _put_replicated(self, e: Entry, piece: torch.Tensor) -> None:

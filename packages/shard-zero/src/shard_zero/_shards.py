@@ -45,6 +45,10 @@ class Shards:
         # ZeRO-Offload: masters, their gradients and the optimizer state in host memory
         self.offload = config.offload_optimizer
         self.pinned = self.device.type == "cuda"  # host buffers: pinned for async copies
+        # offload on CUDA: the gradients' copies to the host run here, beside backward's kernels
+        self.copy_stream: torch.cuda.Stream | None = None
+        if self.offload and self.pinned:
+            self.copy_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         self.host_group = (
             host_group(self.group, self.device, config.timeout_delta) if self.offload else None
         )
@@ -123,8 +127,32 @@ class Shards:
 
     def wait_for_host(self) -> None:
         """`offload_optimizer` on CUDA: wait until the gradients copied to the host arrived."""
-        if self.offload and self.device.type == "cuda":
+        if self.copy_stream is not None:
             torch.cuda.current_stream(self.device).synchronize()
+            self.copy_stream.synchronize()
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """`dst.copy_(src)` from the device into pinned host memory, off the compute stream.
+
+        On CUDA the copy waits for what the current stream has queued (the gradient's last
+        reduction), runs on `copy_stream` while backward goes on, and `src`'s memory is not
+        reused before it finished (`record_stream`); `wait_for_host` waits for it. On the CPU
+        a plain copy.
+        """
+        stream = self.copy_stream
+        if stream is None:
+            dst.copy_(src, non_blocking=True)
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        src.record_stream(stream)
+
+    def from_host(self, src: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A device copy of a host tensor `to_host` may still be writing (ordered after it)."""
+        if self.copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        return src.to(self.device, dtype, non_blocking=True, copy=True)
 
 
 def model_device(model: nn.Module) -> torch.device:
