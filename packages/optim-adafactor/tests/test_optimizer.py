@@ -193,6 +193,13 @@ def test_construction_keeps_global_rng() -> None:
 def test_complex_params_rejected() -> None:
     with pytest.raises(TypeError, match="complex"):
         Adafactor([torch.randn(2, dtype=torch.complex64, requires_grad=True)])
+    # added later: refused and not added (before, the group stayed and `step()` wrote the
+    # parameter's real part over it)
+    opt = Adafactor([torch.randn(2, 3, requires_grad=True)])
+    z = torch.randn(4, 4, dtype=torch.complex64, requires_grad=True)
+    with pytest.raises(TypeError, match="param group 1: .*complex"):
+        opt.add_param_group({"params": [z]})
+    assert len(opt.param_groups) == 1
 
 
 def test_empty_and_zero_dim_params() -> None:

@@ -221,15 +221,16 @@ class FactoredOptimizer(LosslessState):
         group = self.param_groups[-1]
         try:
             self._parse_group(group, GroupCheck(first=True, inherited=inherited))
+            for p in group["params"]:
+                if torch.is_complex(p):
+                    raise TypeError(
+                        f"{type(self).__name__} does not support complex parameters "
+                        f"(got {p.dtype})"
+                    )
         except (TypeError, ValueError) as err:
             self.param_groups.pop()
             index = len(self.param_groups)
             raise type(err)(f"param group {index}: {err}") from None
-        for p in group["params"]:
-            if torch.is_complex(p):
-                raise TypeError(
-                    f"{type(self).__name__} does not support complex parameters (got {p.dtype})"
-                )
 
     def set_row_shard(
         self, param: Tensor, *, global_shape: Sequence[int], row_offset: int, group: Any = None
