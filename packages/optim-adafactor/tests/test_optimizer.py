@@ -197,7 +197,7 @@ def test_complex_params_rejected() -> None:
     # parameter's real part over it)
     opt = Adafactor([torch.randn(2, 3, requires_grad=True)])
     z = torch.randn(4, 4, dtype=torch.complex64, requires_grad=True)
-    with pytest.raises(TypeError, match="param group 1: .*complex"):
+    with pytest.raises(TypeError, match=r"param group 1: .*complex"):
         opt.add_param_group({"params": [z]})
     assert len(opt.param_groups) == 1
 

@@ -148,3 +148,43 @@ def test_batches_must_have_input_ids(make):
         collect_importance(make("llama"), [{"x": torch.zeros(1, 4)}])
     with pytest.raises(ValueError, match="no sequences"):
         collect_importance(make("llama"), [])
+
+
+def test_one_batch_or_a_used_up_iterator_is_refused(make, data):
+    """Before: one batch dict failed with "'str' object has no attribute 'get'" (its keys were
+    iterated), `search` given an iterator distilled the first candidate only (steps [6, 0, 0],
+    the ranking wrong), and `distill` on no batch returned silently."""
+    from prune_distill import contiguous_block_search, distill, evaluate_kl
+
+    model, student = make("llama"), make("llama", seed=1)
+    one = data(1)[0]
+    for call in (
+        lambda: collect_importance(model, one),
+        lambda: contiguous_block_search(model, one, 1),
+        lambda: distill(student, model, one),
+        lambda: evaluate_kl(student, model, one),
+    ):
+        with pytest.raises(TypeError, match=r"`batches` must be an iterable .* \['input_ids'\]"):
+            call()
+    with pytest.raises(ValueError, match="`batches` yielded no batch"):
+        distill(student, model, iter([]))
+    scores = collect_importance(model, data(1))
+    space = SearchSpace(intermediate_size=(64, 48))
+    n = count_params(model)
+    for kwargs in (
+        {"train_batches": iter(data(2)), "val_batches": data(1)},
+        {"train_batches": data(2), "val_batches": (b for b in data(1))},
+    ):
+        name = next(k for k, v in kwargs.items() if not isinstance(v, list))
+        with pytest.raises(TypeError, match=f"`{name}` is an iterator"):
+            search(model, scores, space, params=n, tolerance=0.9, **kwargs)
+
+
+def test_numpy_scalars_are_accepted_as_numbers():
+    import numpy as np
+
+    from prune_distill import DistillConfig
+
+    assert PruneTarget(hidden_size=np.int64(40)).hidden_size == 40
+    assert type(PruneTarget(hidden_size=np.int64(40)).hidden_size) is int
+    assert DistillConfig(loss="jsd", beta=np.float32(0.5)).beta == 0.5

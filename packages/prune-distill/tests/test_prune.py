@@ -396,3 +396,22 @@ def test_mha_model_follows_heads_when_kv_not_given(make, data):
     student = prune(model, collect_importance(model, data()), PruneTarget(num_attention_heads=4))
     assert student.config.num_key_value_heads == 4
     assert student.model.layers[0].self_attn.k_proj.out_features == 32
+
+
+def test_dynamic_rope_frequencies_come_from_the_config(make, data, tmp_path):
+    """Dynamic-NTK RoPE rewrites `inv_freq` while the model runs on inputs longer than
+    `max_position_embeddings`; the pruned model gets the config's frequencies, as a reload
+    does. Before: calibration on long inputs left the copy with the stretched ones (a no-op
+    prune differed from its teacher on short inputs and from its own reload), and long then
+    short calibration batches (which alias `inv_freq` to `original_inv_freq`) crashed `prune`."""
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    short = data(1, batch_size=2, seq_len=10, seed=3)[0]["input_ids"]
+    for calibration in (data(2, seq_len=80), [*data(1, seq_len=80), *data(1, seq_len=12)]):
+        model = make("llama", max_position_embeddings=32, rope_parameters=rope)
+        want = logits(model, short)
+        student = prune(model, collect_importance(model, calibration), PruneTarget())
+        torch.testing.assert_close(logits(student, short), want, rtol=0, atol=0)
+        torch.testing.assert_close(logits(model, short), want, rtol=0, atol=0)
+        student.save_pretrained(tmp_path)
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+        torch.testing.assert_close(logits(reloaded, short), want, rtol=0, atol=0)

@@ -224,8 +224,7 @@ class FactoredOptimizer(LosslessState):
             for p in group["params"]:
                 if torch.is_complex(p):
                     raise TypeError(
-                        f"{type(self).__name__} does not support complex parameters "
-                        f"(got {p.dtype})"
+                        f"{type(self).__name__} does not support complex parameters (got {p.dtype})"
                     )
         except (TypeError, ValueError) as err:
             self.param_groups.pop()

@@ -50,7 +50,7 @@ def check_loss(loss: str, beta: float, *, top_k: bool) -> None:
     """
     if loss not in LOSSES:
         raise ValueError(f"`loss` ({loss!r}) must be one of {', '.join(map(repr, LOSSES))}")
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
+    if not _is_real(beta) or not 0.0 <= beta <= 1.0:  # numpy scalars too
         raise ValueError(
             f"`beta` ({beta!r}) must be a number in [0, 1] (the teacher's weight in JSD's "
             "mixture: 0 = forward KL, 1 = reverse KL)"
@@ -180,6 +180,7 @@ class DistillConfig:
         if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
             raise ValueError(f"`top_k` ({self.top_k!r}) must be >= 1 (an int) or None")
         check_loss(self.loss, self.beta, top_k=self.top_k is not None)
+        object.__setattr__(self, "beta", float(self.beta))  # a numpy scalar: a plain float
         _check_int("chunk_size", self.chunk_size, optional=True)
         _check_int("grad_accumulation_steps", self.grad_accumulation_steps)
         _check_int("max_steps", self.max_steps, optional=True)
@@ -238,8 +239,9 @@ class PruneTarget:
             value = getattr(self, name)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not _is_int(value):  # an int, or another integral type (numpy's)
                 raise TypeError(f"`{name}` must be an int or None, got {type(value).__name__}")
+            object.__setattr__(self, name, int(value))  # frozen: stored as a plain int
             if value < 1:
                 raise ValueError(
                     f"`{name}` ({value}) must be a size >= 1 (leave it unset to keep the "

@@ -25,7 +25,7 @@ from prune_distill.cache import TOPK_INDICES, TOPK_VALUES
 from prune_distill.config import DistillConfig
 from prune_distill.divergences import divergence
 from prune_distill.hidden import HiddenStateLoss
-from prune_distill.importance import lm_targets, model_inputs
+from prune_distill.importance import lm_targets, many_batches, model_inputs
 from prune_distill.losses import TopK, forward_kl
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -145,6 +145,7 @@ def distill(
             `hidden_layer_map` outside the models' layers.
     """
     cfg = config or DistillConfig()
+    many_batches(batches)
     device = model_device(student)
     params = [p for p in student.parameters() if p.requires_grad]
     if not params:
@@ -242,6 +243,11 @@ def distill(
         student.train(student_was_training)
         if teacher is not None:
             teacher.train(teacher_was_training)
+    if result.steps == 0:
+        raise ValueError(
+            "`batches` yielded no batch, so nothing was trained (an iterator used up by an "
+            "earlier pass? pass a list, or a fresh iterable each time)"
+        )
     return result
 
 
@@ -296,7 +302,10 @@ def correct_teacher(
     corrected = copy.deepcopy(teacher)
     flags = [p.requires_grad for p in corrected.parameters()]
     corrected.requires_grad_(True)
-    plain = ({k: v for k, v in b.items() if k not in (TOPK_VALUES, TOPK_INDICES)} for b in batches)
+    plain = (
+        {k: v for k, v in b.items() if k not in (TOPK_VALUES, TOPK_INDICES)}
+        for b in many_batches(batches)
+    )
     try:
         distill(corrected, None, plain, cfg)
     finally:
@@ -350,7 +359,7 @@ def evaluate_kl(
     teacher.eval()
     total, count = 0.0, 0
     try:
-        for raw in batches:
+        for raw in many_batches(batches):
             batch = _move(raw, device)
             mask = batch.get("attention_mask")
             n = int(mask.sum()) if mask is not None else batch["input_ids"].numel()

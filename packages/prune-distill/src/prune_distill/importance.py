@@ -86,10 +86,26 @@ def _take(batch: Mapping[str, Any], rows: int, device: torch.device) -> dict[str
     return out
 
 
+def many_batches(
+    batches: Iterable[Mapping[str, Any]], name: str = "batches"
+) -> Iterable[Mapping[str, Any]]:
+    """`batches`, refused with a `TypeError` naming `name` if it is one batch dict, not many.
+
+    Iterating a dict gives its keys, which failed later with "'str' object has no attribute".
+    """
+    if isinstance(batches, Mapping):
+        raise TypeError(
+            f"`{name}` must be an iterable of batch dicts (e.g. a list), got one batch (a "
+            f"mapping with keys {sorted(map(str, batches))}); pass `[batch]`"
+        )
+    return batches
+
+
 def calibration_batches(
     batches: Iterable[Mapping[str, Any]], num_samples: int | None, device: torch.device
 ) -> Iterator[dict[str, Any]]:
     """Yield batches on `device` until `num_samples` sequences have been produced (all if None)."""
+    many_batches(batches)
     if num_samples is not None and num_samples < 1:
         raise ValueError(f"`num_samples` ({num_samples}) must be >= 1 or None")
     seen = 0

@@ -330,26 +330,49 @@ def _copy_buffers(
 ) -> None:
     """Fill buffers not in the state dict.
 
-    Those the adapter derives from the new config (Gemma's embedding scale) are computed, the
-    rest (rotary `inv_freq`) copied from the source model.
+    Those the adapter derives from the new config (Gemma's embedding scale) are computed, and so
+    are the rotary frequencies (`*inv_freq`: the rotary module rebuilt from its config, as
+    `from_pretrained` builds it; copying them would copy what dynamic-NTK RoPE rewrote while the
+    source model ran on long inputs). The rest are copied from the source model. Device and
+    dtype are the source buffer's.
     """
-    old_buffers = dict(model.named_buffers())
+    old_buffers = dict(model.named_buffers(remove_duplicate=False))  # aliases: dynamic RoPE
     fresh = spec.buffers(config)
+    rebuilt: dict[str, dict[str, torch.Tensor]] = {}  # rotary module name -> its fresh buffers
     regex = spec.layer_regex
     for name, buf in list(new.named_buffers()):
-        if name in fresh:
-            owner, _, attr = name.rpartition(".")
-            value = fresh[name].to(device=old_buffers[name].device, dtype=old_buffers[name].dtype)
-            new.get_submodule(owner).register_buffer(attr, value, persistent=False)
-            continue
-        if not buf.is_meta:
-            continue
+        owner, _, attr = name.rpartition(".")
         match = regex.match(name)
         old_name = (
             f"{spec.layers}.{plan.layers[int(match.group(1))]}.{match.group(2)}" if match else name
         )
         source = old_buffers.get(old_name)
-        if source is None or source.shape != buf.shape:
+        if name not in fresh and not buf.is_meta:
+            continue
+        value = fresh.get(name)
+        if value is None and attr.endswith("inv_freq"):
+            value = _rotary(new, owner, rebuilt).get(attr)
+        if value is None and source is not None:
+            value = source.clone()
+        if source is None or value is None or source.shape != value.shape:
             raise RuntimeError(f"internal error: cannot initialise buffer `{name}`")
-        owner, _, attr = name.rpartition(".")
-        new.get_submodule(owner).register_buffer(attr, source.clone(), persistent=False)
+        value = value.to(device=source.device, dtype=source.dtype)
+        new.get_submodule(owner).register_buffer(attr, value, persistent=False)
+
+
+def _rotary(
+    new: nn.Module, owner: str, rebuilt: dict[str, dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """The buffers of rotary module `owner`, built afresh on the CPU from its config.
+
+    Empty if its class does not take the config alone.
+    """
+    if owner not in rebuilt:
+        module = new.get_submodule(owner)
+        try:
+            with torch.device("cpu"):
+                fresh = type(module)(module.config)
+            rebuilt[owner] = dict(fresh.named_buffers())
+        except (TypeError, AttributeError):
+            rebuilt[owner] = {}
+    return rebuilt[owner]

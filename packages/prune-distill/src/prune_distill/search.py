@@ -26,6 +26,7 @@ from prune_distill.importance import (
     _token_nll,
     calibration_batches,
     lm_targets,
+    many_batches,
     model_inputs,
 )
 from prune_distill.prune import prune
@@ -274,6 +275,14 @@ def search(
             prunable shapes and the most common reason the others were skipped), or a bad
             argument.
     """
+    given: Any
+    for name, given in (("train_batches", train_batches), ("val_batches", val_batches)):
+        if not callable(given) and iter(many_batches(given, name)) is given:
+            raise TypeError(
+                f"`{name}` is an iterator ({type(given).__name__}), used up by the first "
+                "candidate: pass a list, or for `train_batches` a zero-argument callable "
+                "returning a fresh iterable (e.g. a DataLoader factory)"
+            )
     found, counts, rejected = _shapes(model, space, params, tolerance)
     if max_candidates is not None:
         if max_candidates < 1:
