@@ -99,7 +99,9 @@ class Stack:
         if not Path(self.python).exists():
             session.log(f"creating the venv {venv}")
             session.run_install(sys.executable, "-m", "venv", str(venv))
-            self.pip("install", "--upgrade", "pip", "hatchling", "editables")
+            # `wheel`: sdists in the closure (rouge-score, from lm-eval) build without isolation
+            # in this venv, and without a pip cache that holds their built wheels they need it
+            self.pip("install", "--upgrade", "pip", "hatchling", "editables", "wheel")
         session.env["VIRTUAL_ENV"] = str(venv)
         session.env["PATH"] = os.pathsep.join([str(venv / bindir), os.environ.get("PATH", "")])
         session.env.setdefault("HF_HOME", str(ROOT / ".nox" / "hf-home"))
