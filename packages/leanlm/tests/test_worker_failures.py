@@ -118,6 +118,28 @@ def test_a_killed_worker_is_named_and_every_process_ends_then_resume(tmp_path, f
 
 
 @pytest.mark.distributed
+def test_a_killed_torchrun_agent_stops_its_workers_then_resume(tmp_path, forty_steps):
+    # before: the launcher exited at once (status 247, no message, the run's lock released)
+    # while the orphaned workers trained on to the end
+    config, full = forty_steps
+    path, out = tmp_path / "run.toml", tmp_path / "run"
+    path.write_text(dumps_toml(config))
+    launcher, tree, _ = _start(path, out)
+    (agent,) = [p for p in tree if "leanlm.launch" in p.cmdline()]
+    workers = [p for p in tree if p.environ().get("RANK") is not None]
+    assert len(workers) == 2
+    agent.send_signal(signal.SIGKILL)
+    stderr = _wait_gone(launcher, tree, within=60)
+    assert launcher.returncode == 128 + signal.SIGKILL
+    assert messages(stderr)[0] == (
+        f"leanlm: error: the torchrun agent (pid {agent.pid}) was killed by SIGKILL; stopping "
+        "the 2 process(es) of the run still alive (at a step boundary, killed after 25 s)"
+    ), stderr
+    assert not (out / "pretrain" / "result.json").exists(), "the workers trained on"
+    _resume_equals(path, out, full)
+
+
+@pytest.mark.distributed
 def test_a_frozen_worker_is_named_after_the_collective_timeout(tmp_path, tiny_config):
     # (the resume after it is the killed worker's: the launcher ends a frozen one by SIGKILL)
     config = _forty_steps_config(tiny_config)

@@ -5,7 +5,9 @@ Ctrl-C reaches only the launcher, which forwards SIGTERM / SIGINT to every worke
 (they stop at a step boundary) and SIGKILLs what is left after `GRACE_S` seconds or a second
 signal; torchrun gets SIGTERM if the launcher dies. The launcher also watches the workers'
 status files (`leanlm.run.status`): after a failure it ends at once a worker that stopped
-answering, and reports a worker that died without reporting its own error.
+answering, and reports a worker that died without reporting its own error. If torchrun itself
+dies of a signal (SIGKILL: it cannot stop its workers), the launcher stops the processes it saw
+under it, and any other that carries its `LAUNCHER_ENV`, as after a signal of its own.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ def _relaunch(nproc: int, argv: Sequence[str], status_dir: Path) -> int:
         [sys.executable, "-m", "leanlm.launch", *args], env=env, start_new_session=True
     )
     received: list[int] = []
-    seen: dict[int, psutil.Process] = {}
+    seen: dict[int, psutil.Process] = {}  # the workers signalled
+    tracked: dict[int, psutil.Process] = {}  # every process seen under torchrun
     watch = WorkerWatch(status_dir)
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -102,6 +105,8 @@ def _relaunch(nproc: int, argv: Sequence[str], status_dir: Path) -> int:
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     watch.poll(psutil.Process(child.pid).children())  # torchrun's workers
+                # every process under torchrun: none may outlive a torchrun that died (below)
+                tracked.update((p.pid, p) for p in _tree(child.pid)[1:] if p.pid not in tracked)
                 if received and not deadline:
                     deadline = time.monotonic() + GRACE_S
                 if received:  # workers that torchrun started after the signal
@@ -114,13 +119,52 @@ def _relaunch(nproc: int, argv: Sequence[str], status_dir: Path) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         # workers run in sessions of their own: none may outlive torchrun
-        _signal_all([p for p in seen.values() if p.is_running()], signal.SIGKILL)
-        psutil.wait_procs(list(seen.values()), timeout=5)
+        # torchrun killed by a signal it could not handle (SIGKILL: its workers would run on)
+        died = not received and (child.returncode or 0) < 0
+        orphans = _orphans(tracked, child.pid) if died else []
+        if died:
+            print(
+                f"leanlm: error: the torchrun agent (pid {child.pid}) was killed by "
+                f"{_signal_name(-child.returncode)}; stopping the {len(orphans)} process(es) of "
+                f"the run still alive (at a step boundary, killed after {GRACE_S:g} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            _signal_all(orphans, signal.SIGINT)
+            psutil.wait_procs(orphans, timeout=GRACE_S)
+        stragglers = [*seen.values(), *orphans]
+        _signal_all([p for p in stragglers if p.is_running()], signal.SIGKILL)
+        psutil.wait_procs(stragglers, timeout=5)
     if received:
         return 128 + received[0]
+    if code < 0:  # killed by a signal: the shell's convention
+        return 128 - code
     if code:
         _report(watch, status_dir, argv)
     return code
+
+
+def _orphans(tracked: dict[int, psutil.Process], agent: int) -> list[psutil.Process]:
+    """The run's processes still alive after torchrun (`agent`) ended.
+
+    Those seen under torchrun, and any other process that carries this launcher's
+    `LAUNCHER_ENV` (a worker torchrun started after the last look).
+    """
+    alive = {pid: p for pid, p in tracked.items() if p.is_running()}
+    me = str(os.getpid())
+    for proc in psutil.process_iter():
+        if proc.pid in alive or proc.pid in (os.getpid(), agent):
+            continue
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get(LAUNCHER_ENV) == me:
+                alive[proc.pid] = proc
+    return list(alive.values())
+
+
+def _signal_name(number: int) -> str:
+    with contextlib.suppress(ValueError):
+        return signal.Signals(number).name
+    return f"signal {number}"
 
 
 def _report(watch: WorkerWatch, status_dir: Path, argv: Sequence[str]) -> None:
