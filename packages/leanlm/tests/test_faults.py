@@ -17,6 +17,7 @@ import leanlm.cli
 import leanlm.train.evaluate
 from leanlm.cli import main
 from leanlm.config import DataConfig, dumps_toml
+from leanlm.report.metrics import MetricsLog, read_metrics
 from leanlm.run import lock, rundir
 from leanlm.train.trainer import causal_lm_loss
 from leanlm_testing.cli_runs import (
@@ -171,6 +172,8 @@ def test_interrupt_then_truncated_checkpoint_then_resume(
 
     newest = checkpoints / "step-00000009" / "model.safetensors"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    with open(run / "pretrain" / "metrics.jsonl", "a") as f:  # an append a kill cut short
+        f.write('{"step": 10, "loss": 5.2')
     assert main(["run", str(path), "--out", str(run), "--resume"]) == 0
     log = capsys.readouterr()
     assert (
@@ -181,6 +184,25 @@ def test_interrupt_then_truncated_checkpoint_then_resume(
     assert (checkpoints / ".damaged-step-00000009").is_dir()
     assert_same_weights(full, run)
     assert loss_rows(full) == loss_rows(run)
+
+
+def test_metrics_rows_torn_damaged_or_unwritable(tmp_path):
+    # before: a torn last row (a kill or a full disk mid-append) made every `--resume` fail
+    # with a bare JSON error naming no file, and a full disk's error named no file either
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert read_metrics(path) == [{"step": 1, "loss": 2.0}]
+    path.write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=f"{path} line 2 is not a JSON row"):
+        read_metrics(path)
+    disk_full = tmp_path / "full" / "metrics.jsonl"
+    disk_full.parent.mkdir()
+    disk_full.symlink_to("/dev/full")  # every write: No space left on device
+    log = MetricsLog(disk_full, enabled=True)
+    with pytest.raises(OSError, match="No space left on device") as err:
+        log.log({"step": 1, "loss": 2.0})
+    assert err.value.filename == str(disk_full)
+    log.close()
 
 
 def test_bad_starts_then_the_corrected_rerun(tmp_path, tiny_config, capsys, monkeypatch):

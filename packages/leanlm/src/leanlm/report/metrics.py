@@ -157,8 +157,11 @@ class MetricsLog:
         """Write one row (must contain `step`)."""
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as err:  # a full disk: say which file (a write's error names none)
+            raise OSError(err.errno, err.strerror, str(self.path)) from err
         scalars = {
             k: v
             for k, v in row.items()
@@ -174,10 +177,26 @@ class MetricsLog:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The rows of a `metrics.jsonl` (empty if missing)."""
+    """The rows of a `metrics.jsonl` (empty if missing).
+
+    A last line cut short (no newline: the append a kill or a full disk interrupted) is
+    dropped; any other line that is not JSON raises a `ValueError` naming the file and line.
+    """
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError as err:
+            if number == len(lines) and not text.endswith("\n"):
+                break  # a torn append
+            raise ValueError(f"{path} line {number} is not a JSON row ({err})") from None
+    return rows
 
 
 def reset_peak_memory(device: torch.device) -> None:
