@@ -118,3 +118,93 @@ def test_gradual_rejects_block_size_below_one_at_construction(block_size):
             end_step=9,
         )  # fmt: skip
     assert masks(model) == {}
+
+
+class _TwoLinears(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _run(make_sched, steps, model=None, opt=None, sched=None):
+    for step in steps:
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+
+
+def _fresh(make_sched, seed):
+    torch.manual_seed(seed)
+    model = _TwoLinears()
+    sched = make_sched(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), sched
+
+
+def _assert_resume_is_exact(make_sched, total, cut, schedule_first):
+    model, opt, sched = _fresh(make_sched, 0)
+    _run(make_sched, range(1, total + 1), model, opt, sched)
+    full = model.state_dict()
+    model, opt, sched = _fresh(make_sched, 0)
+    _run(make_sched, range(1, cut + 1), model, opt, sched)
+    ckpt = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
+    model, opt, sched = _fresh(make_sched, 1)  # other initial weights and masks
+    if schedule_first:
+        sched.load_state_dict(ckpt["sched"])
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    if not schedule_first:
+        sched.load_state_dict(ckpt["sched"])
+    _run(make_sched, range(cut + 1, total + 1), model, opt, sched)
+    resumed = model.state_dict()
+    assert sorted(resumed) == sorted(full)
+    for key, value in full.items():
+        assert torch.equal(resumed[key], value), key
+
+
+@pytest.mark.parametrize("schedule_first", [False, True])
+@pytest.mark.parametrize("cut", [2, 4, 6])  # before, at and after dense_step
+def test_sparse_then_dense_resumes_exactly_at_any_step(cut, schedule_first):
+    def make(model):
+        return SparseThenDense(model, SparsityConfig(sparsity=0.75), dense_step=4)
+
+    _assert_resume_is_exact(make, 8, cut, schedule_first)
+
+
+def test_sparse_then_dense_restored_past_dense_step_goes_dense():
+    model = _TwoLinears()
+    sched = SparseThenDense(model, SparsityConfig(sparsity=0.75), dense_step=4)
+    assert sorted(masks(model)) == ["layers.0", "layers.1"]
+    sched.load_state_dict({"step_count": 6})
+    assert masks(model) == {}
+    sched.step()
+    assert sched.step_count == 7
+    assert masks(model) == {}
+
+
+@pytest.mark.parametrize("schedule_first", [False, True])
+@pytest.mark.parametrize("cut", [2, 3, 5, 9])  # before, at, after start_step, after end_step
+def test_gradual_with_late_start_resumes_exactly(cut, schedule_first):
+    def make(model):
+        return GradualPruning(
+            model, final_sparsity=0.8, start_step=3, end_step=8, frequency=2
+        )  # fmt: skip
+
+    _assert_resume_is_exact(make, 10, cut, schedule_first)
+
+
+def test_gradual_rejects_decreasing_sparsity():
+    model = _TwoLinears()
+    with pytest.raises(
+        ValueError,
+        match=r"`initial_sparsity` \(0.9\) must be <= `final_sparsity` \(0.5\): the masks only",
+    ):
+        GradualPruning(model, initial_sparsity=0.9, final_sparsity=0.5, end_step=4)
+    assert masks(model) == {}

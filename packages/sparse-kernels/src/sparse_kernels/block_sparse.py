@@ -47,7 +47,7 @@ from sparse_kernels import _bsr_torch as T
 from sparse_kernels._triton import HAS_TRITON, available
 from sparse_kernels.config import BLOCK_SIZES
 from sparse_kernels.layout import INDEX_FIELDS, BlockLayout, blocks_to_dense, dense_to_blocks
-from sparse_kernels.masks import block_scores
+from sparse_kernels.masks import block_scores, warn_if_empty
 
 Backend = Literal["auto", "torch", "triton"]
 
@@ -189,7 +189,10 @@ def block_sparse_linear(
         dtype (x, values and bias are cast to it first, as `nn.Linear`'s are).
 
     Raises:
-        ValueError: if x's last dimension is not `layout.in_features` (every backend).
+        ValueError: if x's last dimension is not `layout.in_features`, or `bias` is not of shape
+            (out_features,) or not on `values`' device (every backend).
+        TypeError: if x's dtype (after an autocast cast) is not `values`' dtype, as on the
+            Triton backend (every backend; `nn.Linear` raises too).
     """
     if x.dim() == 0 or x.shape[-1] != layout.in_features:
         got = "a 0-d tensor" if x.dim() == 0 else f"{x.shape[-1]} features"
@@ -204,11 +207,24 @@ def block_sparse_linear(
         dtype = torch.get_autocast_dtype(device_type)
         x2, values = x2.to(dtype), values.to(dtype)
         bias = None if bias is None else bias.to(dtype)
-        with torch.autocast(device_type, enabled=False):  # the kernels see uniform dtypes
-            y = _call(x2, values, bias, layout, chosen)
-    else:
+    _check_operands(x2, values, bias, layout)
+    with _autocast_off(device_type):  # the kernels see uniform dtypes
         y = _call(x2, values, bias, layout, chosen)
     return y.reshape(*lead, layout.out_features)
+
+
+def _check_operands(x2: Tensor, values: Tensor, bias: Tensor | None, layout: BlockLayout) -> None:
+    """The checks every backend shares (the Triton launcher's dtype rule, the bias's shape)."""
+    if x2.dtype != values.dtype:
+        raise TypeError(f"`x` dtype {x2.dtype} must equal `values` dtype {values.dtype}")
+    if bias is None:
+        return
+    if tuple(bias.shape) != (layout.out_features,):
+        raise ValueError(
+            f"`bias` shape {tuple(bias.shape)} must be ({layout.out_features},) (`out_features`)"
+        )
+    if bias.device != values.device:
+        raise ValueError(f"`bias` is on {bias.device} but `values` on {values.device}")
 
 
 def _call(
@@ -343,6 +359,7 @@ class BlockSparseLinear(nn.Module):
         if block_size < 1:
             raise ValueError(f"`block_size` ({block_size}) must be >= 1")
         weight = linear.weight.detach()
+        sparsity_given = block_mask is None
         if block_mask is None:
             if not 0.0 <= sparsity < 1.0:
                 raise ValueError(f"`sparsity` ({sparsity}) must be in [0, 1)")
@@ -362,6 +379,8 @@ class BlockSparseLinear(nn.Module):
             device=weight.device,
             dtype=weight.dtype,
         )
+        if sparsity_given:
+            warn_if_empty(block_mask, f"{linear} (from_dense)", sparsity)
         with torch.no_grad():
             layer.values.copy_(dense_to_blocks(weight, layer.layout))
             if linear.bias is not None and layer.bias is not None:

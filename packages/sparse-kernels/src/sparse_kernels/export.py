@@ -6,14 +6,15 @@
   `load_masks_(model, path)` can re-attach the masks for sparse fine-tuning.
 * `save_compressed(model, path)` / `load_compressed_(model, path)`: one safetensors file where
   each masked weight is stored as 2:4 values + int16 metadata (when its mask is 2:4) or as a
-  bitmask + the kept values; other tensors dense. Loading restores bit-identical weights and
-  the masks.
+  bitmask + the kept values; other tensors dense. Loading restores the weights (equal in value;
+  pruned entries come back as +0.0, where a masked weight may hold -0.0) and the masks.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,25 @@ def _weight_key(name: str) -> str:
     return f"{name}.weight" if name else "weight"
 
 
+def check_no_block_sparse(model: nn.Module, what: str) -> None:
+    """ValueError naming every `BlockSparseLinear` of `model` (`what` cannot handle them).
+
+    Their tiles are not `nn.Linear` weights: `to_masked_linear_(model)` turns them back into
+    masked Linears (exactly), which every export function handles.
+    """
+    module = sys.modules.get("sparse_kernels.block_sparse")  # no such layer before its import
+    if module is None:
+        return
+    found = [
+        n or "<root>" for n, m in model.named_modules() if isinstance(m, module.BlockSparseLinear)
+    ]
+    if found:
+        raise ValueError(
+            f"`{what}` does not handle BlockSparseLinear layers ({', '.join(found)}): call "
+            f"`to_masked_linear_(model)` first (exact: same masks and weights)"
+        )
+
+
 def dense_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """`model.state_dict()` with masked weights baked in under their plain `*.weight` keys."""
     out = {}
@@ -73,7 +93,11 @@ def save_pretrained_sparse(model: Any, path: str | os.PathLike[str], **kwargs: A
         model: a Hugging Face `PreTrainedModel` (possibly sparsified with `sparsify_`).
         path: output directory.
         **kwargs: forwarded to `save_pretrained`.
+
+    Raises:
+        ValueError: naming the `BlockSparseLinear` layers of `model` (call `to_masked_linear_`).
     """
+    check_no_block_sparse(model, "save_pretrained_sparse")
     path = Path(path)
     model.save_pretrained(path, state_dict=dense_state_dict(model), **kwargs)
     found = masks(model)
@@ -119,7 +143,11 @@ def save_compressed(model: nn.Module, path: str | os.PathLike[str]) -> int:
     other masked weights: `{key}.bitmask` uint8 + `{key}.kept` (kept values, row-major).
     Tied tensors (e.g. `lm_head.weight` sharing the input embedding) are stored once; the other
     keys are recorded as aliases in the file's metadata and restored by `load_compressed_`.
+
+    Raises:
+        ValueError: naming the `BlockSparseLinear` layers of `model` (call `to_masked_linear_`).
     """
+    check_no_block_sparse(model, "save_compressed")
     state = dense_state_dict(model)
     found = {_weight_key(name): m for name, m in masks(model).items()}
     tensors: dict[str, Tensor] = {}
@@ -159,10 +187,15 @@ def load_compressed_(
     """Load a `save_compressed` file into `model` (same architecture); returns the masks.
 
     Existing masks on `model` are removed first; with `apply_masks` the saved masks are
-    attached again (the weights are bit-identical to the saved model's either way).
+    attached again (the weights equal the saved model's in value either way; pruned entries
+    come back as +0.0, where a masked weight may hold -0.0).
+
+    Raises:
+        ValueError: naming the `BlockSparseLinear` layers of `model` (call `to_masked_linear_`).
     """
     from safetensors import safe_open
 
+    check_no_block_sparse(model, "load_compressed_")
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata() or {}
     formats = json.loads(metadata.get("sparse_kernels", "{}"))

@@ -8,6 +8,8 @@ an N:M mask keeps exactly `n` in every group of `m` consecutive input features.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -116,6 +118,22 @@ def block_mask(scores: Tensor, block_size: int, sparsity: float) -> Tensor:
     tiles = block_scores(scores, block_size)
     keep = _prune_lowest(tiles.flatten(), round(sparsity * tiles.numel())).view_as(tiles)
     return expand_blocks(keep, block_size, scores.shape)
+
+
+def warn_if_empty(mask: Tensor, layer: str, sparsity: float) -> None:
+    """UserWarning naming `layer` when `mask` keeps nothing although `sparsity` < 1.
+
+    The counts stay `round(sparsity · units)` as documented; a layer with few units (e.g. one
+    or two 64x64 tiles at 0.75) can round to all of them, and its output is then the bias.
+    """
+    if sparsity < 1.0 and mask.numel() and not bool(mask.any()):
+        warnings.warn(
+            f"sparsity {sparsity} prunes every weight of `{layer}` (its {tuple(mask.shape)} "
+            f"mask keeps nothing: round(sparsity · units) is all of its units); use a lower "
+            f"sparsity or a smaller `block_size` to keep some",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def mask_from_scores(

@@ -21,7 +21,12 @@ for batch in loader:
   "sparse then dense finish" of SPDF (arXiv 2303.10464) and torchao's 2:4 training recipe.
 
 Each schedule has `state_dict()` / `load_state_dict()` for its step counter; the masks live in
-the model's own state_dict.
+the model's own state_dict. To resume, rebuild the model and the schedule with the same
+arguments, then load the model's and the schedule's state_dicts (in either order). The
+schedule's targeted Linears adapt their structure to the checkpoint being loaded (a mask is
+attached, all ones until the checkpoint's mask is copied in, or removed when the checkpoint
+is dense), and the schedule's `load_state_dict` brings the model to the structure of the
+restored step (`SparseThenDense` past `dense_step`: masks removed).
 """
 
 from __future__ import annotations
@@ -33,8 +38,48 @@ import torch
 from torch import nn
 
 from sparse_kernels.config import SparsityConfig, parse_pattern
-from sparse_kernels.masks import block_mask, unstructured_mask
-from sparse_kernels.sparsify import apply_mask_, remove_masks_, select_targets, sparsify_
+from sparse_kernels.masks import block_mask, unstructured_mask, warn_if_empty
+from sparse_kernels.sparsify import (
+    apply_mask_,
+    get_mask,
+    remove_masks_,
+    select_targets,
+    sparsify_,
+)
+
+
+def _match_checkpoint(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    *args: Any,
+) -> None:
+    """Load pre-hook: give a targeted Linear the structure of the checkpoint being loaded.
+
+    A masked checkpoint (`parametrizations.weight.original` and a mask) into an unmasked Linear
+    attaches an all-ones mask first (the load then copies the checkpoint's mask and weight in);
+    a dense checkpoint (`weight`) into a masked Linear removes the mask first.
+    """
+    masked_keys = f"{prefix}parametrizations.weight."
+    has_masked = f"{masked_keys}original" in state_dict and any(
+        k.startswith(masked_keys) and k.endswith(".mask") for k in state_dict
+    )
+    has_dense = f"{prefix}weight" in state_dict
+    assert isinstance(module, nn.Linear)
+    if has_masked and get_mask(module) is None:
+        ones = torch.ones(module.out_features, module.in_features, dtype=torch.bool)
+        apply_mask_(module, ones)
+    elif has_dense and not has_masked and get_mask(module) is not None:
+        remove_masks_(module)
+
+
+def _follow_checkpoints(modules: Iterable[nn.Module]) -> None:
+    """Register `_match_checkpoint` on each module (once)."""
+    for module in modules:
+        if not getattr(module, "_sparse_kernels_follows_checkpoints", False):
+            register: Any = module.register_load_state_dict_pre_hook  # untyped in torch
+            register(_match_checkpoint)
+            setattr(module, "_sparse_kernels_follows_checkpoints", True)  # noqa: B010
 
 
 class _Schedule:
@@ -60,8 +105,15 @@ class _Schedule:
         return {"step_count": self.step_count}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the step counter (load the model's state_dict, with its masks, too)."""
+        """Restore the step counter (load the model's state_dict, with its masks, too).
+
+        The model is brought to the structure of that step (see the module docstring).
+        """
         self.step_count = int(state["step_count"])
+        self._restore(self.step_count)
+
+    def _restore(self, step: int) -> None:
+        """Bring the model to the structure it has after `step` steps (after a resume)."""
 
 
 class GradualPruning(_Schedule):
@@ -105,6 +157,11 @@ class GradualPruning(_Schedule):
         ):
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"`{name}` ({value}) must be in [0, 1)")
+        if initial_sparsity > final_sparsity:
+            raise ValueError(
+                f"`initial_sparsity` ({initial_sparsity}) must be <= `final_sparsity` "
+                f"({final_sparsity}): the masks only grow"
+            )
         if not 0 <= start_step < end_step:
             raise ValueError(f"need 0 <= `start_step` ({start_step}) < `end_step` ({end_step})")
         if frequency < 1:
@@ -125,6 +182,7 @@ class GradualPruning(_Schedule):
         self.modules = select_targets(model, targets)
         if not self.modules:
             raise ValueError(f"no nn.Linear matched `targets` ({targets!r})")
+        _follow_checkpoints(self.modules.values())
         self._update(0)
 
     def sparsity_at(self, step: int) -> float:
@@ -145,13 +203,25 @@ class GradualPruning(_Schedule):
         if (step - self.start_step) % self.frequency and step != self.end_step:
             return
         sparsity = self.sparsity_at(step)
-        for linear in self.modules.values():
+        for name, linear in self.modules.items():
             score = linear.weight.detach().abs()
             if self.pattern.kind == "block":
                 mask = block_mask(score, self.block_size, sparsity)
             else:
                 mask = unstructured_mask(score, sparsity, per_row=self.per_row)
+            warn_if_empty(mask, name, sparsity)
             apply_mask_(linear, mask)
+
+    @torch.no_grad()
+    def _restore(self, step: int) -> None:
+        # from start_step on every target is masked: attach all-ones masks where none is yet
+        # (the model's state_dict holds the real ones)
+        if step < self.start_step:
+            return
+        for linear in self.modules.values():
+            if get_mask(linear) is None:
+                ones = torch.ones(linear.out_features, linear.in_features, dtype=torch.bool)
+                apply_mask_(linear, ones)
 
 
 class SparseFromStart(_Schedule):
@@ -180,6 +250,8 @@ class SparseFromStart(_Schedule):
         self.config = config
         self.dense_step = dense_step
         self.masks = sparsify_(model, config, calibration=calibration)
+        self._dense = False
+        _follow_checkpoints(model.get_submodule(name) for name in self.masks)
 
     def sparsity_at(self, step: int) -> float:
         """`config.target_sparsity` while sparse, 0 once dense."""
@@ -188,8 +260,13 @@ class SparseFromStart(_Schedule):
         return self.config.target_sparsity
 
     def _update(self, step: int) -> None:
-        if self.dense_step is not None and step == self.dense_step:
+        if self.dense_step is not None and step >= self.dense_step and not self._dense:
             remove_masks_(self.model)
+            self._dense = True
+
+    def _restore(self, step: int) -> None:
+        self._dense = False
+        self._update(step)
 
 
 class SparseThenDense(SparseFromStart):
