@@ -129,9 +129,12 @@ def convert_value(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin is Literal:
-        if value not in args:
-            raise ConfigError(key, f"must be one of {list(args)}, got {value!r}")
-        return value
+        # of the same type too: `True == 1` and `2.0 == 2`, but neither is the int a key takes
+        for choice in args:
+            if type(value) is type(choice) and value == choice:
+                return value
+        got = f"{type(value).__name__} {value!r}" if value in args else repr(value)
+        raise ConfigError(key, f"must be one of {list(args)}, got {got}")
     if origin in (types.UnionType, typing.Union):
         if value is None and type(None) in args:
             return None

@@ -15,13 +15,13 @@ import hashlib
 import json
 import tomllib
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
 
-from leanlm.config.configio import ConfigError, check_finite, from_dict, to_dict
+from leanlm.config.configio import ConfigError, check_finite, from_dict, to_dict, with_overrides
 from leanlm.config.extra_sections import EvalConfig, LoggingConfig
 from leanlm.config.prune_section import SEARCHED, PruneConfig
 from leanlm.config.sections import INIT_STAGE, DataConfig, ModelConfig, TokenizerConfig
@@ -57,7 +57,8 @@ class RunConfig:
     name: str = "leanlm"
     """Shown in the report."""
     seed: int = 0
-    """Seeds model initialisation and data order."""
+    """Seeds model initialisation and data order; in [0, 2**32): torch's CPU generator keeps
+    the low 32 bits only, so a larger seed would repeat a smaller one's run."""
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     """Autocast precision for training and evaluation (parameters stay fp32). `fp16` needs a
     CUDA GPU: a run without one stops before any work, naming this key; and it trains only with
@@ -70,7 +71,8 @@ class RunConfig:
     cache_dir: str | None = None
     """Tokenizer / dataset cache; default `$LEANLM_CACHE_DIR` or `~/.cache/leanlm`."""
     stages: tuple[str, ...] = ("pretrain",)
-    """Stages to run, in order; each reads the previous stage's output directory."""
+    """Stages to run, in order; each reads the previous stage's output directory. A TOML config
+    that leaves it unset (so runs `pretrain` only) but has another stage's section is refused."""
     init_model: str = ""
     """Start from this Hugging Face causal LM (a local folder or a hub id) instead of training
     one: its tokenizer replaces `[tokenizer]` and `[model]`, `pretrain` (if listed) continues
@@ -99,6 +101,13 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_finite(self)  # a section built in Python skipped `from_dict`'s check
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ConfigError(
+                "seed",
+                f"({self.seed}) must be in [0, 2**32) (0 to {SEED_LIMIT - 1}): torch's CPU "
+                "generator keeps only the low 32 bits, so it would repeat the run of seed "
+                f"{self.seed % SEED_LIMIT}",
+            )
         if not 0 < self.collective_timeout_s < float("inf"):
             raise ConfigError(
                 "collective_timeout_s",
@@ -150,6 +159,9 @@ STAGE_NAMES = tuple(STAGE_SECTIONS)
 FIRST_STAGES = ("pretrain",)
 """The stages that build their own model, so can start a run without `init_model`."""
 
+SEED_LIMIT = 2**32
+"""`seed` must be below this (torch's CPU generator keeps a seed's low 32 bits)."""
+
 
 def _check_stage_fields() -> None:
     """Every stage section is a `RunConfig` field of its type."""
@@ -179,16 +191,16 @@ def _pretrain_rules(run: RunConfig) -> None:
 
 
 def _prune_rules(run: RunConfig) -> None:
-    """The target sizes do not exceed `[model]`'s and keep whole KV groups.
+    """The target sizes do not exceed `[model]`'s, keep whole KV groups and fit a Llama.
 
-    Checked before any work whether or not the stage is listed; skipped with `init_model`,
-    whose sizes are known only once it is loaded (`prune_distill.prune` checks them then).
+    As `prune_distill.prune` plans them: a size left at 0 keeps the model's, and the KV heads
+    of a model without grouped-query attention follow its query heads. Checked before any work
+    whether or not the stage is listed; skipped with `init_model`, whose sizes are known only
+    once it is loaded (`prune_distill.prune` checks them then).
     """
     if run.init_model:
         return
     target, model = run.prune, run.model
-    kv = target.num_key_value_heads or model.num_key_value_heads
-    heads = target.num_attention_heads or model.num_attention_heads
     for name in PRUNE_SIZES:
         value, current = getattr(target, name), getattr(model, name)
         if value > current:
@@ -196,10 +208,34 @@ def _prune_rules(run: RunConfig) -> None:
                 f"prune.{name}",
                 f"({value}) must be <= `model.{name}` ({current}): pruning only shrinks",
             )
+    group = model.num_attention_heads // model.num_key_value_heads
+    heads = target.num_attention_heads or model.num_attention_heads
+    kv = target.num_key_value_heads or (heads if group == 1 else model.num_key_value_heads)
     if heads % kv:
         raise ConfigError(
             "prune.num_attention_heads",
             f"({heads}) must be a multiple of the KV heads kept ({kv})",
+        )
+    if heads // kv > group:  # only with `num_key_value_heads` set: else kv keeps the groups
+        raise ConfigError(
+            "prune.num_key_value_heads",
+            f"({kv}) leaves {heads // kv} query heads per KV group ({heads} / {kv}), more than "
+            f"the model's {group}: query heads are kept within their group; keep at least "
+            f"{-(-heads // group)} KV groups or fewer query heads",
+        )
+    hidden = target.hidden_size or model.hidden_size
+    if not target.search and hidden % heads:  # a search skips such shapes itself
+        if target.hidden_size:
+            fit = max(hidden // heads, 1) * heads
+            raise ConfigError(
+                "prune.hidden_size",
+                f"({hidden}) must be a multiple of the attention heads kept ({heads}), as the "
+                f"pruned Llama's config requires: e.g. {fit}",
+            )
+        raise ConfigError(
+            "prune.num_attention_heads",
+            f"({heads}) must divide the hidden size kept (`model.hidden_size` = {hidden}), as "
+            "the pruned Llama's config requires",
         )
     for name in SEARCHED:
         values, current = getattr(target, f"search_{name}"), getattr(model, name)
@@ -213,13 +249,21 @@ def _prune_rules(run: RunConfig) -> None:
 def _distill_rules(run: RunConfig) -> None:
     """The teacher is a stage that runs before `distill` (or `init` with `init_model`).
 
+    A `teacher_stage` that names no stage is refused even when `distill` is not listed.
+
     And `top_k` fits in `[tokenizer]`'s vocabulary (an `init_model`'s is checked at the start).
     """
+    teacher = run.distill.teacher_stage
+    if teacher not in STAGE_SECTIONS and teacher != INIT_STAGE:  # whether or not it is listed
+        raise ConfigError(
+            "distill.teacher_stage",
+            f"({teacher!r}) names no stage: use one of {list(STAGE_NAMES)} that runs before "
+            "'distill' (or 'init' for `init_model`)",
+        )
     if "distill" not in run.stages:
         return
     if not run.init_model:
         run.distill.check_top_k(run.tokenizer.vocab_size, "`tokenizer.vocab_size`")
-    teacher = run.distill.teacher_stage
     before = list(run.stages[: run.stages.index("distill")])
     if run.init_model:
         before.append(INIT_STAGE)
@@ -314,9 +358,37 @@ def _build(data: dict[str, Any], overrides: Sequence[str]) -> RunConfig:
     """The `RunConfig` of a TOML mapping and overrides, `[optim]` / `[parallel]` resolved."""
     resolved, sources = resolve_with_overrides(data, overrides)
     try:
-        return from_dict(RunConfig, resolved)
+        config = from_dict(RunConfig, resolved)
     except ConfigError as err:
         raise named_from_shared(err, sources) from None
+    _check_stages_set(with_overrides(data, overrides))
+    return config
+
+
+def _check_stages_set(data: Mapping[str, Any]) -> None:
+    """A config without `stages` runs the default stages only: another stage's table is refused.
+
+    `data` is the mapping as written (file and overrides, `[optim]` / `[parallel]` unresolved).
+    A config that sets `stages` may keep sections of stages it does not list: a written-out
+    config has every section, and `--set stages=[...]` narrows a pipeline.
+
+    Raises:
+        ConfigError: naming `stages` and the tables of the stages that would not run.
+    """
+    if "stages" in data:
+        return
+    default: tuple[str, ...] = RunConfig.stages
+    idle = [s for s in STAGE_NAMES if s in data and s not in default]
+    if idle:
+        tables = ", ".join(f"[{s}]" for s in idle)
+        listed = [s for s in STAGE_NAMES if s in default or s in idle]
+        which = "that section" if len(idle) == 1 else "those sections"
+        raise ConfigError(
+            "stages",
+            f"is not set, so only {list(default)} runs, but the config has {tables}, which "
+            f"would be ignored: list the stages to run, e.g. `stages = {json.dumps(listed)}`, "
+            f"or remove {which}",
+        )
 
 
 def dumps_toml(config: RunConfig) -> str:

@@ -22,7 +22,11 @@ INIT_STAGE = "init"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Where the text comes from and how it is cut into training sequences."""
+    """Where the text comes from and how it is cut into training sequences.
+
+    A key for another `source` than the one set (`SOURCE_KEYS`) is refused, naming it: that
+    source would ignore it.
+    """
 
     source: Literal["stdlib", "files", "hub"] = "stdlib"
     """`stdlib`: the running interpreter's standard-library source plus `pydoc_data/topics.py`
@@ -48,9 +52,11 @@ class DataConfig:
     include_tests: bool = False
     """For `source="stdlib"`: also use the standard library's `test/` package."""
     max_bytes: int = 0
-    """Use files in sorted order until this many bytes (0 = all). Not applied to `hub`."""
+    """For `source="stdlib"` / `"files"`: use files in sorted order until this many bytes (0 =
+    all). Not applied to `hub`, so refused there."""
     validation_fraction: float = 0.05
-    """Share of files held out for validation when splitting by file (by a hash of the name)."""
+    """For `source="stdlib"` / `"files"`: share of files held out for validation when splitting
+    by file (by a hash of the name); with `validation_files` it is not used, so refused."""
     seq_len: int = 256
     """Tokens per training sequence and per validation window."""
     eval_windows: int = 64
@@ -79,14 +85,61 @@ class DataConfig:
             raise ConfigError("files", 'must list at least one file when `source = "files"`')
         if self.source == "hub" and not self.hub_name:
             raise ConfigError("hub_name", 'must name a dataset when `source = "hub"`')
-        for key in ("data_files", "streaming"):
-            if getattr(self, key) and self.source != "hub":
-                raise ConfigError(
-                    key, f'is for `source = "hub"`, got source {self.source!r}: remove it'
-                )
+        self._check_source_keys()
         for split, files in self.data_files.items():
             if not files:
                 raise ConfigError(f"data_files.{split}", "must list at least one file")
+
+    def _check_source_keys(self) -> None:
+        """A key that `source` does not read is refused (it would be ignored), naming it.
+
+        A key at its default counts as not given: a written-out config lists every key.
+        """
+        defaults = {f.name: f for f in dataclasses.fields(self)}
+        for key, sources in SOURCE_KEYS.items():
+            field = defaults[key]
+            default = field.default_factory() if callable(field.default_factory) else field.default
+            value = getattr(self, key)
+            if self.source not in sources and value != default:
+                which = " or ".join(f'`source = "{s}"`' for s in sources)
+                shown = _as_toml(value)
+                raise ConfigError(
+                    key,
+                    f"is for {which}, got {shown!r} with source {self.source!r}, which ignores "
+                    "it: remove it",
+                )
+        fraction = self.validation_fraction
+        if self.validation_files and fraction != defaults["validation_fraction"].default:
+            raise ConfigError(
+                "validation_fraction",
+                f"({fraction}) splits `files` when `validation_files` is empty; "
+                "with `validation_files` set it is not used: remove it",
+            )
+
+
+def _as_toml(value: object) -> object:
+    """`value` with its tuples as lists, as the TOML file wrote it (for messages)."""
+    if isinstance(value, dict):
+        return {k: _as_toml(v) for k, v in value.items()}
+    return list(value) if isinstance(value, tuple) else value
+
+
+SOURCE_KEYS: dict[str, tuple[str, ...]] = {
+    "files": ("files",),
+    "validation_files": ("files",),
+    "include_tests": ("stdlib",),
+    "max_bytes": ("stdlib", "files"),
+    "validation_fraction": ("stdlib", "files"),
+    "hub_name": ("hub",),
+    "data_files": ("hub",),
+    "hub_config": ("hub",),
+    "hub_train_split": ("hub",),
+    "hub_validation_split": ("hub",),
+    "text_column": ("hub",),
+    "streaming": ("hub",),
+}
+"""The `[data]` keys that only some sources read (`leanlm.data.sources.load_corpus`,
+`leanlm.data.hub.load_hub`), with those sources; the other keys apply to every source."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

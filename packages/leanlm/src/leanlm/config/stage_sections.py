@@ -7,6 +7,7 @@ runs before `distill`, ...) are `leanlm.config.run`'s. Plain Python: no torch is
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar, Literal
 
 import prune_distill
@@ -142,7 +143,8 @@ class SparsifyConfig(TrainConfig):
     method: Literal["magnitude", "wanda", "sparsegpt"] = "wanda"
     """How weights are scored: |W|, Wanda |W|·‖X‖, or SparseGPT (OBS with weight updates)."""
     sparsity: float = 0.5
-    """Fraction of zeros for `unstructured` / `block` (N:M patterns fix it at 1 - N/M)."""
+    """Fraction of zeros for `unstructured` / `block`, in [0, 1). N:M patterns fix it at
+    1 - N/M: with one, a value other than that and than this default is refused."""
     block_size: int = 16
     """Tile edge for `pattern = "block"`."""
     calibration_samples: int = 64
@@ -184,7 +186,28 @@ class SparsifyConfig(TrainConfig):
         positive(self, "calibration_samples", "calibration_batch_size")
         with library_errors(self, keys={"n": "pattern", "m": "pattern"}):
             self.sparsity_config  # noqa: B018  (sparse-kernels checks the pruning settings)
+        self._check_nm_sparsity()
         self._check_block_sparse_layers()
+
+    def _check_nm_sparsity(self) -> None:
+        """With an N:M pattern, `sparsity` is in [0, 1) and 1 - N/M (or left at its default).
+
+        sparse-kernels ignores it there (checking it for the other patterns only).
+        """
+        pattern, value = self.sparsity_config.parsed, self.sparsity
+        if pattern.kind != "nm" or not math.isfinite(value):  # NaN / inf: `check_finite`'s
+            return
+        if not 0.0 <= value < 1.0:
+            raise ConfigError("sparsity", f"({value}) must be in [0, 1)")
+        fixed = 1.0 - pattern.n / pattern.m
+        default = type(self).__dataclass_fields__["sparsity"].default
+        if value != default and not math.isclose(value, fixed, rel_tol=1e-6):
+            raise ConfigError(
+                "sparsity",
+                f"({value}) disagrees with `pattern` ({self.pattern!r}), which prunes "
+                f"1 - {pattern.n}/{pattern.m} = {fixed:g} of the weights: remove `sparsity` "
+                f"(or set it to {fixed:g})",
+            )
 
     def _check_block_sparse_layers(self) -> None:
         value = self.block_sparse_layers
