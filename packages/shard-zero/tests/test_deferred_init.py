@@ -8,6 +8,7 @@ compared with the same measurement of building the model normally.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from pathlib import Path
@@ -156,3 +157,54 @@ def test_meta_model_from_a_safetensors_folder_reads_only_its_rows(tmp_path: Path
     _reference().save_pretrained(folder, max_shard_size="100KB")  # several files + an index
     assert (folder / "model.safetensors.index.json").is_file()
     spawn(_from_checkpoint, str(folder), world_size=2, tmp_path=tmp_path)
+
+
+class _Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 4)
+        self.norm = nn.LayerNorm(4)
+        self.register_buffer("scale", torch.arange(4, dtype=torch.int64), persistent=False)
+
+
+def _weights_only(module: nn.Module) -> None:
+    """A hand-written init that (like many) sets the Linear weights only."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.02)
+
+
+def test_an_init_that_leaves_a_tensor_unset_raises_naming_it(tmp_path: Path) -> None:
+    """Before: what `init` did not write (a LayerNorm/RMSNorm weight, a bias, a buffer its
+    constructor computes) kept uninitialised memory, silently (NaN losses at stages 1-3)."""
+    from leanlm_testing.distributed import single_process_group
+
+    def full(module: nn.Module, skip: tuple[type, ...] = ()) -> None:
+        if isinstance(module, skip):
+            return
+        _weights_only(module)
+        if isinstance(module, nn.Linear):
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+        if isinstance(module, _Normed):
+            module.scale.copy_(torch.arange(4) * 2)
+
+    cases = {
+        "parameter proj.bias \\(4,\\)": _weights_only,
+        "parameter norm.weight \\(4,\\)": functools.partial(full, skip=(nn.LayerNorm, _Normed)),
+        "buffer scale \\(4,\\)": functools.partial(full, skip=(_Normed,)),
+    }
+    with single_process_group("cpu", tmp_path):
+        for stage in (1, 3):
+            for message, init in cases.items():
+                with torch.device("meta"):
+                    meta = _Normed()
+                with pytest.raises(ValueError, match=f"`init` left 4 of 4 elements of {message}"):
+                    prepare(meta, _adamw, ZeroConfig(stage=stage), init=init, device="cpu")
+            with torch.device("meta"):
+                meta = _Normed()
+            model, _ = prepare(meta, _adamw, ZeroConfig(stage=stage), init=full, device="cpu")
+            got = full_state_dict(model)
+            assert torch.equal(got["norm.weight"], torch.ones(4))
+            assert torch.equal(got["proj.bias"], torch.zeros(4))
+            assert torch.equal(model.scale, torch.arange(4) * 2)

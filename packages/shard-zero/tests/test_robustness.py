@@ -131,6 +131,47 @@ def test_changing_parameters_after_prepare_raises(tmp_path: Path, stage: int) ->
             opt.step()
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_copying_or_pickling_a_prepared_model(tmp_path: Path, stage: int) -> None:
+    """`copy.deepcopy` (an EMA model) and `torch.save(model)`.
+
+    Stages 1-2: the copy holds the values of the moment it was made (a later step does not
+    change them). Stage 3: both refuse with a message naming `full_state_dict`; before, the
+    copy's forward failed with a bare `KeyError: <number>` and `torch.save` with "Can't pickle
+    local object ... <lambda>".
+    """
+    import copy
+    import io
+
+    with single_process_group("cpu", tmp_path):
+        model, opt = prepare(Stack(), _adamw, ZeroConfig(stage=stage, min_shard_numel=0))
+        model(_data()).backward()
+        opt.step()
+        opt.zero_grad()
+        if stage == 3:
+            for what, act in (
+                ("copy.deepcopy", lambda: copy.deepcopy(model)),
+                (r"pickling \(torch.save\)", lambda: torch.save(model, io.BytesIO())),
+            ):
+                with pytest.raises(
+                    TypeError, match=f"{what} of a model prepared .*full_state_dict"
+                ):
+                    act()
+            model(_data()).backward()  # the refused copies changed nothing: training goes on
+            opt.step()
+            return
+        snapshot = copy.deepcopy(model)
+        with torch.no_grad():
+            before = snapshot(_data()).item()
+            assert before == model(_data()).item()
+        model(_data()).backward()
+        opt.step()
+        with torch.no_grad():
+            assert snapshot(_data()).item() == before
+            assert model(_data()).item() != before
+        torch.save(model, io.BytesIO())
+
+
 _FACTORIES = {
     torch.empty,
     torch.zeros,

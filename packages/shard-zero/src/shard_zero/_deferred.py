@@ -145,26 +145,32 @@ def _from_init(model: nn.Module, filler: _Filler, init: Init) -> None:
                 visits[id(p)] = visits.get(id(p), 0) + 1
     temps: dict[int, nn.Parameter] = {}
     device = filler.engine.device
+    prefix = {id(m): f"{n}." if n else "" for n, m in model.named_modules(remove_duplicate=False)}
     for module in order:
         swapped = []
         for name, p in list(module._parameters.items()):
             if p is None or id(p) not in filler.dtypes:
                 continue
             if id(p) not in temps:
-                full = torch.empty(p.shape, dtype=filler.dtypes[id(p)], device=device)
+                full = _unwritten(p.shape, filler.dtypes[id(p)], device)
                 temps[id(p)] = nn.Parameter(full, requires_grad=p.requires_grad)
             module._parameters[name] = temps[id(p)]
             swapped.append((name, p))
+        made = []
         for name, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
-                module._buffers[name] = torch.empty_like(b, device=device)
+                module._buffers[name] = _unwritten(b.shape, b.dtype, device)
+                made.append(name)
         with torch.no_grad():
             init(module)
+        for name in made:
+            _check_written(f"buffer {prefix[id(module)]}{name}", module._buffers[name])
         for name, p in swapped:
             module._parameters[name] = p
             visits[id(p)] -= 1
             if visits[id(p)] == 0:  # its last owner is initialised: keep only our rows
                 full = temps.pop(id(p)).detach()
+                _check_written(f"parameter {prefix[id(module)]}{name}", full)
                 rows = filler.rows(p)
                 filler.put(p, full if rows is None else full[rows[0] : rows[1]])
 
@@ -244,7 +250,7 @@ def _from_checkpoint(model: nn.Module, filler: _Filler, folder: Path, init: Init
         for attr in attrs:
             meta = owner._buffers[attr]
             assert meta is not None
-            owner._buffers[attr] = torch.empty_like(meta, device=filler.engine.device)
+            owner._buffers[attr] = _unwritten(meta.shape, meta.dtype, filler.engine.device)
         saved = dict(owner._parameters)
         for name, kept in saved.items():  # `init` must not write into the loaded parameters
             if kept is not None:
@@ -254,3 +260,35 @@ def _from_checkpoint(model: nn.Module, filler: _Filler, folder: Path, init: Init
         with torch.no_grad():
             init_fn(owner)
         owner._parameters.update(saved)
+        for attr in attrs:
+            _check_written(f"buffer {attr!r} of {type(owner).__name__}", owner._buffers[attr])
+
+
+def _unwritten(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor for `init` to write, filled so that `_check_written` finds what it left alone.
+
+    NaN (floating, complex) or the dtype's minimum (integers); bool is not checked.
+    """
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    if dtype == torch.bool:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.full(shape, torch.iinfo(dtype).min, dtype=dtype, device=device)
+
+
+def _check_written(what: str, value: torch.Tensor | None) -> None:
+    """Raise if `init` left any element of `value` (from `_unwritten`) as it was."""
+    if value is None or value.dtype == torch.bool or value.numel() == 0:
+        return
+    if value.dtype.is_floating_point or value.dtype.is_complex:
+        left = torch.isnan(value)
+    else:
+        left = value == torch.iinfo(value.dtype).min
+    if bool(left.any()):
+        raise ValueError(
+            f"deferred initialisation: `init` left {int(left.sum())} of {value.numel()} "
+            f"elements of {what} {tuple(value.shape)} unset (or set them to NaN): on the meta "
+            "device its constructor set no value, so `init` must set every parameter and "
+            "buffer (e.g. `init=model._init_weights` for a Hugging Face model, or call "
+            "`module.reset_parameters()` in it)"
+        )

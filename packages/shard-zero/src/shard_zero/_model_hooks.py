@@ -20,6 +20,7 @@ gathers write the compute parameters back) or fail later with an unrelated shape
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -51,9 +52,9 @@ class ModelHooks:
         model.register_forward_pre_hook(self._check_parameters, prepend=True)
         model.register_load_state_dict_pre_hook(self._pre_load)  # type: ignore[no-untyped-call]
         model.register_load_state_dict_post_hook(self._post_load)  # type: ignore[no-untyped-call]
-        if units is not None:  # torch marks the hook with an attribute: a function, not a method
+        if units is not None:  # torch marks the hook with an attribute: not a bound method
             model.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
-                lambda module, state_dict, prefix, meta: self._post_state_dict(state_dict, prefix)
+                functools.partial(_post_state_dict_hook, self)
             )
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]  # run eagerly under compile
@@ -172,3 +173,14 @@ def _signature(model: nn.Module) -> list[list[Any]]:
 def _describe(rest: list[Any]) -> str:
     shape, dtype, device = rest
     return f"{tuple(shape)} {str(dtype).removeprefix('torch.')} on {device}"
+
+
+def _post_state_dict_hook(
+    hooks: ModelHooks, module: nn.Module, state_dict: dict[str, Any], prefix: str, meta: Any
+) -> None:
+    """`ModelHooks._post_state_dict` as a state-dict post-hook.
+
+    Picklable, unlike a lambda: pickling the model then reaches `Units`, which refuses with a
+    message.
+    """
+    hooks._post_state_dict(state_dict, prefix)

@@ -109,6 +109,15 @@ class Unit:
             self.state = _FREE
 
 
+_NOT_COPYABLE = (
+    "of a model prepared by shard_zero at stage 3 is not supported: its parameters are "
+    "placeholders outside forward and backward and its gathering hooks belong to this process "
+    "group. For a copy (an EMA model, a snapshot) build the model again and load "
+    "`shard_zero.full_state_dict(model)` into it; to save, use `shard_zero.save_checkpoint` or "
+    "`full_state_dict`"
+)
+
+
 class Units:
     """The stage-3 units of one engine: construction, gathering hooks and freeing."""
 
@@ -124,6 +133,12 @@ class Units:
         # per dtype, one NaN element for each resting parameter (built in `_build`)
         self._nans: dict[torch.dtype, torch.Tensor] = {}
         self._build()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Units:
+        raise TypeError(f"copy.deepcopy {_NOT_COPYABLE}")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(f"pickling (torch.save) {_NOT_COPYABLE}")
 
     def placeholder_storages(self) -> list[torch.Tensor]:
         """The NaN buffers the placeholders view (memory accounting skips them)."""
