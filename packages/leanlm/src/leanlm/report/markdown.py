@@ -139,6 +139,8 @@ def notes(results: list[StageResult]) -> str:
                 if "model_state_mib" in m
                 else ""
             )
+            if "model_state_host_mib" in m:
+                extra += f" ({m['model_state_host_mib']:.1f} MiB of it in host memory)"
             lines.append(
                 f"- `{r.stage}`: {m.get('processes')} processes, {m['parallel']}, optimizer "
                 f"{m.get('optimizer')}{extra}."

@@ -109,7 +109,11 @@ class Engine(abc.ABC):
         return None
 
     def model_state_mib(self) -> float | None:
-        """Model-state bytes (params, grads, optimizer state) of this process, if sharded."""
+        """Model-state MiB (params, grads, optimizer state, device and host) if sharded."""
+        return None
+
+    def host_state_mib(self) -> float | None:
+        """The part of `model_state_mib` in host memory (ZeRO-Offload), else None."""
         return None
 
     @property
@@ -179,10 +183,18 @@ class ZeroEngine(Engine):
         return full_state_dict(self.model)
 
     def model_state_mib(self) -> float | None:
-        """This process's model-state MiB."""
+        """This process's model-state MiB, device and host (`zero_offload_*`) together."""
         from shard_zero import memory_stats
 
-        return float(memory_stats(self.model, self.optimizer)["total"]) / 2**20
+        stats = memory_stats(self.model, self.optimizer)
+        return float(stats["total"] + stats["host_total"]) / 2**20
+
+    def host_state_mib(self) -> float | None:
+        """The host part of `model_state_mib` (`zero_offload_optimizer`/`_accum`), else None."""
+        from shard_zero import memory_stats
+
+        host = memory_stats(self.model, self.optimizer)["host_total"]
+        return float(host) / 2**20 if host else None
 
     @property
     def label(self) -> str:
@@ -320,8 +332,12 @@ class Parallel:
         return self.engine.final_state()
 
     def model_state_mib(self) -> float | None:
-        """Model-state bytes (params, grads, optimizer state) of this process, if sharded."""
+        """Model-state MiB (params, grads, optimizer state) of this process, if sharded."""
         return self.engine.model_state_mib()
+
+    def host_state_mib(self) -> float | None:
+        """The part of `model_state_mib` in host memory, if any."""
+        return self.engine.host_state_mib()
 
     @property
     def label(self) -> str:

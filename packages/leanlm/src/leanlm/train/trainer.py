@@ -350,6 +350,7 @@ class _Loop:
         if evaluation is None:  # resumed after the last step: score the final weights
             evaluation = self.evaluate()
         model_state = self.par.model_state_mib()
+        host_state = self.par.host_state_mib()
         full_state = self.par.final_state()
         acc.wait_for_everyone()
         final = acc.unwrap_model(self.model)
@@ -372,6 +373,8 @@ class _Loop:
         }
         if model_state is not None:
             metrics["model_state_mib"] = model_state
+        if host_state is not None:
+            metrics["model_state_host_mib"] = host_state
         return metrics
 
 
