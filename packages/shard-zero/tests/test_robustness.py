@@ -172,6 +172,58 @@ def test_copying_or_pickling_a_prepared_model(tmp_path: Path, stage: int) -> Non
         torch.save(model, io.BytesIO())
 
 
+def _freeze_and_unfreeze(rank: int, world: int) -> None:
+    """Freezing after `prepare` trains as torch does; unfreezing and new groups raise."""
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(2))
+    mine = x[rank * 4 : rank * 4 + 4]  # this rank's half of the global batch
+
+    def run(model: nn.Module, opt: Any, batch: torch.Tensor, read: Any) -> torch.Tensor:
+        """Train 4 steps, freezing two parameters before the third; their value then."""
+        for step in range(4):
+            if step == 2:
+                model.layers[1].weight.requires_grad_(False)
+                model.inp.bias.requires_grad_(False)
+                at_freeze = read(model)["layers.1.weight"].clone()
+            model(batch).backward()
+            opt.step()
+            opt.zero_grad()
+        return at_freeze
+
+    def frozen_head_bias() -> Stack:
+        model = Stack()
+        model.head.bias.requires_grad_(False)
+        return model
+
+    plain = frozen_head_bias()
+    run(plain, _adamw(list(plain.parameters())), x, lambda m: m.state_dict())
+    for stage in (1, 2, 3):
+        config = ZeroConfig(stage=stage, min_shard_numel=0)
+        model, opt = prepare(frozen_head_bias(), _adamw, config)
+        at_freeze = run(model, opt, mine, full_state_dict)
+        got = full_state_dict(model)
+        for name, want in plain.state_dict().items():
+            torch.testing.assert_close(got[name], want, atol=1e-6, rtol=1e-5, msg=name)
+        assert torch.equal(got["layers.1.weight"], at_freeze)  # not stepped after freezing
+        with pytest.raises(ValueError, match="`add_param_group` after `prepare` is not"):
+            opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+        model.layers[1].weight.requires_grad_(True)  # trainable at `prepare`: fine
+        model(mine)
+        model.head.bias.requires_grad_(True)  # frozen at `prepare`
+        with pytest.raises(RuntimeError, match=r"'head\.bias' requires grad, it was frozen"):
+            model(mine)
+
+
+@pytest.mark.distributed
+def test_freezing_after_prepare_trains_as_torch_and_unfreezing_raises(tmp_path: Path) -> None:
+    """Freezing later equals plain torch (world 2 against one process on the global batch).
+
+    Before: unfreezing a parameter frozen at `prepare` trained nothing, silently (it has no
+    master and no optimizer entry), and `add_param_group` was accepted, its parameters stepped
+    on each rank's own gradients.
+    """
+    spawn(_freeze_and_unfreeze, world_size=2, tmp_path=tmp_path)
+
+
 _FACTORIES = {
     torch.empty,
     torch.zeros,

@@ -49,6 +49,8 @@ class ModelHooks:
         self._unit_of = {id(e): u for u in (units.units if units else []) for e in u.entries}
         model = engine.model
         self._signature = _signature(model)
+        # frozen at `prepare`: no master, no bucket; unfreezing one later would train nothing
+        self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         model.register_forward_pre_hook(self._check_parameters, prepend=True)
         model.register_load_state_dict_pre_hook(self._pre_load)  # type: ignore[no-untyped-call]
         model.register_load_state_dict_post_hook(self._post_load)  # type: ignore[no-untyped-call]
@@ -63,6 +65,12 @@ class ModelHooks:
         for (name, _, *was), now in zip(self._signature, self._params_now(), strict=True):
             if now != was:
                 self._changed(f"{name!r} is {_describe(now)}, was {_describe(was)}")
+        for name, p in self._frozen:
+            if p.requires_grad:
+                self._changed(
+                    f"{name!r} requires grad, it was frozen: shard-zero trains the parameters "
+                    "trainable at `prepare`, so unfreeze it before; freezing later is fine"
+                )
 
     def check_parameters(self) -> None:
         """Each step: also the parameters' identities (a module replaced or added)."""

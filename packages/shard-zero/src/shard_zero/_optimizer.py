@@ -64,6 +64,16 @@ class ZeroOptimizer(Optimizer):
         self.engine.comm.end_step()
         return loss
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: the optimizer steps the shards `prepare` made (see the message)."""
+        raise ValueError(
+            "shard-zero: `add_param_group` after `prepare` is not supported: the optimizer "
+            "steps the fp32 shards `prepare` made of the parameters trainable then, and a new "
+            "group's parameters would get no reduced gradient (each rank would train its own "
+            "copy). Make them trainable before `prepare` and give them their group in "
+            "`make_optimizer`; freezing a parameter later (`requires_grad_(False)`) is fine"
+        )
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the shards' gradients and any gradient still accumulated under `no_sync()`."""
         self.engine.wait_for_host()  # offload: no copy into the host gradients is pending
