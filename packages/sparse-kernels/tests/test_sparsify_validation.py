@@ -1,5 +1,7 @@
 """sparsify_ checks its targets before it changes the model, and its errors name the modules."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -103,3 +105,33 @@ def test_unreached_target_in_sequential_mode_names_it(method):
             sequential=True,
         )
     _assert_unchanged(net.layers[1], layer1)  # layer 0 is pruned by then, as documented
+
+
+def test_a_block_sparsity_that_empties_a_layer_warns_naming_it():
+    """round(sparsity x tiles) can be every tile of a small layer: its output is then 0.
+
+    Before, `sparsify_` emptied such layers silently (GradualPruning and from_dense warned).
+    """
+    model = tiny_llama()  # q_proj 64x64: one 64x64 tile; 0.875 of 1 tile rounds to 1
+    with pytest.warns(UserWarning, match="prunes every weight of") as caught:
+        sparsify_(model, SparsityConfig(pattern="block", sparsity=0.875, block_size=64))
+    assert any("`model.layers.0.self_attn.q_proj`" in str(w.message) for w in caught)
+    assert not model.model.layers[0].self_attn.q_proj.weight.any()
+    model = tiny_llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        sparsify_(model, SparsityConfig(pattern="block", sparsity=0.5, block_size=16))
+        sparsify_(tiny_llama(), SparsityConfig(pattern="2:4"))
+
+
+def test_returned_masks_do_not_change_when_the_model_is_sparsified_again():
+    """Before, the module kept the returned tensor itself and updated it in place: a second
+    `sparsify_` (another pattern) rewrote the masks the first call had returned."""
+    model = tiny_llama()
+    first = sparsify_(model, SparsityConfig(pattern="2:4"))
+    kept = {name: mask.clone() for name, mask in first.items()}
+    second = sparsify_(model, SparsityConfig(pattern="block", sparsity=0.5, block_size=16))
+    for name, mask in first.items():
+        assert torch.equal(mask, kept[name]), name
+    assert any(not torch.equal(second[n], kept[n]) for n in kept)
+    assert all(torch.equal(masks(model)[n], second[n]) for n in second)

@@ -26,7 +26,7 @@ from torch.nn.utils import parametrize
 
 from sparse_kernels.calibration import InputStats, collect_input_stats
 from sparse_kernels.config import SparsityConfig
-from sparse_kernels.masks import mask_for_config
+from sparse_kernels.masks import mask_for_config, warn_if_empty
 from sparse_kernels.sequential import prune_sequential_
 from sparse_kernels.sparsegpt import sparsegpt_prune
 
@@ -104,7 +104,9 @@ def apply_mask_(linear: nn.Linear, mask: Tensor) -> None:
     shape = (linear.out_features, linear.in_features)
     if tuple(mask.shape) != shape:
         raise ValueError(f"`mask` shape {tuple(mask.shape)} must equal the weight's {shape}")
-    mask = mask.to(device=linear.weight.device, dtype=torch.bool)
+    # a copy: the module's mask changes in place later (a new mask, a schedule step), the
+    # caller's tensor (e.g. what `sparsify_` returned) must not change with it
+    mask = mask.to(device=linear.weight.device, dtype=torch.bool, copy=True)
     if mod is None:
         parametrize.register_parametrization(linear, "weight", WeightMask(mask))
         mod = _mask_module(linear)
@@ -207,6 +209,8 @@ def _prune_with_stats(
             per_row=config.granularity == "row",
         )
         stored_weight(linear).copy_(new_weight)
+    if config.parsed.kind != "nm":  # N:M masks keep n of every m
+        warn_if_empty(mask, name, config.sparsity)
     apply_mask_(linear, mask)
     return mask
 
