@@ -208,3 +208,46 @@ def test_an_init_that_leaves_a_tensor_unset_raises_naming_it(tmp_path: Path) -> 
             assert torch.equal(got["norm.weight"], torch.ones(4))
             assert torch.equal(got["proj.bias"], torch.zeros(4))
             assert torch.equal(model.scale, torch.arange(4) * 2)
+
+
+def test_an_init_that_rewrites_its_childrens_parameters_as_apply_does(tmp_path: Path) -> None:
+    """Hugging Face's GPT-2 `_init_weights` rescales `c_proj.weight` from `GPT2Attention` and
+    `GPT2MLP`, after the `Conv1D`'s own init (as `model.apply` orders them). Before, deferred
+    init failed there with torch's "more than one element of the written-to tensor refers to a
+    single memory location" (the child's parameter was a placeholder again)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from leanlm_testing.distributed import single_process_group
+
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=32)
+    reference = GPT2LMHeadModel(config)
+    torch.manual_seed(1)
+    reference.apply(reference._init_weights)
+    want = reference.state_dict()
+
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.child = nn.Linear(4, 4)
+
+    def partly(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        if isinstance(module, Parent):
+            module.child.weight[0].fill_(2.0)
+
+    with single_process_group("cpu", tmp_path):
+        for stage in (1, 3):
+            with torch.device("meta"):
+                meta = GPT2LMHeadModel(config)
+            torch.manual_seed(1)
+            config_z = ZeroConfig(stage=stage, min_shard_numel=0)
+            model, _ = prepare(meta, _adamw, config_z, init=meta._init_weights, device="cpu")
+            got = full_state_dict(model)
+            for name, value in want.items():
+                assert torch.equal(got[name], value), name
+            with torch.device("meta"):
+                parent = Parent()
+            with pytest.raises(ValueError, match="rewrote 4 of 16 elements of parameter child"):
+                prepare(parent, _adamw, config_z, init=partly, device="cpu")

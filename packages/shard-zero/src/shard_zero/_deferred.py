@@ -10,8 +10,8 @@ in afterwards, one parameter at a time:
   (children first), with that module's own parameters swapped for full temporary tensors and its
   meta buffers materialised. Once a parameter's last owning module has been initialised (tied
   parameters are kept until then), its rows are copied into this rank's master shard and the
-  temporary is dropped. Under the same seed this reproduces `model.apply(init)` on a model built
-  normally, value for value.
+  temporary is dropped. Its parent's init may rewrite it whole (`_swap_children`). Under the
+  same seed this reproduces `model.apply(init)` on a model built normally, value for value.
 * from a Hugging Face checkpoint folder (`model.safetensors`, or the shards listed in
   `model.safetensors.index.json`): each rank reads only its rows of every sharded parameter
   (`safe_open(...).get_slice(name)[start:end]`) and whole tensors only for replicated (small) and
@@ -161,10 +161,15 @@ def _from_init(model: nn.Module, filler: _Filler, init: Init) -> None:
             if b is not None and b.is_meta:
                 module._buffers[name] = _unwritten(b.shape, b.dtype, device)
                 made.append(name)
+        again = _swap_children(module, filler, temps, device)
         with torch.no_grad():
             init(module)
         for name in made:
             _check_written(f"buffer {prefix[id(module)]}{name}", module._buffers[name])
+        for child, name, p, fresh in again:
+            child._parameters[name] = p
+            if fresh is not None:  # finished by the child's own init: rewritten by this one?
+                _put_rewritten(f"{prefix[id(child)]}{name}", p, fresh.detach(), filler)
         for name, p in swapped:
             module._parameters[name] = p
             visits[id(p)] -= 1
@@ -173,6 +178,48 @@ def _from_init(model: nn.Module, filler: _Filler, init: Init) -> None:
                 _check_written(f"parameter {prefix[id(module)]}{name}", full)
                 rows = filler.rows(p)
                 filler.put(p, full if rows is None else full[rows[0] : rows[1]])
+
+
+def _swap_children(
+    module: nn.Module, filler: _Filler, temps: dict[int, nn.Parameter], device: torch.device
+) -> list[tuple[nn.Module, str, nn.Parameter, nn.Parameter | None]]:
+    """Give `module`'s children's parameters full tensors for `module`'s own `init`.
+
+    `model.apply(init)` lets a module's init rewrite its children's parameters after their own
+    init (Hugging Face's GPT-2 scales `c_proj.weight` from `GPT2Attention`): a parameter still
+    held whole (`temps`) is lent as it is, a finished one as a fresh `_unwritten` tensor.
+    Returns `(child, name, placeholder, fresh tensor or None)` to restore and read back.
+    """
+    out = []
+    lent: dict[int, nn.Parameter] = dict(temps)
+    for child in module.children():
+        for name, p in list(child._parameters.items()):
+            if p is None or id(p) not in filler.dtypes:
+                continue
+            new = id(p) not in lent  # read back once, after the init (shared: first entry)
+            if new:
+                full = _unwritten(p.shape, filler.dtypes[id(p)], device)
+                lent[id(p)] = nn.Parameter(full, requires_grad=p.requires_grad)
+            child._parameters[name] = lent[id(p)]
+            out.append((child, name, p, lent[id(p)] if new else None))
+    return out
+
+
+def _put_rewritten(what: str, p: nn.Parameter, value: torch.Tensor, filler: _Filler) -> None:
+    """Keep `value` if a parent's init rewrote the whole finished parameter `p`; else nothing."""
+    left = (
+        torch.isnan(value) if value.is_floating_point() else value == torch.iinfo(value.dtype).min
+    )
+    if bool(left.all()):
+        return
+    if bool(left.any()):
+        raise ValueError(
+            f"deferred initialisation: a parent's `init` rewrote {int((~left).sum())} of "
+            f"{value.numel()} elements of parameter {what}, initialised before by its own "
+            "module: rewriting part of a child's parameter is not supported (all of it is)"
+        )
+    rows = filler.rows(p)
+    filler.put(p, value if rows is None else value[rows[0] : rows[1]])
 
 
 def _checkpoint_files(folder: Path) -> dict[str, Path]:
