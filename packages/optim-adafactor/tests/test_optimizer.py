@@ -108,6 +108,20 @@ def test_closure_is_called_with_grad_enabled() -> None:
     basics.check_closure_is_called_with_grad_enabled(Adafactor)
 
 
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        pytest.param(Adafactor, id="hf-relative-step"),
+        pytest.param(lambda p: Adafactor.from_torch_args(p, lr=1e-2), id="torch"),
+    ],
+)
+def test_compiled_step_settles_on_a_few_graphs(make_opt) -> None:
+    """Before, `beta2` used `math.pow(step, decay_rate)`, which burns the step into the graph:
+    `torch.compile(opt.step)` recompiled every step (one graph per step up to the limit, then
+    eager)."""
+    basics.check_compiled_step(make_opt)
+
+
 BAD_ARGS = [
     ({"lr": 1e-3}, ValueError, "relative_step"),
     ({"relative_step": False}, ValueError, "`lr`"),

@@ -138,6 +138,11 @@ def test_closure_is_called_with_grad_enabled() -> None:
     basics.check_closure_is_called_with_grad_enabled(partial(CAME, lr=1e-3))
 
 
+def test_compiled_step_settles_on_a_few_graphs() -> None:
+    """`torch.compile(opt.step)`: the step count is not burnt into the graph."""
+    basics.check_compiled_step(partial(CAME, lr=1e-3, weight_decay=1e-2))
+
+
 def test_empty_and_zero_dim_params() -> None:
     basics.check_empty_and_zero_dim_params(partial(CAME, lr=1e-2))
 

@@ -203,3 +203,47 @@ def check_failed_param_group_is_not_added(opt: Any, bad_group: dict[str, Any], m
         opt.add_param_group(bad_group)
     assert f"param group {before}" in str(info.value)
     assert len(opt.param_groups) == before
+
+
+def check_compiled_step(
+    make_opt: Callable[[list[torch.Tensor]], Any], *, steps: int = 5, max_graphs: int = 3
+) -> None:
+    """`torch.compile(opt.step)` settles on at most `max_graphs` graphs, within fp32 rounding.
+
+    Over `steps` steps, against the eager step. The step count must not be burnt into the
+    graph (a graph per step until dynamo's recompile limit, then eager with a warning):
+    torch's own compiled AdamW settles after one graph.
+    """
+    import warnings
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    results = []
+    with warnings.catch_warnings():  # inductor imports torch.utils.mkldnn (torch.jit.script)
+        warnings.filterwarnings("ignore", "`torch.jit.script_method` is deprecated")
+        for compiled in (False, True):
+            results.append(_steps(make_opt, steps, compiled))
+    graphs = counters["stats"]["unique_graphs"]
+    assert 1 <= graphs <= max_graphs, f"{graphs} graphs over {steps} steps"
+    for eager, compiled_p in zip(*results, strict=True):
+        torch.testing.assert_close(compiled_p, eager, atol=1e-5, rtol=1e-5)
+
+
+def _steps(
+    make_opt: Callable[[list[torch.Tensor]], Any], steps: int, compiled: bool
+) -> list[torch.Tensor]:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    if compiled:
+        torch._dynamo.reset()
+        counters.clear()
+    params = [torch.randn(s, generator=torch.Generator().manual_seed(0)) for s in SHAPES]
+    opt = make_opt(params)
+    step = torch.compile(opt.step) if compiled else opt.step
+    for seed in range(steps):
+        for p, g in zip(params, shape_grads(seed), strict=True):
+            p.grad = g
+        step()
+    return params

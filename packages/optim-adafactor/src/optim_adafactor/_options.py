@@ -60,7 +60,10 @@ class GroupOptions:
 
     def beta2(self, step: int) -> float:
         """`β2_t = 1 - t^decay_rate` (HF/T2T/paper); torch lerps with weight `1 - β2_t`."""
-        return 1.0 - math.pow(step, self.decay_rate)
+        # `**`, not `math.pow`: under torch.compile the step stays symbolic (math.pow burns it
+        # into the graph, one recompile per step); the same C pow either way
+        rate: float = step**self.decay_rate
+        return 1.0 - rate
 
     def relative_step_size(self, step: int) -> Scalar:
         """The step size before parameter scaling (HF `_get_lr` without the RMS factor).
