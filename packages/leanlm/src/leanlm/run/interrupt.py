@@ -47,8 +47,21 @@ def _handler(signum: int, frame: FrameType | None) -> None:
     _state.signum = _state.signum or signum
     if _state.armed and first:
         return  # the training loop stops at the end of its step
+    if first and _in_finalizer(frame):
+        # Python swallows an exception raised in `__del__` (printing "Exception ignored in"
+        # and a traceback): leave the request to the training loop's poll
+        return
     quiet = _state.signum == signal.SIGTERM and LAUNCHER_ENV in os.environ
     raise Interrupted(stage=_state.stage, step=_state.step, quiet=quiet)
+
+
+def _in_finalizer(frame: FrameType | None) -> bool:
+    """Whether `frame` runs inside a `__del__` (e.g. a `datasets.Dataset` being freed)."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 @contextlib.contextmanager
