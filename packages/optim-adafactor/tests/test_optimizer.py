@@ -1,6 +1,7 @@
 """State dicts, aliasing, skipped params, argument validation, host syncs, property tests."""
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -113,12 +114,17 @@ def test_closure_is_called_with_grad_enabled() -> None:
     [
         pytest.param(Adafactor, id="hf-relative-step"),
         pytest.param(lambda p: Adafactor.from_torch_args(p, lr=1e-2), id="torch"),
+        pytest.param(
+            partial(Adafactor, lr=1e-3, beta1=0.9, relative_step=False, state_dtype=torch.int8),
+            id="int8-momentum",
+        ),
     ],
 )
 def test_compiled_step_settles_on_a_few_graphs(make_opt) -> None:
     """Before, `beta2` used `math.pow(step, decay_rate)`, which burns the step into the graph:
     `torch.compile(opt.step)` recompiled every step (one graph per step up to the limit, then
-    eager)."""
+    eager). With the int8 momentum, inductor flipped the codes' signs (the eager quantizer's
+    dtype views); the quantizer takes a functional form under compile."""
     basics.check_compiled_step(make_opt)
 
 

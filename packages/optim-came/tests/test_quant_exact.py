@@ -146,3 +146,34 @@ def test_the_kernels_encode_gives_the_pytorch_paths_codes_at_the_thresholds(sr_s
     _quant.quantize_(g.clone(), want_codes, want_scale, noise=noise)
     assert torch.equal(scale, want_scale)
     assert torch.equal(codes, want_codes)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")  # inductor's import
+@pytest.mark.parametrize("sr_seed", [None, 11])
+def test_the_quantizer_under_torch_compile_gives_the_same_codes(sr_seed) -> None:
+    # `torch.compile(opt.step)` traces `quantize_` / `hash_uniform`; the eager ones write through
+    # dtype views of their workspaces, which inductor miscompiled (every sign flipped, or a C++
+    # compile error), so they take a functional form there, which must give the same bits
+    import torch._dynamo
+
+    def encode(x, codes, scale, signs, scratch, sr_scratch):
+        noise = None
+        if sr_seed is not None:
+            noise = _quant.hash_uniform(sr_seed, 5, x.shape, x.device)
+        _quant.quantize_(x, codes, scale, noise=noise, scratch=scratch, signs=signs,
+                         sr_scratch=sr_scratch)  # fmt: skip
+        return noise
+
+    torch._dynamo.reset()
+    compiled = torch.compile(encode, fullgraph=True, dynamic=False)
+    for x in _inputs():
+        noise = None if sr_seed is None else _direct_hash(sr_seed, 5, x.numel()).view(x.shape)
+        want_codes, want_scale = _direct_quantize(x, noise)
+        codes = torch.full(x.shape, 99, dtype=torch.int8)
+        scale = torch.full(_quant.scale_shape(x.shape), 7.0)
+        work = (torch.empty(x.shape, dtype=torch.bool), torch.empty_like(x), torch.empty_like(x))
+        got_noise = compiled(x.clone(), codes, scale, *work)
+        if sr_seed is not None:
+            assert torch.equal(got_noise, noise)
+        assert torch.equal(codes, want_codes)
+        assert torch.equal(scale.view(torch.int32), want_scale.view(torch.int32))

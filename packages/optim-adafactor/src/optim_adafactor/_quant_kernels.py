@@ -19,6 +19,15 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 QBLOCK = 128  # elements per scale; divides every shipped column tile (>= 128, powers of two)
 QMAX = 127  # codes in [-QMAX, QMAX]
+_MASK32 = 0xFFFFFFFF
+_HASH_MUL = 0x9E3779B1  # the multiplier of the element index in the hash's first round
+
+
+def _int32(v: int) -> int:
+    """The int32 with the low 32 bits of `v` (two's complement)."""
+    v &= _MASK32
+    return v - (1 << 32) if v >= 1 << 31 else v
+
 
 if HAS_TRITON:
     import triton

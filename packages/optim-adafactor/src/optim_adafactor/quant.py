@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from optim_adafactor._quant_kernels import QBLOCK, QMAX
+from optim_adafactor._quant_kernels import _HASH_MUL, _MASK32, QBLOCK, QMAX, _int32
 from optim_adafactor.base import stat_dtype
 from optim_adafactor.factored import chunk
 
@@ -53,8 +53,6 @@ __all__ = [
 ]
 
 _QMAX_SQ = float(QMAX * QMAX)
-_MASK32 = 0xFFFFFFFF
-_HASH_MUL = 0x9E3779B1  # the multiplier of the element index in the hash's first round
 _ALL = slice(None)
 
 
@@ -116,12 +114,6 @@ def dequantize(
     return _mul_blocks_(out, scale / _QMAX_SQ)
 
 
-def _int32(v: int) -> int:
-    """The int32 with the low 32 bits of `v` (two's complement)."""
-    v &= _MASK32
-    return v - (1 << 32) if v >= 1 << 31 else v
-
-
 def hash_uniform(
     seed: int,
     offset: int,
@@ -140,6 +132,10 @@ def hash_uniform(
     workspaces (None: allocated), receive the noise and hold the hash.
     """
     numel = math.prod(shape)
+    if torch.compiler.is_compiling():  # no dtype views (`_quant_compile`)
+        from optim_adafactor._quant_compile import hash_functional
+
+        return hash_functional(seed, offset, numel, device).view(*shape)
     if numel >= 1 << 31:  # int64 -> int32 keeps the low 32 bits
         h = torch.arange(numel, dtype=torch.int64, device=device).to(torch.int32)
     elif scratch is not None:
@@ -190,6 +186,11 @@ def quantize_(
     - stochastic: `lo` corrected to the exact floor, then the fp32 quotient as written,
       compared with the noise.
     """
+    if torch.compiler.is_compiling():
+        from optim_adafactor._quant_compile import quantize_functional
+
+        quantize_functional(x, codes, scale, noise)
+        return
     if scratch is None or x.dtype != torch.float32 or scratch.dtype != torch.float32:
         x = x.to(torch.float32, copy=True)
         scratch = torch.empty_like(x)
