@@ -90,6 +90,21 @@ def test_parameters_on_two_devices_are_rejected() -> None:
     assert model_device(nn.ReLU()) == torch.device("cpu")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+def test_float64_and_complex_parameters_are_refused(tmp_path: Path, dtype: torch.dtype) -> None:
+    # fp32 masters trained a float64 model in fp32 and dropped a complex one's imaginary part,
+    # silently (plain torch and DDP keep both dtypes)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].weight = nn.Parameter(torch.randn(2, 4, dtype=dtype))
+    with single_process_group("cpu", tmp_path):
+        for stage in (1, 3):
+            with pytest.raises(TypeError, match=f"parameter '1.weight' is {dtype}: shard-zero"):
+                prepare(model, lambda ps: torch.optim.SGD(ps, lr=0.1), ZeroConfig(stage=stage))
+        model[1].requires_grad_(False)  # frozen: kept as it is, replicated
+        prepare(model, lambda ps: torch.optim.SGD(ps, lr=0.1), ZeroConfig(stage=1))
+        assert model[1].weight.dtype == dtype
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_changing_parameters_after_prepare_raises(tmp_path: Path, stage: int) -> None:
     """A cast, a resize or a new module after `prepare` raises, naming the parameter.

@@ -83,6 +83,13 @@ class Shards:
             )
 
     def _make_entry(self, name: str, p: nn.Parameter) -> Entry:
+        if p.dtype == torch.float64 or p.is_complex():
+            raise TypeError(
+                f"parameter {name!r} is {p.dtype}: shard-zero keeps fp32 master rows and "
+                "reduces gradients in at most fp32, so it would train in fp32 (a complex one "
+                "would lose its imaginary part); convert the model (e.g. `model.float()`) or "
+                "freeze the parameter before `prepare`"
+            )
         shape = tuple(p.shape)
         sharded = p.dim() >= 1 and p.numel() > 0 and p.numel() >= self.config.min_shard_numel
         compute = self.config.param_dtype or p.dtype
