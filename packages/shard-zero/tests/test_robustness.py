@@ -105,6 +105,53 @@ def test_float64_and_complex_parameters_are_refused(tmp_path: Path, dtype: torch
         assert model[1].weight.dtype == dtype
 
 
+class Convs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.convs = nn.ModuleList([nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)])
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv in self.convs:
+            x = torch.relu(conv(x))
+        return self.fc(x.mean((2, 3)))
+
+
+def _conv_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3, 6, 6, generator=g).to(memory_format=torch.channels_last)
+    return x, torch.randint(0, 4, (4,), generator=g)
+
+
+def _train_convs(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+    for _ in range(3):
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _channels_last(rank: int, world: int, want: dict[str, torch.Tensor]) -> None:
+    x, y = _conv_batch()
+    for stage in (1, 2, 3):
+        model = Convs().to(memory_format=torch.channels_last)
+        config = ZeroConfig(stage=stage, min_shard_numel=0)
+        model, opt = prepare(model, lambda ps: torch.optim.SGD(ps, lr=0.1), config)
+        _train_convs(model, opt, x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+        got = full_state_dict(model)
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, atol=1e-6, rtol=1e-5, msg=key)
+
+
+def test_a_channels_last_model_trains_as_one_process(tmp_path: Path) -> None:
+    # before: stages 1-2 at world 2 failed in the first step's parameter gather ("view size is
+    # not compatible"), after the optimizer had updated each rank's own rows
+    model = Convs().to(memory_format=torch.channels_last)
+    _train_convs(model, torch.optim.SGD(model.parameters(), lr=0.1), *_conv_batch())
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    spawn(_channels_last, want, world_size=2, tmp_path=tmp_path)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_changing_parameters_after_prepare_raises(tmp_path: Path, stage: int) -> None:
     """A cast, a resize or a new module after `prepare` raises, naming the parameter.

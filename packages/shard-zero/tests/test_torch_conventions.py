@@ -459,6 +459,26 @@ def test_weight_tied_across_units_trains_as_one_process(tmp_path: Path) -> None:
     spawn(_cross_tied, _reference(CrossTied), world_size=2, tmp_path=tmp_path)
 
 
+class RootTied(Stack):
+    """A wrapped block's weight tied to a module outside every wrapped one (as a wrapped
+    embedding tied to an unwrapped LM head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp.weight = self.blocks[1].lin.weight
+
+
+def _root_tied(rank: int, world: int, want: dict[str, torch.Tensor]) -> None:
+    model, opt = prepare(RootTied(), _sgd, ZeroConfig(stage=3, min_shard_numel=0))
+    _train(model, opt, rank, world)
+    _close(full_state_dict(model), want, "a weight tied between a unit and the root")
+
+
+def test_weight_tied_between_a_unit_and_the_root_trains_as_one_process(tmp_path: Path) -> None:
+    # before: the weight went to the block's unit, and `inp` read its freed placeholder (NaN)
+    spawn(_root_tied, _reference(RootTied), world_size=2, tmp_path=tmp_path)
+
+
 # ---------------------------------------------------------------------- torch.compile
 def _compiled(rank: int, world: int, want: dict[str, torch.Tensor]) -> None:
     model, opt = prepare(Stack(), _sgd, ZeroConfig(stage=3, min_shard_numel=0))

@@ -90,6 +90,10 @@ class Shards:
                 "would lose its imaginary part); convert the model (e.g. `model.float()`) or "
                 "freeze the parameter before `prepare`"
             )
+        # e.g. channels_last: the gathers write row-major rows (stage 3 always made them views
+        # of a flat buffer); not deferred init's stride-0 placeholders, which hold no memory
+        if not p.is_contiguous() and 0 not in p.stride():
+            p.data = p.data.contiguous()
         shape = tuple(p.shape)
         sharded = p.dim() >= 1 and p.numel() > 0 and p.numel() >= self.config.min_shard_numel
         compute = self.config.param_dtype or p.dtype

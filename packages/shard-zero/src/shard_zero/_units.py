@@ -39,6 +39,22 @@ _FREE, _GATHERING, _READY = 0, 1, 2
 _GRADS_OF_UNIT = 1_000_000  # + 10_000 * unit index + bucket index; a unit's gather: its index
 
 
+def _shared_across_units(model: nn.Module, wrapped: list[str]) -> set[torch.Tensor]:
+    """Parameters held directly by modules of different units.
+
+    A module's unit: its outermost wrapped ancestor (which takes the parameters of the wrapped
+    modules inside it), or the root unit for a module outside every wrapped one.
+    """
+    units: dict[torch.Tensor, set[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        inside = [w for w in wrapped if name == w or name.startswith(w + ".")]
+        unit = min(inside, key=len, default="")
+        for p in module._parameters.values():
+            if p is not None:
+                units.setdefault(p, set()).add(unit)
+    return {p for p, names in units.items() if len(names) > 1}
+
+
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward on this thread (e.g. a recompute)."""
     return torch._C._current_graph_task_id() != -1
@@ -155,15 +171,10 @@ class Units:
             for name, module in model.named_modules()
             if module is not model and policy(name, module)
         ]
-        # a parameter in two wrapped modules that are not nested (a weight tied across layers)
-        # would be freed by one while the other reads it: it goes to the root unit
-        owners: dict[torch.Tensor, list[str]] = {}
-        for name, module in wrapped:
-            for p in module.parameters():
-                names = owners.setdefault(p, [])
-                if not any(name.startswith(n + ".") for n in names):
-                    names.append(name)
-        shared = {p for p, names in owners.items() if len(names) > 1}
+        # a parameter that modules of two units hold (a weight tied across layers, or a wrapped
+        # embedding's weight tied to an unwrapped LM head) would be freed by one unit while
+        # the other reads it: it goes to the root unit, kept through forward and backward
+        shared = _shared_across_units(model, [name for name, _ in wrapped])
         assigned.update(shared)
         for name, module in wrapped:
             members = [
