@@ -152,6 +152,65 @@ def test_a_channels_last_model_trains_as_one_process(tmp_path: Path) -> None:
     spawn(_channels_last, want, world_size=2, tmp_path=tmp_path)
 
 
+class _Noisy(torch.optim.SGD):
+    """SGD plus noise from a seed drawn at construction (as stochastic rounding draws one)."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        super().__init__(params, lr=0.1)
+        self.seed = int(torch.randint(0, 2**62, ()))
+        self.noise = torch.Generator().manual_seed(self.seed)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        super().step(closure)
+        for p in self.param_groups[0]["params"]:
+            p.add_(torch.randn(p.shape, generator=self.noise), alpha=1e-2)
+
+
+def _seeded_per_rank(rank: int, world: int, want: dict[str, torch.Tensor]) -> None:
+    x = _data()
+    for stage in (2, 3):
+        model = Stack()
+        torch.manual_seed(100 + rank)  # a per-rank stream (dropout, data order)
+        mine = torch.get_rng_state()
+        config = ZeroConfig(stage=stage, min_shard_numel=10**6)  # every parameter replicated
+        model, opt = prepare(model, _Noisy, config)
+        # rank 0 drew from its own stream, as one process; the others from rank 0's, and got
+        # their own stream back untouched
+        if rank > 0:
+            assert torch.equal(torch.get_rng_state(), mine)
+        seeds = [0] * world
+        dist.all_gather_object(seeds, opt.optimizer.seed)
+        assert seeds == [want["seed"].tolist()] * world, seeds
+        for _ in range(2):
+            model(x[2 * rank : 2 * rank + 2]).backward()
+            opt.step()
+            opt.zero_grad()
+        got = full_state_dict(model)
+        for key, value in got.items():  # each rank's own copy, not only rank 0's
+            theirs = [torch.empty(0)] * world
+            dist.all_gather_object(theirs, value)
+            for r in range(world):
+                torch.testing.assert_close(theirs[r], want[key], atol=1e-6, rtol=1e-5)
+
+
+def test_what_the_optimizer_draws_at_construction_is_alike_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    # before: `make_optimizer` drew from each rank's own stream, so with per-rank seeds the
+    # replicated parameters, which each rank steps on its own copy, drifted apart
+    model = Stack()
+    torch.manual_seed(100)  # rank 0's stream
+    opt = _Noisy(list(model.parameters()))
+    for _ in range(2):
+        model(_data()).backward()
+        opt.step()
+        opt.zero_grad()
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    want["seed"] = torch.tensor(opt.seed)
+    spawn(_seeded_per_rank, want, world_size=2, tmp_path=tmp_path)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_changing_parameters_after_prepare_raises(tmp_path: Path, stage: int) -> None:
     """A cast, a resize or a new module after `prepare` raises, naming the parameter.

@@ -41,7 +41,8 @@ def prepare(
     Args:
         model: the model, identical on every rank (same initial values).
         make_optimizer: `make_optimizer(params) -> Optimizer`, called with the fp32 master
-            shards (each a block of whole rows; row shards carry `leanlm_row_shard`).
+            shards (each a block of whole rows; row shards carry `leanlm_row_shard`). It runs
+            with rank 0's CPU random stream on every rank (what it draws is alike).
         config: the ZeRO options (default `ZeroConfig()`: stage 2, fp32).
         group: the data-parallel process group (None: the default group).
         init: deferred initialisation of a model built on the `meta` device: called as
@@ -90,7 +91,8 @@ def prepare(
     if deferred:
         fill(model, engine, dtypes, init=init, checkpoint=checkpoint)
     masters = [e.master for e in engine.entries]
-    optimizer = make_optimizer(masters)
+    with engine.rank0_random():  # what it draws is alike on every rank
+        optimizer = make_optimizer(masters)
     if not isinstance(optimizer, Optimizer):
         raise TypeError(
             f"`make_optimizer` must return a torch.optim.Optimizer, got {type(optimizer).__name__}"

@@ -7,6 +7,8 @@ engine (`_engine`) share; it imports none of them, so imports point one way.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from shard_zero._layout import Entry, RowShardInfo, row_split
 
 ROW_SHARD_ATTR = "leanlm_row_shard"
 _FINGERPRINT = 500_001  # collective ident of the model fingerprint check
+_RANDOM_STATE = 500_003  # collective ident of rank 0's random state (`rank0_random`)
 
 
 class Shards:
@@ -81,6 +84,32 @@ class Shards:
                 f"fingerprints per rank {every.tolist()}; build the same model on every rank "
                 "before `prepare`"
             )
+
+    @contextmanager
+    def rank0_random(self) -> Iterator[None]:
+        """Inside: the global CPU generator continues rank 0's stream on every rank (a collective).
+
+        `prepare` builds the optimizer in here, so what it draws at construction (optim-came's
+        and optim-adafactor's stochastic-rounding seed) is alike on every rank, also when each
+        rank seeded itself differently: the replicated parameters, which every rank steps on its
+        own copy, stay identical. Rank 0 draws from its own stream as without shard-zero; on the
+        other ranks the stream is restored on exit (their draws are rank 0's, not their own).
+        """
+        probe = torch.empty(0, device=self.device)
+        if self.world == 1 or not host_readable(probe):  # fake tensors: nothing to draw alike
+            yield
+            return
+        state = torch.get_rng_state()
+        every = torch.empty(self.world * state.numel(), dtype=torch.uint8, device=self.device)
+        self.comm.names[_RANDOM_STATE] = "rank 0's random state for `make_optimizer`"
+        work = self.comm.all_gather(every, state.to(self.device), ident=_RANDOM_STATE)
+        self.comm.wait(work, _RANDOM_STATE)
+        if self.rank == 0:
+            yield
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(every[: state.numel()].cpu())
+            yield
 
     def _make_entry(self, name: str, p: nn.Parameter) -> Entry:
         if p.dtype == torch.float64 or p.is_complex():
