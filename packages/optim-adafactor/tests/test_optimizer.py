@@ -97,6 +97,14 @@ def test_momentum_enabled_later_in_a_group_creates_state() -> None:
     assert opt.state[p]["exp_avg"].shape == (4, 4)
 
 
+def test_compiled_step_with_bf16_params_and_stochastic_rounding() -> None:
+    """Before, aot_autograd refused the compiled step ("input mutations on views with
+    different dtypes": the rounding adds its noise through an int32 view); the rounding now
+    runs as a custom op inside the compiled step, with the eager step's noise."""
+    make = partial(Adafactor, lr=1e-3, beta1=0.9, relative_step=False, stochastic_rounding=True)
+    basics.check_compiled_step(make, dtype=torch.bfloat16, max_graphs=3)
+
+
 def test_step_makes_no_host_sync(monkeypatch) -> None:
     """Every host-sync entry point of a tensor raises inside step()."""
     params = _params()

@@ -152,6 +152,17 @@ def test_compiled_step_settles_on_a_few_graphs(options) -> None:
     basics.check_compiled_step(partial(CAME, lr=1e-3, weight_decay=1e-2, **options))
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.int8])
+def test_compiled_step_with_bf16_params_and_stochastic_rounding(state_dtype) -> None:
+    """Before, aot_autograd refused the compiled step ("input mutations on views with
+    different dtypes": the rounding adds its noise through an int32 view); the rounding now
+    runs as a custom op inside the compiled step, with the eager step's noise."""
+    make = partial(
+        CAME, lr=1e-3, weight_decay=1e-2, stochastic_rounding=True, state_dtype=state_dtype
+    )
+    basics.check_compiled_step(make, dtype=torch.bfloat16, max_graphs=3)
+
+
 def test_empty_and_zero_dim_params() -> None:
     basics.check_empty_and_zero_dim_params(partial(CAME, lr=1e-2))
 

@@ -206,13 +206,19 @@ def check_failed_param_group_is_not_added(opt: Any, bad_group: dict[str, Any], m
 
 
 def check_compiled_step(
-    make_opt: Callable[[list[torch.Tensor]], Any], *, steps: int = 5, max_graphs: int = 3
+    make_opt: Callable[[list[torch.Tensor]], Any],
+    *,
+    steps: int = 5,
+    max_graphs: int = 3,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """`torch.compile(opt.step)` settles on at most `max_graphs` graphs, within fp32 rounding.
 
-    Over `steps` steps, against the eager step. The step count must not be burnt into the
-    graph (a graph per step until dynamo's recompile limit, then eager with a warning):
-    torch's own compiled AdamW settles after one graph.
+    Over `steps` steps, against the eager step, with parameters and gradients in `dtype`
+    (bf16: within one bf16 step, at most 5% of the elements off the eager ones: a reordered
+    fp32 sum may round the other way). The step
+    count must not be burnt into the graph (a graph per step until dynamo's recompile limit,
+    then eager with a warning): torch's own compiled AdamW settles after one graph.
     """
     import warnings
 
@@ -223,15 +229,20 @@ def check_compiled_step(
     with warnings.catch_warnings():  # inductor imports torch.utils.mkldnn (torch.jit.script)
         warnings.filterwarnings("ignore", "`torch.jit.script_method` is deprecated")
         for compiled in (False, True):
-            results.append(_steps(make_opt, steps, compiled))
+            results.append(_steps(make_opt, steps, compiled, dtype))
     graphs = counters["stats"]["unique_graphs"]
     assert 1 <= graphs <= max_graphs, f"{graphs} graphs over {steps} steps"
+    tol = 1e-5 if dtype == torch.float32 else 2.0**-7  # bf16: one step of its 8-bit mantissa
     for eager, compiled_p in zip(*results, strict=True):
-        torch.testing.assert_close(compiled_p, eager, atol=1e-5, rtol=1e-5)
+        assert compiled_p.dtype == dtype
+        torch.testing.assert_close(compiled_p, eager, atol=tol, rtol=tol)
+    if dtype != torch.float32:  # rounded alike (other roundings would differ in ~half)
+        differ = sum(int((e != c).sum()) for e, c in zip(*results, strict=True))
+        assert differ <= 0.05 * sum(p.numel() for p in results[0]), differ
 
 
 def _steps(
-    make_opt: Callable[[list[torch.Tensor]], Any], steps: int, compiled: bool
+    make_opt: Callable[[list[torch.Tensor]], Any], steps: int, compiled: bool, dtype: torch.dtype
 ) -> list[torch.Tensor]:
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -239,11 +250,11 @@ def _steps(
     if compiled:
         torch._dynamo.reset()
         counters.clear()
-    params = [torch.randn(s, generator=torch.Generator().manual_seed(0)) for s in SHAPES]
+    params = [torch.randn(s, generator=torch.Generator().manual_seed(0)).to(dtype) for s in SHAPES]
     opt = make_opt(params)
     step = torch.compile(opt.step) if compiled else opt.step
     for seed in range(steps):
         for p, g in zip(params, shape_grads(seed), strict=True):
-            p.grad = g
+            p.grad = g.to(dtype)
         step()
     return params

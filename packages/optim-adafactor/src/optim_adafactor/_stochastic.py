@@ -5,6 +5,10 @@ bit pattern and truncating the low 16 bits rounds the magnitude up with probabil
 discarded fraction, so `E[round(x)] = x` (unbiased) for every finite x that does not overflow.
 Because fp32 is sign-magnitude, the same integer add works for negative values. Small updates
 (below half a bf16 ulp) then survive in expectation instead of being lost to round-to-nearest.
+
+`torch.compile(opt.step)` calls it as the custom op `optim_adafactor::copy_stochastic` (opaque
+to the compiler, no graph break): dynamo cannot trace a `torch.Generator`, and aot_autograd
+refuses the in-place add through an int32 view of the source.
 """
 
 from __future__ import annotations
@@ -30,3 +34,15 @@ def copy_stochastic_(
     )
     bits.add_(noise).bitwise_and_(-65536)  # -65536 == 0xFFFF0000 as int32
     target.copy_(source)  # exact: the value is representable in bf16 now
+
+
+@torch.library.custom_op("optim_adafactor::copy_stochastic", mutates_args=("target", "source"))
+def copy_stochastic_seeded(target: Tensor, source: Tensor, seed: int) -> None:
+    """`copy_stochastic_` with a new generator on `source`'s device seeded with `seed`."""
+    generator = torch.Generator(device=source.device).manual_seed(seed)
+    copy_stochastic_(target, source, generator=generator)
+
+
+@copy_stochastic_seeded.register_fake
+def _(target: Tensor, source: Tensor, seed: int) -> None:
+    return None

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from optim_adafactor._state import LosslessState
-from optim_adafactor._stochastic import copy_stochastic_
+from optim_adafactor._stochastic import copy_stochastic_, copy_stochastic_seeded
 from optim_adafactor.checks import STEP, GroupCheck, Scalar
 from optim_adafactor.dtensor import local_tensor, localize
 from optim_adafactor.factored import chunk_shape
@@ -401,8 +401,11 @@ class FactoredOptimizer(LosslessState):
         if w.opts.stochastic_rounding and p.dtype == torch.bfloat16:
             # the noise is a function of (seed, step, index), as in the kernels: nothing but the
             # seed and the step counts has to be checkpointed for a resume to continue it exactly
-            generator = self._generator(p.device).manual_seed(self._kernel_seed(w))
-            copy_stochastic_(p, w.p32, generator=generator)
+            seed = self._kernel_seed(w)
+            if torch.compiler.is_compiling():  # the same noise, through a custom op
+                copy_stochastic_seeded(p, w.p32, seed)
+                return
+            copy_stochastic_(p, w.p32, generator=self._generator(p.device).manual_seed(seed))
         else:
             p.copy_(w.p32)
 
