@@ -15,8 +15,10 @@ straight into `full`. In forward a pre-hook gathers the unit (and prefetches the
 a post-hook frees it; a hook on the gradient of every tensor in the unit's output (its
 pytree: tuples, lists, dicts, `ModelOutput`s) gathers it again in backward
 (prefetching the unit before it), and the gradient reducer frees it as soon as its last
-gradient is packed. The root unit (parameters outside every wrapped module, e.g. the
-embeddings and the LM head) is gathered once per forward and kept until the end of backward.
+gradient is packed. A backward that reads the unit's storage before that (an aux loss the
+output does not depend on) gathers it through a saved-tensor hook (`_unit_saved`). The root
+unit (parameters outside every wrapped module, e.g. the embeddings and the LM head) is gathered
+once per forward and kept until the end of backward.
 
 Activation checkpointing recomputes a unit's forward inside backward: the hooks see that
 (`torch._C._current_graph_task_id() != -1`) and then only make sure the unit is gathered.
@@ -34,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 from shard_zero._comm import Gather
 from shard_zero._layout import Bucket, Entry, copy_pairs, make_buckets, unpack_pairs
 from shard_zero._shards import Shards
+from shard_zero._unit_saved import SavedWatch
 
 _FREE, _GATHERING, _READY = 0, 1, 2
 _GRADS_OF_UNIT = 1_000_000  # + 10_000 * unit index + bucket index; a unit's gather: its index
@@ -145,6 +148,8 @@ class Units:
         self.fwd_order: list[Unit] = []  # the units in the order the last forward ran them
         self.in_forward = False  # between the model's forward pre-hook and its forward hook
         self.pinned = 0  # depth of `gathered()` blocks: units are not freed inside them
+        # what autograd saves from a unit's storage in its forward (an aux loss's backward)
+        self._saved = SavedWatch(self._pre_backward)
         self._of_module: dict[int, Unit] = {}
         # per dtype, one NaN element for each resting parameter (built in `_build`)
         self._nans: dict[torch.dtype, torch.Tensor] = {}
@@ -221,7 +226,7 @@ class Units:
                 module.register_forward_hook(self._root_post_forward, always_call=True)
             else:
                 module.register_forward_pre_hook(self._unit_pre_forward)
-                module.register_forward_hook(self._unit_post_forward)
+                module.register_forward_hook(self._unit_post_forward, always_call=True)
         self._make_grad_buckets(assigned)
 
     def _make_grad_buckets(self, assigned: set[torch.Tensor]) -> None:
@@ -349,6 +354,7 @@ class Units:
         if in_backward():  # recomputed by activation checkpointing: gathered for its backward
             return
         self.fwd_order.append(unit)
+        self._saved.enter(unit, len(self.fwd_order) - 1)
         if self.engine.config.prefetch:
             index = self.units.index(unit)
             if index + 1 < len(self.units):
@@ -359,6 +365,7 @@ class Units:
         if in_backward():  # a recompute: its backward follows at once, keep it gathered
             return
         unit = self.unit_of_module(module)
+        self._saved.exit(unit)  # (also when the forward raised: `always_call`)
         if not self.pinned:
             unit.free()
         if not torch.is_grad_enabled():
@@ -372,6 +379,12 @@ class Units:
                 )
 
     def _pre_backward(self, unit: Unit, position: int) -> None:
+        if torch.is_grad_enabled():  # the engine enables grad for `create_graph=True` only
+            raise RuntimeError(
+                "shard-zero stage 3 does not support a backward with `create_graph=True` "
+                "(a gradient penalty, double backward): the units are freed when this backward "
+                "ends and the graph it creates reads them later; use stage 1 or 2"
+            )
         self.before_backward()
         self.gather_wait(unit)
         if self.engine.config.prefetch and 0 < position <= len(self.fwd_order):

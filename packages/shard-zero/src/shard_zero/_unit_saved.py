@@ -1,0 +1,70 @@
+"""Stage 3: gathering a unit when backward reads what its forward saved before its output hook.
+
+A term computed in a wrapped module's forward from its own parameters that the module's output
+does not depend on (a router's load-balancing loss or a regulariser stashed on the module and
+added to the loss later) has a backward that can run before the gradient reaches the module's
+output, whose hook gathers the unit again: it read the freed unit (NaN parameters after the
+step, or torch's "setStorage ... out of bounds" for a slice). While a unit's forward runs, a
+saved-tensor hook marks what autograd saves from the unit's storage; unpacking a marked
+tensor while the unit is freed gathers it (every rank runs the same backward, so the
+collectives pair up), and the gradient reducer frees it as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch._C._autograd import (  # type: ignore[attr-defined]
+    _saved_tensors_hooks_is_enabled,
+    _top_saved_tensors_default_hooks,
+)
+
+if TYPE_CHECKING:
+    from shard_zero._units import Unit
+
+Saved = tuple["Unit | None", Any]  # (the unit whose storage it is, or None; what was packed)
+
+
+class SavedWatch:
+    """The saved-tensor hooks of the units whose forward is running (innermost last)."""
+
+    def __init__(self, gather: Callable[[Unit, int], None]) -> None:
+        self.gather = gather  # `gather(unit, forward position)`: the unit's backward gather
+        self._stack: list[tuple[Unit, torch.autograd.graph.saved_tensors_hooks | None]] = []
+
+    def enter(self, unit: Unit, position: int) -> None:
+        """Watch what autograd saves from `unit`'s storage until `exit(unit)`.
+
+        Saved-tensor hooks already active (non-reentrant activation checkpointing,
+        `save_on_cpu`) are chained: only the innermost pair applies, so these call theirs.
+        Nothing without grad or where saved-tensor hooks are disabled.
+        """
+        if not torch.is_grad_enabled() or not _saved_tensors_hooks_is_enabled():
+            self._stack.append((unit, None))
+            return
+        storage = unit.full.untyped_storage()._cdata  # the same across resizes
+        outer = _top_saved_tensors_default_hooks(False)
+
+        def pack(t: torch.Tensor) -> Saved:
+            owner = unit if t.untyped_storage()._cdata == storage else None
+            return owner, (t if outer is None else outer[0](t))
+
+        def unpack(saved: Saved) -> Any:
+            owner, packed = saved
+            if owner is not None and not owner.ready:
+                self.gather(owner, position)
+            return packed if outer is None else outer[1](packed)
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        hooks.__enter__()
+        self._stack.append((unit, hooks))
+
+    def exit(self, unit: Unit) -> None:
+        """Stop watching `unit` (nothing if its `enter` did not run: a pre-hook raised)."""
+        if not self._stack or self._stack[-1][0] is not unit:
+            return
+        _, hooks = self._stack.pop()
+        if hooks is not None:
+            hooks.__exit__(None, None, None)

@@ -1,0 +1,128 @@
+"""Stage 3: a loss term a wrapped module computes in its forward from its own parameters.
+
+MoE routers' load-balancing losses and regularisers are computed inside the module's forward
+and stashed on it (`self.aux`); the training loop adds them to the loss. When the module's
+output does not depend on that term, its backward can run before the gradient reaches the
+module's output (which is what gathers the unit again in backward): it read the freed unit,
+and every parameter was NaN after the step, silently (a slice of the weight crashed with
+"setStorage ... out of bounds"). World 2 (gloo) against one process on the global batch.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch._C._autograd import _top_saved_tensors_default_hooks
+from torch.utils.checkpoint import checkpoint
+
+from leanlm_testing import spawn
+from leanlm_testing.distributed import single_process_group
+from shard_zero import ZeroConfig, full_state_dict, prepare
+
+WIDTH = 16
+STEPS = 3
+
+
+class AuxLayer(nn.Module):
+    """A layer whose stashed `aux` term reads its weight after the output is computed."""
+
+    def __init__(self, router: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.router = router
+        self.aux = torch.zeros(())
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(self.lin(h))
+        if self.router:  # a router's balance loss from a slice of the weight
+            probs = torch.softmax(h @ self.lin.weight[:4].t(), dim=-1)
+            self.aux = 1e-2 * probs.mean(0).square().sum()
+        else:  # a regulariser
+            self.aux = 1e-2 * self.lin.weight.square().sum()
+        return out
+
+
+class AuxNet(nn.Module):
+    def __init__(self, recompute: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, WIDTH)
+        self.layers = nn.ModuleList(AuxLayer(router=i % 2 == 1) for i in range(3))
+        self.head = nn.Linear(WIDTH, 2)
+        self.recompute = recompute
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for layer in self.layers:
+            h = checkpoint(layer, h, use_reentrant=False) if self.recompute else layer(h)
+        loss = (self.head(h) - y).square().mean()
+        return loss + sum(layer.aux for layer in self.layers)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + step)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
+
+
+def _train(
+    model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, offload: bool = False
+) -> None:
+    per = 8 // world
+    for step in range(STEPS):
+        x, y = _batch(step)
+        # `save_on_cpu` keeps a CPU tensor itself (no copy): it must read the gathered unit
+        with torch.autograd.graph.save_on_cpu() if offload else nullcontext():
+            loss = model(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    model = AuxNet()
+    _train(model, _sgd(list(model.parameters())), 0, 1)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _worker(rank: int, world: int, how: str, want: dict[str, torch.Tensor]) -> None:
+    model = AuxNet(recompute=how == "recompute")
+    model, opt = prepare(model, _sgd, ZeroConfig(stage=3, min_shard_numel=0))
+    run = torch.compile(model, backend="aot_eager") if how == "compile" else model
+    _train(run, opt, rank, world, offload=how == "save_on_cpu")
+    got = full_state_dict(model)
+    for key, value in want.items():
+        err = (got[key] - value).abs().max().item()
+        assert err < 1e-5, f"{how}: {key} is {err:.3g} from one process"
+    engine = model._shard_zero_engine  # type: ignore[attr-defined]
+    assert all(u.full.untyped_storage().nbytes() == 0 for u in engine.units), "not freed"
+    if how == "eager":  # a forward that raises inside a unit leaves no saved-tensor hooks
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            model.layers[0](torch.zeros(2, WIDTH + 1))
+        assert _top_saved_tensors_default_hooks(False) is None
+
+
+@pytest.mark.parametrize("how", ["eager", "recompute", "compile", "save_on_cpu"])
+def test_an_aux_loss_read_after_the_output_trains_as_one_process(tmp_path: Path, how: str) -> None:
+    spawn(_worker, how, _reference(), world_size=2, tmp_path=tmp_path)
+
+
+def test_a_double_backward_raises_a_clear_error(tmp_path: Path) -> None:
+    # before: torch's "setStorage: ... out of bounds for storage of size 0" from the second
+    # backward (the first one's end had freed the units its graph reads)
+    with single_process_group("cpu", tmp_path):
+        model, opt = prepare(AuxNet(), _sgd, ZeroConfig(stage=3, min_shard_numel=0))
+        x, y = _batch(0)
+        x.requires_grad_(True)
+        with pytest.raises(RuntimeError, match=r"stage 3 does not support .*create_graph=True"):
+            torch.autograd.grad(model(x, y), x, create_graph=True)
+        model(x, y).backward()  # a plain backward still works after it
+        opt.step()
+        assert all(torch.isfinite(v).all() for v in full_state_dict(model).values())
