@@ -13,7 +13,7 @@ collectives pair up), and the gradient reducer frees it as usual.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch._C._autograd import (  # type: ignore[attr-defined]
@@ -21,20 +21,28 @@ from torch._C._autograd import (  # type: ignore[attr-defined]
     _top_saved_tensors_default_hooks,
 )
 
-if TYPE_CHECKING:
-    from shard_zero._units import Unit
 
-Saved = tuple["Unit | None", Any]  # (the unit whose storage it is, or None; what was packed)
+class Unit(Protocol):
+    """What this module needs of `_units.Unit` (which imports this module)."""
+
+    full: torch.Tensor
+
+    @property
+    def ready(self) -> bool: ...
 
 
-class SavedWatch:
+U = TypeVar("U", bound=Unit)
+Saved = tuple[bool, Any]  # (whether it is in the unit's storage, what was packed)
+
+
+class SavedWatch(Generic[U]):
     """The saved-tensor hooks of the units whose forward is running (innermost last)."""
 
-    def __init__(self, gather: Callable[[Unit, int], None]) -> None:
+    def __init__(self, gather: Callable[[U, int], None]) -> None:
         self.gather = gather  # `gather(unit, forward position)`: the unit's backward gather
-        self._stack: list[tuple[Unit, torch.autograd.graph.saved_tensors_hooks | None]] = []
+        self._stack: list[tuple[U, torch.autograd.graph.saved_tensors_hooks | None]] = []
 
-    def enter(self, unit: Unit, position: int) -> None:
+    def enter(self, unit: U, position: int) -> None:
         """Watch what autograd saves from `unit`'s storage until `exit(unit)`.
 
         Saved-tensor hooks already active (non-reentrant activation checkpointing,
@@ -48,20 +56,20 @@ class SavedWatch:
         outer = _top_saved_tensors_default_hooks(False)
 
         def pack(t: torch.Tensor) -> Saved:
-            owner = unit if t.untyped_storage()._cdata == storage else None
-            return owner, (t if outer is None else outer[0](t))
+            mine = t.untyped_storage()._cdata == storage
+            return mine, (t if outer is None else outer[0](t))
 
         def unpack(saved: Saved) -> Any:
-            owner, packed = saved
-            if owner is not None and not owner.ready:
-                self.gather(owner, position)
+            mine, packed = saved
+            if mine and not unit.ready:
+                self.gather(unit, position)
             return packed if outer is None else outer[1](packed)
 
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         hooks.__enter__()
         self._stack.append((unit, hooks))
 
-    def exit(self, unit: Unit) -> None:
+    def exit(self, unit: U) -> None:
         """Stop watching `unit` (nothing if its `enter` did not run: a pre-hook raised)."""
         if not self._stack or self._stack[-1][0] is not unit:
             return
