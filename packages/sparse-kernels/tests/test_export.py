@@ -1,10 +1,11 @@
 """Export: HF save_pretrained / from_pretrained round trip and the compact format are exact."""
 
+import pytest
 import torch
 from transformers import LlamaForCausalLM
 
 from leanlm_testing.models import random_batches, tiny_llama
-from sparse_kernels import SparsityConfig, masks, sparsify_
+from sparse_kernels import SparsityConfig, masks, sparsify_, to_block_sparse_
 from sparse_kernels.export import (
     load_compressed_,
     load_masks_,
@@ -106,3 +107,54 @@ def test_compressed_round_trip_of_a_masked_root_linear(tmp_path):
         assert torch.equal(masks(fresh)[""], mask)
         assert torch.equal(fresh.weight, lin.weight)
         assert torch.equal(fresh.bias, lin.bias)
+
+
+def test_other_parametrizations_are_saved(tmp_path):
+    # before: every `.parametrizations.` key was dropped, so a weight_norm conv (Wav2Vec2's
+    # positional convolution) was missing from both files and reloaded at random
+    conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(4, 4, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), conv)
+    sparsify_(model, SparsityConfig(pattern="unstructured", sparsity=0.5, targets=[r"^0$"]))
+    x = torch.randn(2, 4, 6)  # the Linear acts on the length, the conv on the 4 channels
+    expected = model(x)
+    save_compressed(model, tmp_path / "c.safetensors")
+    fresh = torch.nn.Sequential(
+        torch.nn.Linear(6, 8),
+        torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(4, 4, 3)),
+    )
+    load_compressed_(fresh, tmp_path / "c.safetensors")
+    torch.testing.assert_close(fresh(x), expected, atol=0, rtol=0)
+
+
+def test_a_masked_lm_head_tied_to_the_embedding_round_trips(tmp_path):
+    # before: the head's masked values were loaded into the shared Parameter and the mask
+    # zeroed it, so the embedding came back masked (logits 0.20 off after one step)
+    model = tiny_llama()  # tied
+    sparsify_(model, SparsityConfig(pattern="2:4", targets=[r"lm_head", r"layers\.\d+\.mlp"]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = random_batches(256, batches=1)[0]
+    model(**batch, labels=batch["input_ids"]).loss.backward()
+    opt.step()
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    assert not torch.equal(embedding, model.lm_head.weight)  # the head's view is masked
+    expected = model(**batch).logits
+    save_compressed(model, tmp_path / "c.safetensors")
+    fresh = tiny_llama(seed=4)
+    load_compressed_(fresh, tmp_path / "c.safetensors")
+    assert torch.equal(fresh.model.embed_tokens.weight, embedding)
+    assert torch.equal(masks(fresh)["lm_head"], masks(model)["lm_head"])
+    torch.testing.assert_close(fresh(**batch).logits, expected, atol=0, rtol=0)
+
+
+def test_load_masks_checks_every_layer_before_attaching_any(tmp_path):
+    model, _ = _sparse_model("unstructured")
+    save_pretrained_sparse(model, tmp_path)
+    other = tiny_llama(intermediate_size=160)
+    with pytest.raises(ValueError, match=r"mask of shape \(176, 64\) for 'model.layers.0.mlp"):
+        load_masks_(other, tmp_path)
+    assert masks(other) == {}  # before: 4 masks attached, then an unnamed shape error
+    blocky = tiny_llama()
+    sparsify_(blocky, SparsityConfig(pattern="block", sparsity=0.5, block_size=16))
+    to_block_sparse_(blocky, block_size=16)
+    with pytest.raises(ValueError, match="`load_masks_` does not handle BlockSparseLinear"):
+        load_masks_(blocky, tmp_path)  # before: a bare AssertionError

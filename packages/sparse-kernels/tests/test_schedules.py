@@ -80,6 +80,13 @@ def test_sparse_from_start_holds_and_resumes():
     assert other.step_count == 3
 
 
+def test_sparse_then_dense_requires_its_dense_step():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=r"`dense_step` \(None\) is required by SparseThenDense"):
+        SparseThenDense(model, SparsityConfig(sparsity=0.5), dense_step=None)  # type: ignore[arg-type]
+    assert masks(model) == {}  # refused before pruning (before: never went dense)
+
+
 def test_sparse_then_dense_switches_on_the_same_parameters():
     model = tiny_llama().train()
     batches = random_batches(256, batches=2, seq_len=8)

@@ -135,3 +135,24 @@ def test_returned_masks_do_not_change_when_the_model_is_sparsified_again():
         assert torch.equal(mask, kept[name]), name
     assert any(not torch.equal(second[n], kept[n]) for n in kept)
     assert all(torch.equal(masks(model)[n], second[n]) for n in second)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"block_size": 2.5}, r"`block_size` must be an int, got 2.5"),
+     ({"block_size": True}, r"`block_size` must be an int, got True"),
+     ({"sparsegpt_block": 64.0}, r"`sparsegpt_block` must be an int"),
+     ({"sparsity": "0.5"}, r"`sparsity` must be a number, got '0.5'"),
+     ({"dampening": None}, r"`dampening` must be a number, got None")],
+)  # fmt: skip
+def test_config_types_are_checked_naming_the_field(kwargs, match):
+    # before: raw TypeErrors from a comparison or from torch, naming no field
+    with pytest.raises(TypeError, match=match):
+        SparsityConfig(**kwargs)
+
+
+def test_block_sparse_from_dense_checks_block_size_type():
+    from sparse_kernels import BlockSparseLinear
+
+    with pytest.raises(TypeError, match=r"`block_size` must be an int, got 16.0"):
+        BlockSparseLinear.from_dense(nn.Linear(32, 32), block_size=16.0, sparsity=0.5)

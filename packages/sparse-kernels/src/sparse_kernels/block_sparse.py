@@ -45,7 +45,7 @@ from sparse_kernels import _bsr_hopper_dw as HW
 from sparse_kernels import _bsr_kernels as K
 from sparse_kernels import _bsr_torch as T
 from sparse_kernels._triton import HAS_TRITON, available
-from sparse_kernels.config import BLOCK_SIZES
+from sparse_kernels.config import BLOCK_SIZES, check_int
 from sparse_kernels.layout import INDEX_FIELDS, BlockLayout, blocks_to_dense, dense_to_blocks
 from sparse_kernels.masks import block_scores, warn_if_empty
 
@@ -273,6 +273,7 @@ class BlockSparseLinear(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        check_int("block_size", block_size)
         if block_size < 1:
             raise ValueError(f"`block_size` ({block_size}) must be >= 1")
         if backend not in ("auto", "torch", "triton"):
@@ -356,6 +357,7 @@ class BlockSparseLinear(nn.Module):
         Raises:
             ValueError: for `block_size` < 1 or `sparsity` outside [0, 1).
         """
+        check_int("block_size", block_size)
         if block_size < 1:
             raise ValueError(f"`block_size` ({block_size}) must be >= 1")
         weight = linear.weight.detach()

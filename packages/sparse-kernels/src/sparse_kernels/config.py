@@ -85,6 +85,12 @@ class SparsityConfig:
     """SparseGPT: columns processed per lazy-update block."""
 
     def __post_init__(self) -> None:
+        for name in ("block_size", "sparsegpt_block"):
+            check_int(name, getattr(self, name))
+        for name in ("sparsity", "dampening"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"`{name}` must be a number, got {value!r}")
         parsed = parse_pattern(self.pattern)
         if parsed.kind != "nm" and not 0.0 <= self.sparsity < 1.0:
             raise ValueError(f"`sparsity` ({self.sparsity}) must be in [0, 1)")
@@ -116,3 +122,9 @@ class SparsityConfig:
         """The fraction of zeros this config produces (N:M: 1 - N/M)."""
         p = self.parsed
         return 1.0 - p.n / p.m if p.kind == "nm" else self.sparsity
+
+
+def check_int(name: str, value: object) -> None:
+    """TypeError naming `name` unless `value` is an int (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int, got {value!r}")

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from sparse_kernels.semi24 import compress_24, decompress_24, mask_24
-from sparse_kernels.sparsify import apply_mask_, masks, remove_masks_
+from sparse_kernels.sparsify import apply_mask_, masks, remove_masks_, stored_weight
 
 MASKS_FILE = "sparse_masks.safetensors"
 ALIASES_KEY = "sparse_kernels_aliases"
@@ -73,13 +73,20 @@ def check_no_block_sparse(model: nn.Module, what: str) -> None:
 
 
 def dense_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """`model.state_dict()` with masked weights baked in under their plain `*.weight` keys."""
+    """`model.state_dict()` with masked weights baked in under their plain `*.weight` keys.
+
+    Only the masks' parametrizations are replaced: another one (e.g. `weight_norm`, as in
+    Wav2Vec2's positional convolution) keeps its keys, as `save_pretrained` writes them.
+    """
+    found = masks(model)
+    ours = tuple(f"{name}.parametrizations.weight." if name else "parametrizations.weight."
+                 for name in found)  # fmt: skip
     out = {}
     for key, value in model.state_dict().items():
-        if ".parametrizations." in f".{key}":
+        if key.startswith(ours):
             continue
         out[key] = value
-    for name in masks(model):
+    for name in found:
         weight = model.get_submodule(name).weight
         assert isinstance(weight, Tensor)
         out[_weight_key(name)] = weight.detach()
@@ -117,17 +124,38 @@ def load_masks_(model: nn.Module, path: str | os.PathLike[str]) -> dict[str, Ten
 
     Use after `from_pretrained` to continue sparse fine-tuning with the same masks.
     """
+    check_no_block_sparse(model, "load_masks_")
     path = Path(path)
     info = json.loads((path / INFO_FILE).read_text())
     packed = load_file(str(path / MASKS_FILE))
     out = {}
-    for name, meta in info["masks"].items():
-        mask = unpack_bits(packed[name], tuple(meta["shape"]))
-        module = model.get_submodule(name)
-        assert isinstance(module, nn.Linear)
-        apply_mask_(module, mask)
-        out[name] = mask
+    for name, meta in info["masks"].items():  # every layer checked before any mask is attached
+        _masked_linear(model, name, tuple(meta["shape"]), path)
+        out[name] = unpack_bits(packed[name], tuple(meta["shape"]))
+    for name, mask in out.items():
+        apply_mask_(model.get_submodule(name), mask)  # type: ignore[arg-type]
     return out
+
+
+def _masked_linear(model: nn.Module, name: str, shape: tuple[int, ...], path: Path) -> nn.Linear:
+    """The `nn.Linear` `name` of `model` with a weight of `shape`, else a ValueError."""
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        module = None
+    if not isinstance(module, nn.Linear):
+        what = "no such module" if module is None else type(module).__name__
+        raise ValueError(
+            f"{path} has a mask for {name or '<root>'!r}, which in `model` is {what}, not an "
+            "nn.Linear: load the masks into the architecture they were saved from"
+        )
+    weight = (module.out_features, module.in_features)
+    if weight != shape:
+        raise ValueError(
+            f"{path} has a mask of shape {shape} for {name or '<root>'!r}, whose weight in "
+            f"`model` is {weight}: load the masks into the architecture they were saved from"
+        )
+    return module
 
 
 def _is_24_mask(mask: Tensor) -> bool:
@@ -223,13 +251,35 @@ def load_compressed_(
             found[key] = mask
     for key, original in aliases.items():
         state[key] = state[original]
+    # a masked weight tied to an unmasked one (an LM head masked on purpose, tied to the input
+    # embedding): the shared Parameter holds the unmasked values, only the head's view is masked
+    tied = _tied_unmasked(model, found, state)
+    for key, other in tied.items():
+        state[key] = state[other]
     model.load_state_dict(state)
     out = {}
     for key, mask in found.items():
         name = "" if key == "weight" else key.removesuffix(".weight")
         if apply_masks:
-            module = model.get_submodule(name)
-            assert isinstance(module, nn.Linear)
+            module = _masked_linear(model, name, tuple(mask.shape), Path(path))
             apply_mask_(module, mask)
+            if key in tied:  # `apply_mask_` zeroed the shared values outside the mask
+                stored_weight(module).copy_(state[tied[key]])
         out[name] = mask
+    return out
+
+
+def _tied_unmasked(
+    model: nn.Module, found: dict[str, Tensor], state: dict[str, Tensor]
+) -> dict[str, str]:
+    """Masked weight key -> an unmasked key of `state` sharing its Parameter in `model`."""
+    keys: dict[int, list[str]] = {}
+    for key, p in model.named_parameters(remove_duplicate=False):
+        keys.setdefault(id(p), []).append(key)
+    out = {}
+    for group in keys.values():
+        plain = [k for k in group if k not in found and k in state]
+        for key in group:
+            if key in found and plain:
+                out[key] = plain[0]
     return out

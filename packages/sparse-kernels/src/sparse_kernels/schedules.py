@@ -280,4 +280,9 @@ class SparseThenDense(SparseFromStart):
         dense_step: int,
         calibration: Iterable[Mapping[str, Any]] | None = None,
     ) -> None:
+        if dense_step is None:  # a SparseFromStart would never go dense
+            raise ValueError(
+                "`dense_step` (None) is required by SparseThenDense: the step at which the "
+                "masks are removed; use SparseFromStart for a mask kept to the end"
+            )
         super().__init__(model, config, calibration=calibration, dense_step=dense_step)
