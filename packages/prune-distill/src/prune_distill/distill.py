@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from prune_distill.arch import model_device
-from prune_distill.cache import TOPK_INDICES, TOPK_VALUES
+from prune_distill.cache import TEACHER_VOCAB, TOPK_INDICES, TOPK_VALUES, check_cached_vocab
 from prune_distill.config import DistillConfig
 from prune_distill.divergences import divergence
 from prune_distill.hidden import HiddenStateLoss
 from prune_distill.importance import lm_targets, many_batches, model_inputs
-from prune_distill.losses import TopK, forward_kl
+from prune_distill.losses import TopK, check_vocab, forward_kl
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -69,7 +69,7 @@ TeacherStates = tuple[torch.Tensor, ...]
 def _teacher_logits(
     teacher: nn.Module | None, batch: Mapping[str, Any], device: torch.device, top_k: int | None
 ) -> torch.Tensor | TopK:
-    target, _ = _teacher_outputs(teacher, batch, device, top_k)
+    target, _, _ = _teacher_outputs(teacher, batch, device, top_k)
     assert target is not None
     return target
 
@@ -82,10 +82,11 @@ def _teacher_outputs(
     *,
     hidden: bool = False,
     optional: bool = False,
-) -> tuple[torch.Tensor | TopK | None, TeacherStates | None]:
-    """Teacher logits (dense or top-k) and, if `hidden`, its hidden states (left on its device).
+) -> tuple[torch.Tensor | TopK | None, TeacherStates | None, int | None]:
+    """Teacher logits (dense or top-k), its hidden states if `hidden` (on its device), its vocab.
 
-    With `optional`, no teacher and no cached logits give (None, None) instead of an error.
+    The vocabulary size is the teacher model's (None offline: `check_cached_vocab` reads the
+    cache's). With `optional`, no teacher and no cached logits give Nones, not an error.
     """
     if TOPK_VALUES in batch:  # offline: cached by `cache_teacher_topk`
         if hidden:
@@ -97,10 +98,10 @@ def _teacher_outputs(
         values, indices = batch[TOPK_VALUES], batch[TOPK_INDICES]
         if top_k is not None:
             values, indices = values[..., :top_k], indices[..., :top_k]
-        return (values.to(device), indices.to(device)), None
+        return (values.to(device), indices.to(device)), None, None
     if teacher is None:
         if optional:
-            return None, None
+            return None, None, None
         raise ValueError(
             "`teacher` is None but the batch holds no cached teacher logits: pass a teacher "
             "model, or batches from `cache_teacher_topk` / `TeacherCache`"
@@ -112,9 +113,9 @@ def _teacher_outputs(
         logits = out.logits
         if top_k is not None:
             values, indices = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1)
-            return (values.to(device), indices.to(device)), states
+            return (values.to(device), indices.to(device)), states, logits.shape[-1]
         dense: torch.Tensor = logits.to(device)
-        return dense, states
+        return dense, states, logits.shape[-1]
 
 
 def distill(
@@ -141,8 +142,9 @@ def distill(
         keeps its train/eval mode from before the call.
 
     Raises:
-        ValueError: no trainable parameters, no teacher where one is needed, or a
-            `hidden_layer_map` outside the models' layers.
+        ValueError: no trainable parameters, no teacher where one is needed, a teacher (or
+            cache) of another vocabulary size than the student's, or a `hidden_layer_map`
+            outside the models' layers.
     """
     cfg = config or DistillConfig()
     many_batches(batches)
@@ -192,7 +194,7 @@ def distill(
                 batch = _move(raw, device)
                 share = tokens / group_tokens  # this micro-batch's mean -> its sum / group's
                 mask = batch.get("attention_mask")
-                target, teacher_states = _teacher_outputs(
+                target, teacher_states, teacher_vocab = _teacher_outputs(
                     teacher,
                     batch,
                     device,
@@ -204,6 +206,11 @@ def distill(
                     **model_inputs(batch), use_cache=False, output_hidden_states=hidden is not None
                 )
                 logits = out.logits
+                if isinstance(target, tuple):  # the loss checks a dense teacher's vocabulary
+                    if teacher_vocab is None:
+                        check_cached_vocab(raw, logits.shape[-1])  # no host sync
+                    else:
+                        check_vocab(teacher_vocab, logits.shape[-1])
                 loss, kl = torch.zeros((), device=device), nan
                 if target is not None:  # None only for plain LM training (`correct_teacher`)
                     kl = share * divergence(
@@ -303,7 +310,7 @@ def correct_teacher(
     flags = [p.requires_grad for p in corrected.parameters()]
     corrected.requires_grad_(True)
     plain = (
-        {k: v for k, v in b.items() if k not in (TOPK_VALUES, TOPK_INDICES)}
+        {k: v for k, v in b.items() if k not in (TOPK_VALUES, TOPK_INDICES, TEACHER_VOCAB)}
         for b in many_batches(batches)
     )
     try:

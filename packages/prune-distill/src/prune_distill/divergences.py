@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from prune_distill._divergence_kernels import divergence_rows
-from prune_distill.config import Backend, LossName, check_loss
+from prune_distill.config import Backend, LossName, _check_number, check_loss
 from prune_distill.losses import (
     TopK,
     _as_teacher,
@@ -109,8 +109,7 @@ def _divergence(
     chunk_size: int | None,
     backend: Backend,
 ) -> torch.Tensor:
-    if not temperature > 0:
-        raise ValueError(f"`temperature` ({temperature}) must be > 0")
+    _check_number("temperature", temperature, low=0.0, strict=True)  # DistillConfig's check
     check_loss(kind, beta, top_k=isinstance(teacher, tuple))
     s, t, weights = flatten_inputs(student_logits, teacher, mask)
     path = resolve_path(backend, t, s.device, chunk_size)

@@ -104,13 +104,23 @@ def many_batches(
 def calibration_batches(
     batches: Iterable[Mapping[str, Any]], num_samples: int | None, device: torch.device
 ) -> Iterator[dict[str, Any]]:
-    """Yield batches on `device` until `num_samples` sequences have been produced (all if None)."""
+    """Yield batches on `device` until `num_samples` sequences have been produced (all if None).
+
+    Raises a ValueError naming `attention_mask` when a batch's mask is not shaped as its
+    `input_ids`.
+    """
     many_batches(batches)
     if num_samples is not None and num_samples < 1:
         raise ValueError(f"`num_samples` ({num_samples}) must be >= 1 or None")
     seen = 0
     for batch in batches:
         rows = _rows(batch)
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.shape != ids.shape:
+            raise ValueError(
+                f"`attention_mask` has shape {tuple(mask.shape)} but `input_ids` has shape "
+                f"{tuple(ids.shape)}: they must be equal (B, S), 0 marking padding"
+            )
         if num_samples is not None:
             rows = min(rows, num_samples - seen)
         yield _take(batch, rows, device)
@@ -131,7 +141,9 @@ def lm_targets(batch: Mapping[str, Any]) -> torch.Tensor:
     return labels[:, 1:]
 
 
-_NOT_MODEL_INPUTS = frozenset({"labels", "teacher_topk_values", "teacher_topk_indices"})
+_NOT_MODEL_INPUTS = frozenset(
+    {"labels", "teacher_topk_values", "teacher_topk_indices", "teacher_vocab_size"}
+)  # the keys `cache_teacher_topk` adds
 
 
 def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
@@ -202,6 +214,10 @@ def collect_importance(
 
     Returns:
         The scores; pass them to `prune`.
+
+    Raises:
+        ValueError: `batches` yields no sequence or no valid token (all padding), or an
+            `attention_mask` not shaped as its `input_ids`; or a bad option.
     """
     spec = arch_of(model)
     dims = dims_of(model, spec)
@@ -310,6 +326,11 @@ def collect_importance(
         model.train(was_training)
 
     num_tokens, loss_tokens = (int(n) for n in token_counts)
+    if num_tokens == 0:  # every score would be 0 and `prune` would keep an arbitrary slice
+        raise ValueError(
+            f"`batches` yielded no valid tokens (`attention_mask` is 0 on all {num_rows} "
+            "sequences): nothing to calibrate on"
+        )
     lm_increase = None
     if layer_loss:
         denom = max(loss_tokens, 1)

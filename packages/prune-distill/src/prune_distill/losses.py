@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from prune_distill.config import Backend
+from prune_distill.config import Backend, _check_number
 
 TopK = tuple[torch.Tensor, torch.Tensor]
 """Teacher top-k logits: (values (N, k), indices (N, k))."""
@@ -205,42 +205,80 @@ def _resolve_backend(backend: str, teacher: torch.Tensor | TopK, device: torch.d
     return backend
 
 
+def check_vocab(teacher_vocab: int, student_vocab: int) -> None:
+    """Raise a ValueError naming both sizes unless the teacher's vocabulary is the student's."""
+    if teacher_vocab != student_vocab:
+        raise ValueError(
+            f"teacher vocab ({teacher_vocab}) != student vocab ({student_vocab}): distillation "
+            "needs the same tokenizer and vocabulary size"
+        )
+
+
+def check_topk(values: torch.Tensor, indices: torch.Tensor, vocab: int) -> None:
+    """Raise a ValueError naming `teacher` unless ``(values, indices)`` fit a `vocab`-id student.
+
+    Both must have the same shape (..., k) and the indices an integer dtype; indices on the CPU
+    must also lie in ``[0, vocab)``. On an accelerator that range check would read a value back
+    to the host on every call (a sync in the training step), so it is left out there: `distill`
+    compares the teacher's vocabulary size instead, and an out-of-range index fails in
+    ``gather`` (a device-side assert on CUDA).
+    """
+    if values.shape != indices.shape:
+        raise ValueError(
+            f"`teacher` top-k values have shape {tuple(values.shape)} but its indices "
+            f"{tuple(indices.shape)}: pass (values, indices) of the same shape (..., k), e.g. "
+            "torch.topk(teacher_logits, k)"
+        )
+    if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+        raise ValueError(
+            f"`teacher` top-k indices have dtype {indices.dtype}: they must be integer ids "
+            "into the student's vocabulary"
+        )
+    if indices.device.type != "cpu" or indices.numel() == 0:
+        return
+    low, high = (int(x) for x in torch.aminmax(indices))
+    if low < 0 or high >= vocab:
+        raise ValueError(
+            f"`teacher` top-k indices span [{low}, {high}] but the student vocab has {vocab} ids "
+            f"(0 to {vocab - 1}): distillation needs the same tokenizer and vocabulary size"
+        )
+
+
 def flatten_inputs(
     student_logits: torch.Tensor, teacher: torch.Tensor | TopK, mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | TopK, torch.Tensor]:
     """Token rows: student (N, V), teacher (N, V) or top-k (N, k) pair, row weights (N,).
 
     The weights are ``mask / number of valid tokens`` (``1 / N`` without a mask). Raises a
-    ValueError naming the mismatch for a teacher of another vocabulary or shape, or a `mask`
-    with another number of elements than the logits have token rows.
+    ValueError naming the mismatch for a teacher of another vocabulary or shape (a top-k teacher:
+    see `check_topk`), or a `mask` whose shape is neither the logits' leading shape nor (N,).
     """
     vocab = student_logits.shape[-1]
     s = student_logits.reshape(-1, vocab)
     if isinstance(teacher, tuple):
         values, indices = teacher
+        check_topk(values, indices, vocab)
         k = values.shape[-1]
         t: torch.Tensor | TopK = (values.reshape(-1, k), indices.reshape(-1, k).long())
         lead = values.shape[:-1]
     else:
-        if teacher.shape[-1] != vocab:
-            raise ValueError(
-                f"teacher vocab ({teacher.shape[-1]}) != student vocab ({vocab}): distillation "
-                "needs the same tokenizer and vocabulary size"
-            )
+        check_vocab(teacher.shape[-1], vocab)
         t = teacher.reshape(-1, vocab)
         lead = teacher.shape[:-1]
+    expected = tuple(student_logits.shape[:-1])
     if lead != student_logits.shape[:-1]:
-        raise ValueError(
-            f"teacher shape {tuple(lead)} != student shape {tuple(student_logits.shape[:-1])}"
-        )
+        raise ValueError(f"teacher shape {tuple(lead)} != student shape {expected}")
     if mask is None:
         weights = torch.full((s.shape[0],), 1.0 / max(s.shape[0], 1), device=s.device)
     else:
-        if mask.numel() != s.shape[0]:
+        flat = (s.shape[0],)
+        if tuple(mask.shape) not in (expected, flat):
+            also = "" if expected == flat else f" or {flat}, flat in the logits' row order"
             raise ValueError(
                 f"`mask` has shape {tuple(mask.shape)} but the logits have {s.shape[0]} token "
-                f"rows: expected shape {tuple(student_logits.shape[:-1])} (one entry per row of "
-                "logits; with shifted logits, shift the mask the same way)"
+                f"rows: expected shape {expected}{also} (one entry per row of logits, the same "
+                "element count in another shape is refused; with shifted logits, shift the mask "
+                "the same way)"
             )
         m = mask.reshape(-1).float()
         weights = m / m.sum().clamp_min(1.0)
@@ -261,10 +299,13 @@ def forward_kl(
     Args:
         student_logits: (..., V) student logits (gradients flow into them).
         teacher: (..., V) teacher logits, or a `TopK` pair ``(values, indices)`` of shape (..., k)
-            each (e.g. ``torch.topk(teacher_logits, k)``; indices into the student's vocab).
-        mask: (...) 1 for tokens that count, 0 for padding, one entry per token row of the logits
-            (another number of elements raises a ValueError); None counts every token.
-        temperature: T; the loss is multiplied by T^2 so gradient scales match T = 1.
+            each (e.g. ``torch.topk(teacher_logits, k)``; integer indices into the student's
+            vocab, their range checked where they are on the CPU: see `check_topk`).
+        mask: (...) 1 for tokens that count, 0 for padding: the logits' leading shape, or (N,)
+            for their N token rows flattened (another shape raises a ValueError, also one with
+            the same number of elements, e.g. transposed); None counts every token.
+        temperature: T, a finite number > 0; the loss is multiplied by T^2 so gradient scales
+            match T = 1.
         chunk_size: token rows per chunk of the chunked PyTorch path; None uses plain autograd
             (the reference implementation, whatever `backend` says unless it is ``"triton"``,
             which then raises). The Triton kernel ignores it (it streams one row at a time).
@@ -277,8 +318,7 @@ def forward_kl(
         student is ``-inf`` too) add 0. A teacher that requires grad gets its gradient on the
         plain and chunked paths.
     """
-    if not temperature > 0:
-        raise ValueError(f"`temperature` ({temperature}) must be > 0")
+    _check_number("temperature", temperature, low=0.0, strict=True)  # DistillConfig's check
     s, t, weights = flatten_inputs(student_logits, teacher, mask)
     chosen = resolve_path(backend, t, s.device, chunk_size)
     if chosen == "plain":
