@@ -153,18 +153,31 @@ def test_a_channels_last_model_trains_as_one_process(tmp_path: Path) -> None:
 
 
 class _Noisy(torch.optim.SGD):
-    """SGD plus noise from a seed drawn at construction (as stochastic rounding draws one)."""
+    """SGD plus noise from a seed drawn at construction (as stochastic rounding draws one).
+
+    The noise is a function of (seed, step), and both are in the state dict beside `state`
+    and `param_groups` (as optim-came's stochastic-rounding seed is).
+    """
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         super().__init__(params, lr=0.1)
         self.seed = int(torch.randint(0, 2**62, ()))
-        self.noise = torch.Generator().manual_seed(self.seed)
+        self.steps = 0
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         super().step(closure)
+        self.steps += 1
+        noise = torch.Generator().manual_seed(self.seed + self.steps)
         for p in self.param_groups[0]["params"]:
-            p.add_(torch.randn(p.shape, generator=self.noise), alpha=1e-2)
+            p.add_(torch.randn(p.shape, generator=noise), alpha=1e-2)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "noise": {"seed": self.seed, "steps": self.steps}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.seed, self.steps = state_dict["noise"]["seed"], state_dict["noise"]["steps"]
 
 
 def _seeded_per_rank(rank: int, world: int, want: dict[str, torch.Tensor]) -> None:
@@ -192,6 +205,47 @@ def _seeded_per_rank(rank: int, world: int, want: dict[str, torch.Tensor]) -> No
             dist.all_gather_object(theirs, value)
             for r in range(world):
                 torch.testing.assert_close(theirs[r], want[key], atol=1e-6, rtol=1e-5)
+
+
+def _resumed_elsewhere(rank: int, world: int, want: dict[str, torch.Tensor], ckpt: str) -> None:
+    x = _data()
+    model = Stack()  # (seeds itself)
+    torch.manual_seed(100 + rank)
+    model, opt = prepare(model, _Noisy, ZeroConfig(stage=2, min_shard_numel=10**6))
+    for _ in range(2):
+        model(x[2 * rank : 2 * rank + 2]).backward()
+        opt.step()
+        opt.zero_grad()
+    save_checkpoint(ckpt, model, opt)
+    model = Stack()
+    torch.manual_seed(999 + rank)  # a resume script that draws otherwise before `prepare`
+    model, opt = prepare(model, _Noisy, ZeroConfig(stage=2, min_shard_numel=10**6))
+    load_checkpoint(ckpt, model, opt)
+    assert (opt.optimizer.seed, opt.optimizer.steps) == (want["seed"].tolist(), 2)
+    for _ in range(2):
+        model(x[2 * rank : 2 * rank + 2]).backward()
+        opt.step()
+        opt.zero_grad()
+    got = full_state_dict(model)
+    for key, value in got.items():
+        torch.testing.assert_close(value, want[key], atol=1e-6, rtol=1e-5, msg=key)
+
+
+def test_a_resume_restores_the_optimizers_own_state_dict_entries(tmp_path: Path) -> None:
+    # before: the checkpoint kept `state` and `param_groups` only, so a seed beside them (the
+    # stochastic-rounding seed of optim-came / optim-adafactor) came from the resuming
+    # process's random stream: the run continued 0.0174 away after 3 steps
+    model = Stack()
+    torch.manual_seed(100)
+    opt = _Noisy(list(model.parameters()))
+    for _ in range(4):
+        model(_data()).backward()
+        opt.step()
+        opt.zero_grad()
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    want["seed"] = torch.tensor(opt.seed)
+    ckpt = str(tmp_path / "ckpt")
+    spawn(_resumed_elsewhere, want, ckpt, world_size=2, tmp_path=tmp_path)
 
 
 def test_what_the_optimizer_draws_at_construction_is_alike_on_every_rank(

@@ -126,3 +126,64 @@ def test_a_double_backward_raises_a_clear_error(tmp_path: Path) -> None:
         model(x, y).backward()  # a plain backward still works after it
         opt.step()
         assert all(torch.isfinite(v).all() for v in full_state_dict(model).values())
+
+
+class SparseLayer(nn.Module):
+    """A graph convolution: its forward saves a sparse adjacency for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.stop = False
+
+    def forward(self, h: torch.Tensor, adj: torch.Tensor) -> torch.Tensor:
+        if self.stop:
+            raise KeyboardInterrupt  # a Ctrl-C inside a unit's forward
+        return torch.tanh(torch.sparse.mm(adj, self.lin(h)))
+
+
+class Graph(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(SparseLayer() for _ in range(2))
+
+    def forward(self, h: torch.Tensor, adj: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = layer(h, adj)
+        return h.square().mean()
+
+
+def _graph_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    dense = (torch.rand(5, 5, generator=g) > 0.5).float()
+    return torch.randn(5, WIDTH, generator=g), dense.to_sparse()
+
+
+def test_sparse_saved_tensors_and_an_interrupted_forward(tmp_path: Path) -> None:
+    # before: a sparse tensor saved in a unit's forward failed in the hook ("Cannot access
+    # storage of SparseTensorImpl"); a KeyboardInterrupt left the hook installed for good
+    h, adj = _graph_data()
+    ref = Graph()
+    opt = _sgd(list(ref.parameters()))
+    for _ in range(2):
+        ref(h, adj).backward()
+        opt.step()
+        opt.zero_grad()
+    with single_process_group("cpu", tmp_path):
+        model, zopt = prepare(Graph(), _sgd, ZeroConfig(stage=3, min_shard_numel=0))
+        for _ in range(2):
+            model(h, adj).backward()
+            zopt.step()
+            zopt.zero_grad()
+        got = full_state_dict(model)
+        for key, value in ref.state_dict().items():
+            torch.testing.assert_close(got[key], value, atol=1e-6, rtol=1e-5, msg=key)
+        model.layers[1].stop = True
+        with pytest.raises(KeyboardInterrupt):
+            model(h, adj)
+        assert _top_saved_tensors_default_hooks(False) is not None  # left behind
+        model.layers[1].stop = False
+        model(h, adj).backward()  # the next forward leaves them
+        zopt.zero_grad()
+        assert _top_saved_tensors_default_hooks(False) is None

@@ -98,6 +98,7 @@ def prepare(
             f"`make_optimizer` must return a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
     _check_covers(optimizer, masters)
+    engine.comm.clear_counts()  # the first step's counts are its own, not `prepare`'s checks
     setattr(model, ENGINE_ATTR, engine)
     model.no_sync = engine.no_sync  # type: ignore[assignment]
     model.zero_grad = engine.model_zero_grad  # type: ignore[method-assign]

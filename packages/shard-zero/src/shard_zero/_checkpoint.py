@@ -6,7 +6,8 @@ Layout of a checkpoint directory written by N ranks: for each rank r,
   (`<name>::master`, rows `rows[name]` of the parameter) and the optimizer's tensor state for it
   (`<name>::state::<key>`); the header's metadata (`shard_zero`, JSON) holds the format, the
   rank, the world size and `rows` (each parameter's row range on that rank);
-* `rank{r:05d}.meta.pt`: the optimizer's param groups and non-tensor state (e.g. integer steps).
+* `rank{r:05d}.meta.pt`: the optimizer's param groups and non-tensor state (e.g. integer steps),
+  and its state-dict entries besides those (e.g. a stochastic-rounding seed).
 
 Rank 0's file also holds the model's persistent buffers (`<name>::buffer`, e.g. BatchNorm's
 running statistics), whole; every loading rank reads them from it.
@@ -39,6 +40,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from shard_zero._api import ENGINE_ATTR, engine_of
+from shard_zero._checkpoint_extra import (
+    load_optimizer_extra,
+    optimizer_extra,
+    persistent_buffers,
+)
 from shard_zero._layout import Entry
 from shard_zero._optimizer import ZeroOptimizer
 
@@ -105,7 +111,7 @@ def save_checkpoint(
                 tensors[e.name + _SEP + "state" + _SEP + key] = _to_cpu(value)
             else:
                 scalars[e.name][key] = value
-    buffers = _persistent_buffers(model)
+    buffers = persistent_buffers(model)
     if rank == 0:  # whole on every rank (as DDP, which broadcasts rank 0's): saved once
         for name, buffer in buffers.items():
             tensors[name + _SEP + "buffer"] = _to_cpu(buffer)
@@ -120,6 +126,7 @@ def save_checkpoint(
         "shapes": {e.name: e.shape for e in entries},
         "scalars": scalars,
         "buffers": sorted(buffers),
+        "optimizer_extra": optimizer_extra(inner),
     }
     torch.save(meta, tmp / _meta_file(rank))
     _barrier(group, engine is not None)
@@ -218,12 +225,13 @@ def load_checkpoint(
             raise ValueError(
                 f"parameter {e.name!r}: checkpoint shape {shapes[e.name]} != model shape {e.shape}"
             )
-    buffers = _persistent_buffers(model)
+    buffers = persistent_buffers(model)
     saved_buffers = meta.get("buffers")  # None: written before checkpoints held buffers
     if saved_buffers is not None and set(saved_buffers) != set(buffers):
         differ = sorted(set(saved_buffers) ^ set(buffers))
         raise ValueError(f"checkpoint and model buffers differ: {differ[:8]}")
     inner = optimizer.optimizer if isinstance(optimizer, ZeroOptimizer) else optimizer
+    load_optimizer_extra(inner, meta.get("optimizer_extra"))  # before its state is filled
     with ExitStack() as stack:
         files = _Files(root, int(meta["world_size"]), stack)
         for e in entries:
@@ -235,16 +243,6 @@ def load_checkpoint(
         group.update(saved_group)
     if engine is not None:
         engine.push_params()
-
-
-def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers `model.state_dict()` holds, by key (non-persistent ones are rebuilt)."""
-    buffers = {}
-    for prefix, module in model.named_modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name not in module._non_persistent_buffers_set:
-                buffers[f"{prefix}.{name}" if prefix else name] = buffer
-    return buffers
 
 
 def _load_buffer(name: str, buffer: torch.Tensor, files: _Files) -> None:

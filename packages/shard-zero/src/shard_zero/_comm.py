@@ -143,6 +143,11 @@ class Comm:
         self.seq = (self.seq * 1_000_000_007 + code) % _HASH_MOD
         self._issued += 1
 
+    def clear_counts(self) -> None:
+        """Forget the calls and bytes counted so far (the divergence hash is kept)."""
+        self.calls.clear()
+        self.bytes.clear()
+
     def name(self, ident: int) -> str:
         """What the collective `ident` carries, for messages."""
         return self.names.get(ident, f"collective #{ident}")

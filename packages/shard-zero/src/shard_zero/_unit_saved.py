@@ -56,7 +56,8 @@ class SavedWatch(Generic[U]):
         outer = _top_saved_tensors_default_hooks(False)
 
         def pack(t: torch.Tensor) -> Saved:
-            mine = t.untyped_storage()._cdata == storage
+            # a sparse (or other non-strided) tensor has no storage of its own: not the unit's
+            mine = t.layout == torch.strided and t.untyped_storage()._cdata == storage
             return mine, (t if outer is None else outer[0](t))
 
         def unpack(saved: Saved) -> Any:
@@ -68,6 +69,21 @@ class SavedWatch(Generic[U]):
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         hooks.__enter__()
         self._stack.append((unit, hooks))
+
+    def reset(self) -> None:
+        """Leave the hooks a forward interrupted by a BaseException left behind.
+
+        Called at the start of each model forward. The forward hooks that leave them run for an
+        `Exception` only (`always_call`), not for a KeyboardInterrupt; each is left only if it
+        is still the innermost pair (torch pops the top, whatever it is).
+        """
+        while self._stack:
+            _, hooks = self._stack.pop()
+            if hooks is not None and _top_saved_tensors_default_hooks(False) == (
+                hooks.pack_hook,
+                hooks.unpack_hook,
+            ):
+                hooks.__exit__(None, None, None)
 
     def exit(self, unit: U) -> None:
         """Stop watching `unit` (nothing if its `enter` did not run: a pre-hook raised)."""

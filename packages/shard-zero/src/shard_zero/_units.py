@@ -329,6 +329,7 @@ class Units:
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if not in_backward():
             self.fwd_order = []
+            self._saved.reset()
         self.in_forward = True
         self.gather_wait(self.unit_of_module(module))
 
