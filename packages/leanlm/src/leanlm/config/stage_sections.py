@@ -74,7 +74,8 @@ class DistillConfig(TrainConfig):
     """Before distilling, fine-tune a copy of the teacher for this many optimizer steps on the
     distillation data (Minitron's "teacher correction": next-token loss, the stage's optimizer,
     batch size and `grad_clip`, constant LR, the same batches as the first distillation steps;
-    every process computes the same corrected teacher). 0 = off."""
+    every process computes the same corrected teacher). Its tokens are the stage's
+    `teacher_correction_tokens` metric, which `control` trains on for too. 0 = off."""
     teacher_correction_lr: float = 0.0
     """Learning rate of the teacher correction (0 = `lr` / 5, the ratio Minitron's second paper
     is reported to use for its teacher's fine-tune)."""
@@ -262,10 +263,11 @@ class ControlConfig(TrainConfig):
     """Stage `control`: train the dense pretrained model on, as a fair baseline for compression.
 
     It continues the `pretrain` stage's model (or `init_model`) with next-token loss for as many
-    tokens as the stages between it and `pretrain` used (their `tokens` plus calibration tokens,
-    read from their results), rounded up to whole optimizer steps, and scores it on the same
-    validation windows. So `steps` is not read: the stage computes it. Everything else (optimizer,
-    learning rate, batch, ...) is as in the other training stages.
+    tokens as the stages between it and `pretrain` used (their `tokens` plus calibration and
+    teacher-correction tokens, read from their results), rounded up to whole optimizer steps,
+    and scores it on the same validation windows. So `steps` is not read: the stage computes
+    it. Everything else (optimizer, learning rate, batch, ...) is as in the other training
+    stages.
     """
 
     _steps_given: ClassVar[bool] = False

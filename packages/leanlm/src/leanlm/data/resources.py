@@ -39,6 +39,16 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "leanlm"
 
 
+def validation_key(config: RunConfig) -> tuple[str, Any]:
+    """The config key that chooses the validation split of `config`'s corpus, and its value."""
+    data = config.data
+    if data.source == "files" and data.validation_files:
+        return "data.validation_files", list(data.validation_files)
+    if data.source == "hub":
+        return "data.hub_validation_split", data.hub_validation_split
+    return "data.validation_fraction", data.validation_fraction
+
+
 class RunResources:
     """Data shared by the stages of one run, built lazily once per process.
 
@@ -104,13 +114,27 @@ class RunResources:
         """The validation windows `(N, seq_len)` every stage is scored on.
 
         Spread evenly over the validation split; with `[data] streaming`, the first
-        `eval_windows` windows of the validation stream (only those are tokenized).
+        `eval_windows` windows of the validation stream (only those are tokenized). The pipeline
+        builds them before the first stage.
+
+        Raises:
+            ConfigError: the validation split is shorter than one window, naming the key that
+                chose it (`data.validation_files`, `data.validation_fraction` or
+                `data.hub_validation_split`) and both lengths.
         """
         data = self.config.data
-        if data.streaming:
-            split = self.corpus.dataset["validation"]
-            return first_windows(split, self.tokenizer, data.seq_len, data.eval_windows)
-        return spread_windows(self.streams.validation, data.seq_len, data.eval_windows)
+        try:
+            if data.streaming:
+                split = self.corpus.dataset["validation"]
+                return first_windows(split, self.tokenizer, data.seq_len, data.eval_windows)
+            return spread_windows(self.streams.validation, data.seq_len, data.eval_windows)
+        except ConfigError:
+            raise
+        except ValueError as err:  # `blocks`: shorter than one window (names both lengths)
+            key, value = validation_key(self.config)
+            raise ConfigError(
+                key, f"({value!r}) gives a validation split too short to score the stages on: {err}"
+            ) from None
 
     def train_batches(self) -> BatchSource:
         """A new source of the trainer's global batches, at the start of the training data."""

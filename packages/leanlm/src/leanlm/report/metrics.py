@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import resource
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -43,7 +44,9 @@ class TensorBoardSink:
     def __init__(self, log_dir: Path, *, purge_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+        # SummaryWriter's `purge_step` T drops the events at T and after: T + 1 keeps step T
+        purge = None if purge_step is None else purge_step + 1
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
 
     def add_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         """One TensorBoard scalar per key at `step`."""
@@ -127,7 +130,9 @@ class MetricsLog:
 
     On resume (`resume_step` > 0) rows after that step are dropped first, and TensorBoard purges
     its events after it, so a resumed run's logs read like an uninterrupted run's (a W&B run
-    cannot drop logged points: it shows the repeated steps twice).
+    cannot drop logged points: it shows the repeated steps twice). A start from step 0 (a new
+    stage, or one `--restart-changed` reruns) empties `metrics.jsonl` and deletes the folder's
+    earlier TensorBoard events.
     """
 
     def __init__(
@@ -150,7 +155,10 @@ class MetricsLog:
             else []
         )
         path.write_text("".join(json.dumps(row) + "\n" for row in kept))
-        board = TensorBoardSink(path.parent / "tensorboard", purge_step=resume_step or None)
+        board_dir = path.parent / "tensorboard"
+        if not resume_step:  # a discarded run's events: TensorBoard would show both curves
+            shutil.rmtree(board_dir, ignore_errors=True)
+        board = TensorBoardSink(board_dir, purge_step=resume_step or None)
         self._sinks = [board, *sinks]
 
     def log(self, row: dict[str, Any]) -> None:

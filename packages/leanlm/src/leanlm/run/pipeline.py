@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
 
 from leanlm.config import INIT_STAGE, ConfigError, RunConfig, dumps_toml, to_dict
 from leanlm.data.resources import RunResources
@@ -18,6 +18,7 @@ from leanlm.report.downstream import Downstream
 from leanlm.report.markdown import write_report
 from leanlm.report.metrics import WandbRun, peak_memory_mib, require_wandb, reset_peak_memory
 from leanlm.run import interrupt
+from leanlm.run.datafiles import data_fingerprint, file_digests, write_record
 from leanlm.run.rundir import CONFIG_FILE, check_reuse, holds_work, mark_run_dir, stage_hash
 from leanlm.stages import STAGES, StageContext, StageResult
 from leanlm.train.model import weights_stats
@@ -72,6 +73,10 @@ def run_pipeline(
     lm-evaluation-harness (`leanlm.report.downstream`; a stored result only on the tasks it lacks);
     with `[logging] wandb` the main process logs the training scalars to one W&B run.
 
+    A change of a data file's content (`leanlm.run.datafiles`) changes every stage's hash, like
+    a config change; a validation split shorter than one window is a `ConfigError` before the
+    first stage.
+
     Raises:
         leanlm.configio.ConfigError: `[eval]` or `[logging]` needs a package that is not
             installed, or names an unknown task, or `mixed_precision = "fp16"` on a machine
@@ -87,8 +92,16 @@ def run_pipeline(
     accelerator = make_accelerator(config)
     downstream = Downstream(config, accelerator)  # checks `[eval]`'s tasks before any work
     processes = accelerator.num_processes
+    # the content of the data files, read once (by the main process): part of the stage hashes
+    mine = file_digests(config.data) if accelerator.is_main_process else {}
+    data = broadcast_object_list([mine])[0]
     check_reuse(
-        out_dir, config, resume=resume, restart_changed=restart_changed, processes=processes
+        out_dir,
+        config,
+        resume=resume,
+        restart_changed=restart_changed,
+        processes=processes,
+        data=data,
     )
     fresh = not holds_work(out_dir)
     if accelerator.is_main_process:
@@ -97,6 +110,7 @@ def run_pipeline(
         for name in config.stages if fresh else ():  # logs of a start that failed early
             shutil.rmtree(out_dir / name, ignore_errors=True)
         (out_dir / CONFIG_FILE).write_text(dumps_toml(config))
+        write_record(out_dir, data)
     accelerator.wait_for_everyone()
     resources = RunResources(config, accelerator)
     wandb_run = None
@@ -105,11 +119,12 @@ def run_pipeline(
             config.logging, out_dir, name=config.name, config=to_dict(config), resume=resume
         )
     accelerator.print(f"[leanlm] corpus: {resources.corpus.description}")
+    resources.validation_windows  # noqa: B018  (built now: a split too short stops the run here)
 
     results: list[StageResult] = []
     outputs: dict[str, Path] = {}
     previous_dir: Path | None = None
-    previous_hash = ""
+    previous_hash, data_hash = "", data_fingerprint(data)
     if config.init_model:  # a local folder or a hub id; from_pretrained takes either
         previous_dir = outputs[INIT_STAGE] = Path(config.init_model)
     start = time.perf_counter()
@@ -118,7 +133,7 @@ def run_pipeline(
         if interrupt.requested():
             raise interrupt.stopped(name, 0)
         stage_dir = out_dir / name
-        digest = stage_hash(config, name, previous_hash, processes)
+        digest = stage_hash(config, name, previous_hash, processes, data_hash)
         stored = StageResult.load(stage_dir) if resume else None
         if stored is not None and stored.config_hash == digest:
             accelerator.print(f"[leanlm] {name}: finished earlier with the same config, skipped")

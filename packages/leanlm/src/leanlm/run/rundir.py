@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from leanlm.config import ConfigError, RunConfig, to_dict
+from leanlm.run.datafiles import Digests, changed_files, data_fingerprint, file_digests
 from leanlm.run.lock import LOCK_FILE
 
 CONFIG_FILE = "config.toml"
@@ -76,11 +77,15 @@ def foreign_entries(out_dir: Path) -> list[str]:
     return names
 
 
-def stage_hash(config: RunConfig, stage: str, previous_hash: str, processes: int = 1) -> str:
+def stage_hash(
+    config: RunConfig, stage: str, previous_hash: str, processes: int = 1, data: str = ""
+) -> str:
     """Hash of what a stage's output depends on, run on `processes` processes.
 
-    That is data, tokenizer, model, seed, precision, the stage's own section, and the previous
-    stage's hash (so changing an early stage invalidates every later one). A training section's
+    That is data (the `[data]` section and `data`, the `leanlm.run.datafiles.data_fingerprint`
+    of the content of its files), tokenizer, model, seed, precision, the stage's own section,
+    and the previous stage's hash (so changing an early stage invalidates every later one). A
+    training section's
     `grad_accum_steps` counts as `grad_accum_steps x processes`, the micro-batches of one
     optimizer step over all processes: the global batch is the same, and so are the stage's
     results and checkpoints, when a run resumes at another number of processes with
@@ -94,7 +99,7 @@ def stage_hash(config: RunConfig, stage: str, previous_hash: str, processes: int
     own = config.fingerprint(
         "seed", "mixed_precision", "init_model", "data", "tokenizer", "model", stage
     )
-    return hashlib.sha256(f"{own}:{previous_hash}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{own}:{data}:{previous_hash}".encode()).hexdigest()[:16]
 
 
 def _stored_hashes(stage_dir: Path) -> set[str]:
@@ -126,14 +131,17 @@ def stored_processes(stage_dir: Path) -> int | None:
     return None
 
 
-def discarded_stages(out_dir: Path, config: RunConfig, processes: int = 1) -> list[str]:
+def discarded_stages(
+    out_dir: Path, config: RunConfig, processes: int = 1, data: str = ""
+) -> list[str]:
     """Stages of `config` whose stored work in `out_dir` was made under another config.
 
-    Or at a global batch that `processes` processes do not make (see `stage_hash`).
+    Or on other data files (`data`: see `stage_hash`), or at a global batch that `processes`
+    processes do not make.
     """
     stages, previous = [], ""
     for stage in config.stages:
-        digest = stage_hash(config, stage, previous, processes)
+        digest = stage_hash(config, stage, previous, processes, data)
         stored = _stored_hashes(out_dir / stage)
         if stored and digest not in stored:
             stages.append(stage)
@@ -160,13 +168,16 @@ def check_reuse(
     resume: bool,
     restart_changed: bool = False,
     processes: int = 1,
+    data: Digests | None = None,
 ) -> None:
     """Refuse to overwrite a run, and to resume one in a way that discards work.
 
     A config change that leaves every stored result and checkpoint valid (a stage appended,
     `name`, a stage that has not run yet) resumes; one that would restart a stage with work
-    on disk needs `restart_changed`. So does a resume on another number of `processes` that
-    changes a stored stage's global batch (see `stage_hash`).
+    on disk needs `restart_changed`. So does a change of a data file's content (`data`: the
+    run's `leanlm.run.datafiles.file_digests`, read here when not given) and a resume on
+    another number of `processes` that changes a stored stage's global batch (see
+    `stage_hash`).
 
     A folder that holds neither a run nor the `RUN_MARKER` of one must be empty, with or
     without `resume`: leanlm writes `config.toml` and the stage folders into `--out`, and
@@ -195,12 +206,16 @@ def check_reuse(
             f"{out_dir} already holds a run: pass --resume to continue it, or start over with "
             f"`rm -r {out_dir}` (or another --out)"
         )
-    stages = [] if restart_changed else discarded_stages(out_dir, config, processes)
+    if restart_changed:
+        return
+    data = file_digests(config.data) if data is None else data
+    stages = discarded_stages(out_dir, config, processes, data_fingerprint(data))
     if not stages:
         return
     stored_file = out_dir / CONFIG_FILE
     stored = tomllib.loads(stored_file.read_text("utf-8")) if stored_file.is_file() else {}
     keys = [f"`{k}`" for k in changed_keys(stored, to_dict(config))]
+    keys += changed_files(out_dir, data)
     before = {n: stored_processes(out_dir / n) for n in stages}
     moved = {n: p for n, p in before.items() if p is not None and p != processes}
     if moved:
@@ -211,8 +226,9 @@ def check_reuse(
         )
     if not keys:  # same config and process count: the hash rule itself changed
         keys.append(
-            "no key and not the number of processes: the stored work was hashed by an earlier "
-            "leanlm (before `grad_accum_steps` x processes entered the hash of a training stage)"
+            "no key and not the number of processes (nor a recorded data file): the stored "
+            "work was hashed by an earlier leanlm (before `grad_accum_steps` x processes, or "
+            "the content of the data files, entered the stage hashes)"
         )
     raise ConfigChangedError(
         f"--resume: the config differs from the one {out_dir} was run with, in "

@@ -22,7 +22,8 @@ def compression_tokens(ctx: StageContext) -> dict[str, int]:
     """Tokens each stage after the dense model used, from their stored results, by stage.
 
     A stage's count is its `tokens` metric (trained tokens; for `prune`, its calibration tokens)
-    plus its `calibration_tokens` metric where it has one (`sparsify`).
+    plus its `calibration_tokens` (`sparsify`) and `teacher_correction_tokens` (`distill`:
+    the teacher's fine-tune) metrics where it has them.
     """
     used = {}
     for name in ctx.config.stages[: ctx.config.stages.index("control")]:
@@ -32,7 +33,8 @@ def compression_tokens(ctx: StageContext) -> dict[str, int]:
         if result is None:
             raise RuntimeError(f"[control] the result of stage {name!r} is missing")
         m = result.metrics
-        used[name] = int(m.get("tokens", 0)) + int(m.get("calibration_tokens", 0))
+        keys = ("tokens", "calibration_tokens", "teacher_correction_tokens")
+        used[name] = sum(int(m.get(key, 0)) for key in keys)
     return used
 
 

@@ -85,6 +85,11 @@ class Distill(Stage):
             teacher = load_model(teacher_dir, dtype=TRAIN_DTYPE).to(acc.device)
             teacher = corrected_teacher(ctx, teacher, cfg).to(stored)
             extra["corrected_teacher_val_loss"] = teacher_val_loss(teacher)
+            # data the compressed pipeline saw (`control` trains on for as many tokens)
+            global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * acc.num_processes
+            extra["teacher_correction_tokens"] = (
+                cfg.teacher_correction_steps * global_batch * ctx.config.data.seq_len
+            )
             acc.print(
                 f"[distill] teacher correction ({cfg.teacher_correction_steps} steps): "
                 f"validation loss {extra['teacher_val_loss']:.4f} -> "

@@ -10,6 +10,7 @@ logits by a hash of its sequences' token ids, so lookups do not depend on the tr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -58,11 +59,33 @@ def row_key(row: torch.Tensor) -> str:
     return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
-def _fingerprint(ctx: StageContext, cfg: DistillConfig, teacher_dir: Path, top_k: int) -> str:
+def teacher_identity(teacher_dir: Path) -> str:
+    """What identifies the teacher's weights, not just its folder.
+
+    A stage of a run (a folder next to the stage's `result.json`): `stage:<its config hash>`,
+    which changes whenever the stage is rerun on other inputs. Else (`init_model`) the SHA-256
+    of its weight files (`*.safetensors`, `*.bin`); a hub id that is not a local folder: the id.
+    """
+    teacher_dir = Path(teacher_dir)
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        stored = json.loads((teacher_dir.parent / "result.json").read_text()).get("config_hash")
+        if isinstance(stored, str) and (teacher_dir.parent / "model") == teacher_dir:
+            return f"stage:{stored}"
+    if not teacher_dir.is_dir():
+        return f"name:{teacher_dir}"
+    digest = hashlib.sha256()
+    weights = [*teacher_dir.glob("*.safetensors"), *teacher_dir.glob("*.bin")]
+    for path in sorted(weights):
+        with open(path, "rb") as f:
+            digest.update(f"{path.name}:{hashlib.file_digest(f, 'sha256').hexdigest()};".encode())
+    return f"weights:{digest.hexdigest()[:16]}"
+
+
+def _fingerprint(ctx: StageContext, cfg: DistillConfig, teacher: str, top_k: int) -> str:
     """The settings the cached logits depend on (teacher, data, batches, order, k)."""
     settings = {
         "run": ctx.config.fingerprint("seed", "data", "tokenizer", "init_model"),
-        "teacher": str(Path(teacher_dir).resolve()),
+        "teacher": teacher,
         "steps": cfg.steps,
         "micro_batch_size": cfg.micro_batch_size,
         "grad_accum_steps": cfg.grad_accum_steps,
@@ -72,7 +95,7 @@ def _fingerprint(ctx: StageContext, cfg: DistillConfig, teacher_dir: Path, top_k
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _check(folder: Path, fingerprint: str) -> str | None:
+def _check(folder: Path, fingerprint: str, teacher: str) -> str | None:
     """Why the cache in `folder` cannot be used (None: it can)."""
     if not folder.is_dir():
         return "absent"
@@ -81,6 +104,8 @@ def _check(folder: Path, fingerprint: str) -> str | None:
     except (OSError, ValueError):
         return f"no readable {MANIFEST}"
     if manifest.get("fingerprint") != fingerprint:
+        if manifest.get("teacher") != teacher:
+            return "made with another teacher (its stage was rerun, or its weights changed)"
         return "made for other settings"
     for name, size in manifest["files"].items():
         path = folder / name
@@ -103,8 +128,9 @@ def ensure_cache(
     acc = ctx.accelerator
     folder = ctx.stage_dir / CACHE_DIR
     top_k = min(cfg.top_k or vocab_size, vocab_size)
-    fingerprint = _fingerprint(ctx, cfg, teacher_dir, top_k)
-    reason = _check(folder, fingerprint) if acc.is_main_process else None
+    teacher_id = teacher_identity(teacher_dir) if acc.is_main_process else ""
+    fingerprint = _fingerprint(ctx, cfg, teacher_id, top_k)
+    reason = _check(folder, fingerprint, teacher_id) if acc.is_main_process else None
     if acc.is_main_process and reason is not None:
         if reason != "absent":
             acc.print(f"[distill] teacher cache {folder}: {reason}; writing it again")
@@ -122,7 +148,13 @@ def ensure_cache(
                 with open(file, "rb+") as f:
                     os.fsync(f.fileno())
             files = {file.name: file.stat().st_size for file in cache.files}
-            manifest = {"fingerprint": fingerprint, "top_k": top_k, "files": files, "keys": keys}
+            manifest = {
+                "fingerprint": fingerprint,
+                "teacher": teacher_id,
+                "top_k": top_k,
+                "files": files,
+                "keys": keys,
+            }
             with open(tmp / MANIFEST, "w") as f:
                 json.dump(manifest, f)
                 f.flush()
