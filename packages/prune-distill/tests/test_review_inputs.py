@@ -251,3 +251,16 @@ def test_an_attention_mask_shaped_unlike_input_ids_is_refused(make, data):
     fewer_rows = [{"input_ids": ids, "attention_mask": torch.ones(1, 12, dtype=torch.long)}]
     with pytest.raises(ValueError, match=r"`attention_mask` has shape \(1, 12\) but"):
         collect_importance(model, fewer_rows, num_samples=1, layer_loss=False)
+
+
+def test_top_k_checks_read_no_values_of_fake_tensors():
+    # leanlm's memory plan runs the loss on fake tensors: the CPU range check read their
+    # values (DataDependentOutputException) after the top-k checks were added
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        s = torch.randn(2, 3, 10, requires_grad=True)
+        values, indices = torch.topk(torch.randn(2, 3, 10), 4, dim=-1)
+        loss = forward_kl(s, (values, indices))
+        loss.backward()
+    assert loss.shape == ()
