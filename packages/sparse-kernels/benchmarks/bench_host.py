@@ -9,7 +9,7 @@ device for the launchers, no kernel runs):
 4096 -> 4096 layers (block 64 and 128, half the tiles, no bias, bf16 and fp32 at matmul
 precision "high" (TF32, the fp32 that the Hopper kernels take) on CPU tensors. The sm_80 and
 sm_90 paths are chosen as the real dispatch does (`SPARSE_KERNELS_SM90` = 0 / 1, read by
-`_bsr_hopper.use_sm90` in `block_sparse._BlockSparseMM`). Only the final `kernel[grid](...)`
+`_bsr_hopper.use_sm90` in `_bsr_autograd._BlockSparseMM`). Only the final `kernel[grid](...)`
 of each launcher is replaced by a stub that keeps the last launch's arguments: everything our
 Python does before the launch runs, Triton's launcher does not. Per case: forward under
 `no_grad`, and forward + backward (`torch.autograd.grad` of x and the values: no gradient

@@ -29,21 +29,19 @@ fp32 `values` and `bias` through the casts as fp32 tensors. Without autocast not
 Higher-order gradients: a backward run with `create_graph=True` computes dX, dW's tiles and db
 with differentiable PyTorch ops through the dense weight on every backend (dense cost), so a
 gradient penalty differentiates as it does through `F.linear`.
+
+The autograd Function and the per-call kernel choice live in `_bsr_autograd`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from sparse_kernels import _bsr_hopper as H
-from sparse_kernels import _bsr_hopper_dw as HW
-from sparse_kernels import _bsr_kernels as K
-from sparse_kernels import _bsr_torch as T
+from sparse_kernels._bsr_autograd import _autocast_off, _autocasting, _BlockSparseMM, _forward
 from sparse_kernels._triton import HAS_TRITON, available
 from sparse_kernels.config import BLOCK_SIZES, check_int
 from sparse_kernels.layout import INDEX_FIELDS, BlockLayout, blocks_to_dense, dense_to_blocks
@@ -77,94 +75,6 @@ def resolve_backend(backend: str, device: torch.device, block_size: int) -> str:
 
 
 _resolved = functools.cache(resolve_backend)  # the same answer per (backend, device, block)
-
-
-def _stored(layout: BlockLayout) -> int:
-    """Weight elements in stored tiles (nnzb · b²; a host integer, no device read)."""
-    return layout.nnzb * layout.block_size**2
-
-
-def _forward(
-    x: Tensor, values: Tensor, bias: Tensor | None, layout: BlockLayout, backend: str
-) -> tuple[Tensor, bool]:
-    """(Y, whether the Hopper kernels ran): the forward of `_BlockSparseMM` on 2-D x.
-
-    One kernel set per call: the backward (same tokens, dtype and device) reuses the choice.
-    """
-    sm90 = backend == "triton" and H.use_sm90(
-        x.device, layout.block_size, x.dtype, x.shape[0], _stored(layout)
-    )
-    if sm90:
-        return H.dsd_sm90(x, values, layout, bias), True
-    if backend == "triton":
-        return K.dsd_triton(x, values, layout, bias), False
-    return T.dsd_torch(x, values, layout, bias), False
-
-
-class _BlockSparseMM(torch.autograd.Function):
-    """Y = X·Wᵀ + b for a block-sparse W; backward computes dX and the stored tiles of dW."""
-
-    @staticmethod
-    def forward(  # noqa: PLR0917 (autograd.Function signature)
-        ctx: Any,
-        x: Tensor,
-        values: Tensor,
-        bias: Tensor | None,
-        layout: BlockLayout,
-        backend: str,
-    ) -> Tensor:
-        ctx.layout = layout
-        ctx.backend = backend
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, values)
-        y, ctx.sm90 = _forward(x, values, bias, layout, backend)
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        with _autocast_off(dy.device.type):  # backward called inside autocast: no recasts
-            if torch.is_grad_enabled():  # create_graph=True: a backward that is differentiable
-                x, values = ctx.saved_tensors
-                grads = T.differentiable_backward(dy, x, values, ctx.layout, ctx.needs_input_grad)
-                return (*grads[:2], grads[2] if ctx.has_bias else None, None, None)
-            return _BlockSparseMM._backward(ctx, dy)
-
-    @staticmethod
-    def _backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x, values = ctx.saved_tensors
-        layout: BlockLayout = ctx.layout
-        dy = dy.contiguous()
-        dx = dv = db = None
-        sm90: bool = ctx.sm90
-        if ctx.needs_input_grad[0]:
-            if sm90:
-                dx = H.dsdt_sm90(dy, values, layout)
-            elif ctx.backend == "triton":
-                dx = K.dsdt_triton(dy, values, layout)
-            else:
-                dx = T.dsdt_torch(dy, values, layout)
-        if ctx.needs_input_grad[1]:
-            if sm90:
-                dv = HW.sdd_sm90(dy, x, layout, values)
-            elif ctx.backend == "triton":
-                dv = K.sdd_triton(dy, x, layout, values)
-            else:
-                dv = T.sdd_torch(dy, x, layout)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy.sum(0)
-        return dx, dv, db, None, None
-
-
-def _autocasting(device_type: str) -> bool:
-    """Whether autocast is on for `device_type` (False for types without autocast: meta)."""
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
-
-
-def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
-    """Autocast disabled for `device_type` if it is enabled, else a no-op context."""
-    if _autocasting(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def block_sparse_linear(
