@@ -21,37 +21,61 @@ from torch.utils.checkpoint import checkpoint
 
 from leanlm_testing import spawn
 from leanlm_testing.distributed import single_process_group
-from shard_zero import ZeroConfig, full_state_dict, prepare
+from shard_zero import ZeroConfig, full_state_dict, memory_stats, prepare
 
 WIDTH = 16
 STEPS = 3
 
 
-class AuxLayer(nn.Module):
-    """A layer whose stashed `aux` term reads its weight after the output is computed."""
+class AuxBody(nn.Module):
+    """A layer's body: its output and a loss term that reads its weight after the output."""
 
     def __init__(self, router: bool) -> None:
         super().__init__()
         self.lin = nn.Linear(WIDTH, WIDTH)
         self.router = router
-        self.aux = torch.zeros(())
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.tanh(self.lin(h))
         if self.router:  # a router's balance loss from a slice of the weight
             probs = torch.softmax(h @ self.lin.weight[:4].t(), dim=-1)
-            self.aux = 1e-2 * probs.mean(0).square().sum()
-        else:  # a regulariser
-            self.aux = 1e-2 * self.lin.weight.square().sum()
+            return out, 1e-2 * probs.mean(0).square().sum()
+        return out, 1e-2 * self.lin.weight.square().sum()  # a regulariser
+
+
+class AuxLayer(nn.Module):
+    """A wrapped layer stashing its body's `aux` term, maybe recomputed inside it (`inner`)."""
+
+    def __init__(self, router: bool, inner: str) -> None:
+        super().__init__()
+        self.body = AuxBody(router)
+        self.inner = inner
+        self.aux = torch.zeros(())
+
+    def _plain(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The body as a plain function reading the weight (no module call)."""
+        weight = self.body.lin.weight
+        return torch.tanh(h @ weight.t() + self.body.lin.bias), 1e-2 * weight.square().sum()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        # timm style: an activation checkpoint inside the wrapped module
+        if self.inner == "module":
+            out, self.aux = checkpoint(self.body, h, use_reentrant=False)
+        elif self.inner == "function":
+            out, self.aux = checkpoint(self._plain, h, use_reentrant=False)
+        elif self.inner == "reentrant":
+            out, self.aux = checkpoint(self.body, h, use_reentrant=True)
+        else:
+            out, self.aux = self.body(h)
         return out
 
 
 class AuxNet(nn.Module):
-    def __init__(self, recompute: bool = False) -> None:
+    def __init__(self, recompute: bool = False, inner: str = "") -> None:
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(6, WIDTH)
-        self.layers = nn.ModuleList(AuxLayer(router=i % 2 == 1) for i in range(3))
+        self.layers = nn.ModuleList(AuxLayer(i % 2 == 1, inner) for i in range(3))
         self.head = nn.Linear(WIDTH, 2)
         self.recompute = recompute
 
@@ -69,16 +93,26 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(
-    model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, offload: bool = False
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    rank: int,
+    world: int,
+    how: str = "",
+    gathers: list[int] | None = None,
 ) -> None:
     per = 8 // world
     for step in range(STEPS):
         x, y = _batch(step)
         # `save_on_cpu` keeps a CPU tensor itself (no copy): it must read the gathered unit
-        with torch.autograd.graph.save_on_cpu() if offload else nullcontext():
+        with torch.autograd.graph.save_on_cpu() if how == "save_on_cpu" else nullcontext():
             loss = model(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
+        if how.endswith("retain"):  # a second backward through the retained graph
+            loss.backward(retain_graph=True)
         loss.backward()
         opt.step()
+        if gathers is not None:
+            comm = memory_stats(model, opt)["communication"]
+            gathers.append(comm.get("all_gather", {}).get("calls", 0))
         opt.zero_grad()
 
 
@@ -86,32 +120,47 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _reference() -> dict[str, torch.Tensor]:
-    model = AuxNet()
-    _train(model, _sgd(list(model.parameters())), 0, 1)
+def _inner(how: str) -> str:
+    """The checkpoint inside each layer: `inner-<kind>[-compile|-retain]` -> kind."""
+    return how.split("-")[1] if how.startswith("inner-") else ""
+
+
+def _reference(how: str) -> dict[str, torch.Tensor]:
+    model = AuxNet(inner=_inner(how))
+    _train(model, _sgd(list(model.parameters())), 0, 1, how)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _worker(rank: int, world: int, how: str, want: dict[str, torch.Tensor]) -> None:
-    model = AuxNet(recompute=how == "recompute")
+    model = AuxNet(recompute=how == "recompute", inner=_inner(how))
     model, opt = prepare(model, _sgd, ZeroConfig(stage=3, min_shard_numel=0))
-    run = torch.compile(model, backend="aot_eager") if how == "compile" else model
-    _train(run, opt, rank, world, offload=how == "save_on_cpu")
+    run = torch.compile(model, backend="aot_eager") if how.endswith("compile") else model
+    gathers: list[int] = []
+    _train(run, opt, rank, world, how, gathers)
     got = full_state_dict(model)
     for key, value in want.items():
         err = (got[key] - value).abs().max().item()
         assert err < 1e-5, f"{how}: {key} is {err:.3g} from one process"
     engine = model._shard_zero_engine  # type: ignore[attr-defined]
     assert all(u.full.untyped_storage().nbytes() == 0 for u in engine.units), "not freed"
+    # the root and every layer once in forward and once more in each later backward; each
+    # layer once per backward (the aux term's backward gathers it early, never twice)
+    backwards = 2 if how.endswith("retain") else 1
+    assert gathers == [backwards + (1 + backwards) * 3] * STEPS, (how, gathers)
     if how == "eager":  # a forward that raises inside a unit leaves no saved-tensor hooks
         with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
             model.layers[0](torch.zeros(2, WIDTH + 1))
         assert _top_saved_tensors_default_hooks(False) is None
 
 
-@pytest.mark.parametrize("how", ["eager", "recompute", "compile", "save_on_cpu"])
+HOW = ["eager", "recompute", "compile", "save_on_cpu"]
+INNER = ["inner-module", "inner-function", "inner-reentrant", "inner-module-compile"]
+INNER += ["inner-module-retain", "inner-function-retain"]
+
+
+@pytest.mark.parametrize("how", HOW + INNER)
 def test_an_aux_loss_read_after_the_output_trains_as_one_process(tmp_path: Path, how: str) -> None:
-    spawn(_worker, how, _reference(), world_size=2, tmp_path=tmp_path)
+    spawn(_worker, how, _reference(how), world_size=2, tmp_path=tmp_path)
 
 
 def test_a_double_backward_raises_a_clear_error(tmp_path: Path) -> None:

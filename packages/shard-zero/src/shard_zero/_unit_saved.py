@@ -1,4 +1,4 @@
-"""Stage 3: gathering a unit when backward reads what its forward saved before its output hook.
+"""Stage 3: gathering a unit when backward reads it before the gradient reaches its output.
 
 A term computed in a wrapped module's forward from its own parameters that the module's output
 does not depend on (a router's load-balancing loss or a regulariser stashed on the module and
@@ -8,12 +8,20 @@ step, or torch's "setStorage ... out of bounds" for a slice). While a unit's for
 saved-tensor hook marks what autograd saves from the unit's storage; unpacking a marked
 tensor while the unit is freed gathers it (every rank runs the same backward, so the
 collectives pair up), and the gradient reducer frees it as usual.
+
+An activation checkpoint *inside* the wrapped module (timm style) keeps what it saves from
+these hooks (a non-reentrant one pushes its own, innermost; a reentrant one saves nothing), and
+its backward runs the checkpointed part again, reading the unit's parameters. Both save the
+checkpoint's inputs first, through these hooks, and unpack them before the recompute: so any
+tensor the unit's forward saved, unpacked while the unit is free and still owes gradients in
+this backward (its backward has not gathered it yet), gathers it too. That gather comes early,
+never extra: the unit's own backward would gather it later in the same backward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any
 
 import torch
 from torch._C._autograd import (  # type: ignore[attr-defined]
@@ -21,29 +29,20 @@ from torch._C._autograd import (  # type: ignore[attr-defined]
     _top_saved_tensors_default_hooks,
 )
 
+from shard_zero._unit import Unit
 
-class Unit(Protocol):
-    """What this module needs of `_units.Unit` (which imports this module)."""
-
-    full: torch.Tensor
-
-    @property
-    def ready(self) -> bool: ...
-
-
-U = TypeVar("U", bound=Unit)
 Saved = tuple[bool, Any]  # (whether it is in the unit's storage, what was packed)
 
 
-class SavedWatch(Generic[U]):
+class SavedWatch:
     """The saved-tensor hooks of the units whose forward is running (innermost last)."""
 
-    def __init__(self, gather: Callable[[U, int], None]) -> None:
+    def __init__(self, gather: Callable[[Unit, int], None]) -> None:
         self.gather = gather  # `gather(unit, forward position)`: the unit's backward gather
-        self._stack: list[tuple[U, torch.autograd.graph.saved_tensors_hooks | None]] = []
+        self._stack: list[tuple[Unit, torch.autograd.graph.saved_tensors_hooks | None]] = []
 
-    def enter(self, unit: U, position: int) -> None:
-        """Watch what autograd saves from `unit`'s storage until `exit(unit)`.
+    def enter(self, unit: Unit, position: int) -> None:
+        """Watch what autograd saves in `unit`'s forward until `exit(unit)`.
 
         Saved-tensor hooks already active (non-reentrant activation checkpointing,
         `save_on_cpu`) are chained: only the innermost pair applies, so these call theirs.
@@ -62,7 +61,7 @@ class SavedWatch(Generic[U]):
 
         def unpack(saved: Saved) -> Any:
             mine, packed = saved
-            if mine and not unit.ready:
+            if not unit.ready and (mine or unit.grads_left > 0):
                 self.gather(unit, position)
             return packed if outer is None else outer[1](packed)
 
@@ -85,7 +84,7 @@ class SavedWatch(Generic[U]):
             ):
                 hooks.__exit__(None, None, None)
 
-    def exit(self, unit: U) -> None:
+    def exit(self, unit: Unit) -> None:
         """Stop watching `unit` (nothing if its `enter` did not run: a pre-hook raised)."""
         if not self._stack or self._stack[-1][0] is not unit:
             return
