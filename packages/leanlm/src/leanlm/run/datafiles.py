@@ -2,8 +2,11 @@
 
 The stage hashes (`leanlm.run.rundir.stage_hash`) take `data_fingerprint` of these digests, so
 a data file edited between a run and its `--resume` changes every stage's hash, like a changed
-config key: the tokenizer is trained on that text, and the stages on its token ids. The run
-keeps the digests in `DATA_RECORD` so that `--resume` can name the files that changed.
+config key: the tokenizer is trained on that text, and the stages on its token ids. A hub
+dataset given by name (`[data] source = "hub"`, `hub_name` neither a local path nor a builder
+for local files) counts by its revision instead (`data_digests`): a newer copy downloaded into
+the datasets cache changes the hashes the same way. The run keeps the digests in `DATA_RECORD`
+so that `--resume` can name the files, or the dataset, that changed.
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ import json
 import sysconfig
 from pathlib import Path
 
-from leanlm.config import ConfigError, DataConfig
+from leanlm.config import ConfigError, DataConfig, RunConfig
 
 DATA_RECORD = "data-files.json"
-"""In the run folder: the SHA-256 of each data file the run read, by config key and path."""
+"""In the run folder: the SHA-256 of each data file the run read, by config key and path (and
+the revision of a hub dataset given by name, under `data.hub_name`)."""
 
 Digests = dict[str, dict[str, str]]
-"""`{config key: {path: SHA-256 hex}}` of the files named by (or found through) that key."""
+"""`{config key: {path: SHA-256 hex}}` of the files named by (or found through) that key;
+`{"data.hub_name": {name: revision}}` for a hub dataset given by name."""
 
 
 def data_files(config: DataConfig) -> dict[str, list[Path]]:
@@ -28,7 +33,8 @@ def data_files(config: DataConfig) -> dict[str, list[Path]]:
     `stdlib`: the standard library files `max_bytes` selects (key `data.source`); `files`: the
     files of `data.files` that `max_bytes` selects and `data.validation_files`; `hub`: the files
     of `data.data_files` (patterns expanded) and, when `data.hub_name` is a local file or
-    folder, the files in it. A dataset on the hub is named by the config only.
+    folder, the files in it. A dataset given by name counts by its revision instead
+    (`data_digests`).
 
     Raises:
         ConfigError: a listed file is missing (naming its key).
@@ -82,8 +88,30 @@ def file_digests(config: DataConfig) -> Digests:
     return out
 
 
+def data_digests(config: RunConfig) -> Digests:
+    """`file_digests(config.data)`, plus the revision of a hub dataset given by name.
+
+    The revision is `leanlm.data.hub.hub_revision` in the datasets cache the run loads from
+    (`cache_dir`'s `datasets` folder), keyed `data.hub_name` and the name: the commit the cached
+    copy was made from (or, with network, the hub's), found without reading the data.
+
+    Raises:
+        ConfigError: a listed file is missing, or a dataset name cannot be resolved (offline and
+            not cached), naming its key.
+    """
+    from leanlm.data.hub import hub_revision
+    from leanlm.data.resources import default_cache_dir
+
+    out = file_digests(config.data)
+    cache = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+    revision = hub_revision(config.data, cache / "datasets")  # where `RunResources` loads it
+    if revision is not None:
+        out["data.hub_name"] = {config.data.hub_name: revision}
+    return out
+
+
 def data_fingerprint(digests: Digests) -> str:
-    """A short hash of `file_digests`' result (part of every stage hash)."""
+    """A short hash of `data_digests`' (or `file_digests`') result (part of every stage hash)."""
     payload = json.dumps(digests, sort_keys=True).encode()
     return hashlib.sha256(payload).hexdigest()[:16]
 
@@ -97,8 +125,10 @@ def changed_files(out_dir: Path, digests: Digests) -> list[str]:
     """What differs between the run's `DATA_RECORD` and `digests`, one entry per config key.
 
     Each entry names the key and up to 3 of its files whose content changed, that were added or
-    that are gone, e.g. ``the content of `data.files` (changed: a.txt)``. Empty when the
-    record is missing or unreadable (a run of an earlier leanlm) or equal.
+    that are gone, e.g. ``the content of `data.files` (changed: a.txt)``; a hub dataset given
+    by name whose revision changed is named the same way (``the content of `data.hub_name`
+    (changed: user/dataset)``). Empty when the record is missing or unreadable (a run of an
+    earlier leanlm) or equal.
     """
     try:
         stored = json.loads((out_dir / DATA_RECORD).read_text())

@@ -18,7 +18,7 @@ from leanlm.report.downstream import Downstream
 from leanlm.report.markdown import write_report
 from leanlm.report.metrics import WandbRun, peak_memory_mib, require_wandb, reset_peak_memory
 from leanlm.run import interrupt
-from leanlm.run.datafiles import data_fingerprint, file_digests, write_record
+from leanlm.run.datafiles import data_digests, data_fingerprint, write_record
 from leanlm.run.rundir import CONFIG_FILE, check_reuse, holds_work, mark_run_dir, stage_hash
 from leanlm.stages import STAGES, StageContext, StageResult
 from leanlm.train.model import weights_stats
@@ -92,8 +92,9 @@ def run_pipeline(
     accelerator = make_accelerator(config)
     downstream = Downstream(config, accelerator)  # checks `[eval]`'s tasks before any work
     processes = accelerator.num_processes
-    # the content of the data files, read once (by the main process): part of the stage hashes
-    mine = file_digests(config.data) if accelerator.is_main_process else {}
+    # the content of the data files (a hub dataset's revision), read once by the main process:
+    # part of the stage hashes
+    mine = data_digests(config) if accelerator.is_main_process else {}
     data = broadcast_object_list([mine])[0]
     check_reuse(
         out_dir,

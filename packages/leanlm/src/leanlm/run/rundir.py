@@ -4,8 +4,9 @@
 cannot be created or written, or sits on a nearly full disk; a directory that holds a run
 (without `--resume`); a `--resume` whose config differs from the stored one (unless
 `--restart-changed`); an `init_model` that is not a causal-LM folder with a tokenizer; a hub
-model or dataset with no network and no cached copy. `leanlm.run.lock.RunLock` then keeps a
-second run out of the directory while this one lives.
+model or dataset with no network and no cached copy (those two in `leanlm.run.inputs`, whose
+checks stay importable from here). `leanlm.run.lock.RunLock` then keeps a second run out of the
+directory while this one lives.
 """
 
 from __future__ import annotations
@@ -15,18 +16,38 @@ import errno
 import hashlib
 import json
 import os
-import re
 import shutil
-import socket
-import sys
 import tomllib
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
-from leanlm.config import ConfigError, RunConfig, to_dict
-from leanlm.run.datafiles import Digests, changed_files, data_fingerprint, file_digests
+from leanlm.config import RunConfig, to_dict
+from leanlm.run.datafiles import Digests, changed_files, data_digests, data_fingerprint
+from leanlm.run.inputs import check_hub_dataset, check_init_model, hub_reachable
 from leanlm.run.lock import LOCK_FILE
+
+__all__ = [
+    "CONFIG_FILE",
+    "DISK_ERRNOS",
+    "MIN_FREE_MIB",
+    "PROBE_PREFIX",
+    "RUN_MARKER",
+    "ConfigChangedError",
+    "changed_keys",
+    "check_hub_dataset",
+    "check_init_model",
+    "check_out_dir",
+    "check_reuse",
+    "discarded_stages",
+    "disk_full",
+    "foreign_entries",
+    "holds_work",
+    "hub_reachable",
+    "mark_run_dir",
+    "preflight",
+    "stage_hash",
+    "stored_processes",
+]
 
 CONFIG_FILE = "config.toml"
 RUN_MARKER = ".leanlm-run"
@@ -38,8 +59,6 @@ MIN_FREE_MIB = 100
 """An `--out` on a disk with less free space than this is refused before the run starts."""
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT})
 """`OSError`s that mean the disk, not the program, is at fault: reported in one line."""
-_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
-_TRUE = {"1", "true", "yes", "on"}
 
 
 class ConfigChangedError(ValueError):
@@ -83,9 +102,9 @@ def stage_hash(
     """Hash of what a stage's output depends on, run on `processes` processes.
 
     That is data (the `[data]` section and `data`, the `leanlm.run.datafiles.data_fingerprint`
-    of the content of its files), tokenizer, model, seed, precision, the stage's own section,
-    and the previous stage's hash (so changing an early stage invalidates every later one). A
-    training section's
+    of the content of its files, or the revision of a hub dataset given by name), tokenizer,
+    model, seed, precision, the stage's own section, and the previous stage's hash (so changing
+    an early stage invalidates every later one). A training section's
     `grad_accum_steps` counts as `grad_accum_steps x processes`, the micro-batches of one
     optimizer step over all processes: the global batch is the same, and so are the stage's
     results and checkpoints, when a run resumes at another number of processes with
@@ -174,10 +193,10 @@ def check_reuse(
 
     A config change that leaves every stored result and checkpoint valid (a stage appended,
     `name`, a stage that has not run yet) resumes; one that would restart a stage with work
-    on disk needs `restart_changed`. So does a change of a data file's content (`data`: the
-    run's `leanlm.run.datafiles.file_digests`, read here when not given) and a resume on
-    another number of `processes` that changes a stored stage's global batch (see
-    `stage_hash`).
+    on disk needs `restart_changed`. So does a change of a data file's content, or of the
+    revision of a hub dataset given by name (`data`: the run's
+    `leanlm.run.datafiles.data_digests`, read here when not given), and a resume on another
+    number of `processes` that changes a stored stage's global batch (see `stage_hash`).
 
     A folder that holds neither a run nor the `RUN_MARKER` of one must be empty, with or
     without `resume`: leanlm writes `config.toml` and the stage folders into `--out`, and
@@ -208,7 +227,7 @@ def check_reuse(
         )
     if restart_changed:
         return
-    data = file_digests(config.data) if data is None else data
+    data = data_digests(config) if data is None else data
     stages = discarded_stages(out_dir, config, processes, data_fingerprint(data))
     if not stages:
         return
@@ -269,135 +288,6 @@ def disk_full(out_dir: Path) -> bool:
         return False
 
 
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """False when `HF_HUB_OFFLINE` is set or the hub's host does not answer within `timeout` s."""
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE:
-        return False
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        with socket.create_connection((url.hostname or "", port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def _go_offline() -> None:
-    """Make huggingface_hub / datasets use their caches only, here and in the workers.
-
-    Both libraries read the variables at import; when already imported, their constants are set.
-    """
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    for module, names in (
-        ("huggingface_hub.constants", ("HF_HUB_OFFLINE",)),
-        ("datasets.config", ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")),
-    ):
-        if module in sys.modules:
-            for name in names:
-                setattr(sys.modules[module], name, True)
-
-
-def check_init_model(name: str, *, weights: bool = True) -> None:
-    """`init_model` must be a causal-LM folder with a tokenizer, or a reachable / cached hub id.
-
-    A folder needs a `config.json` of a causal-LM architecture transformers knows and, with
-    `weights`, its tokenizer and every weight shard (`model.safetensors`, or the shards a
-    `model.safetensors.index.json` lists). `weights=False` checks the config only (`leanlm
-    plan` reads nothing else).
-
-    Raises:
-        ConfigError: naming `init_model`, the path and what is missing.
-    """
-    path = Path(name).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise ConfigError("init_model", f"{name!r} is not a model folder (no config.json)")
-        try:
-            config = json.loads((path / "config.json").read_text())
-        except ValueError as err:
-            raise ConfigError("init_model", f"{path / 'config.json'} is not JSON: {err}") from None
-        arch = config.get("architectures") or []
-        if not any(str(a).endswith("ForCausalLM") for a in arch):
-            raise ConfigError(
-                "init_model", f"{name!r} is not a causal LM (its architectures: {arch})"
-            )
-        if weights and not any(
-            (path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
-        ):
-            raise ConfigError(
-                "init_model",
-                f"{name!r} has no tokenizer (tokenizer.json); save one with "
-                "`tokenizer.save_pretrained` next to the model",
-            )
-        _check_architecture(name, config)
-        if weights:
-            _check_shards(path)
-        return
-    if not _HUB_ID.match(name) or name.startswith((".", "/", "~")):
-        raise ConfigError("init_model", f"{name!r} does not exist (and is not a hub id)")
-    if hub_reachable():
-        return
-    from huggingface_hub import try_to_load_from_cache
-
-    if not isinstance(try_to_load_from_cache(name, "config.json"), str):
-        raise ConfigError(
-            "init_model",
-            f"{name!r} is not a local folder, the hub cannot be reached (no network or "
-            "HF_HUB_OFFLINE set) and it is not in the hub cache",
-        )
-    _go_offline()
-
-
-def _check_architecture(name: str, config: dict[str, Any]) -> None:
-    """The folder's `model_type` / `architectures` must be a causal LM transformers has."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    model_type = config.get("model_type")
-    known = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) if model_type else None
-    names = {known} if isinstance(known, str) else set(known or ())
-    arch = config.get("architectures") or []
-    if not names or not any(a in names for a in arch):
-        raise ConfigError(
-            "init_model",
-            f"{name!r} holds an unsupported architecture ({', '.join(map(str, arch))}, "
-            f"model_type {model_type!r}): this transformers has no such causal LM; use a "
-            "Llama-family checkpoint (e.g. Llama, Mistral, Qwen2)",
-        )
-
-
-def _check_shards(path: Path) -> None:
-    """Every weight file the folder's index lists exists (or the single `model.safetensors`)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, AttributeError) as err:
-            raise ConfigError("init_model", f"{index} is not a weight index: {err!r}") from None
-        missing = [s for s in shards if not (path / s).is_file()]
-        if missing:
-            raise ConfigError(
-                "init_model",
-                f"{path} lacks {len(missing)} of the {len(shards)} weight shards its "
-                f"model.safetensors.index.json lists: {', '.join(missing[:3])}"
-                f"{', ...' if len(missing) > 3 else ''}; copy the whole checkpoint folder",
-            )
-        return
-    if not (path / "model.safetensors").is_file():
-        raise ConfigError(
-            "init_model",
-            f"{path} has no weights (model.safetensors, or model.safetensors.index.json and "
-            "its shards); leanlm reads safetensors checkpoints",
-        )
-
-
-def check_hub_dataset(config: RunConfig) -> None:
-    """With no network, a hub dataset is read from the cache only (no retries; see `data`)."""
-    data = config.data
-    if data.source == "hub" and not Path(data.hub_name).exists() and not hub_reachable():
-        _go_offline()
-
-
 def preflight(
     config: RunConfig,
     out_dir: Path,
@@ -408,6 +298,7 @@ def preflight(
 ) -> None:
     """Every check that needs no worker (see the module docstring); call before the run."""
     check_out_dir(out_dir)
+    check_hub_dataset(config)  # first: `check_reuse` resolves a hub dataset's revision offline
     check_reuse(
         out_dir, config, resume=resume, restart_changed=restart_changed, processes=processes
     )
@@ -417,4 +308,3 @@ def preflight(
         vocab = json.loads(local.read_text()).get("vocab_size") if local.is_file() else None
         if "distill" in config.stages and isinstance(vocab, int):
             config.distill.check_top_k(vocab, f"`vocab_size` of {local}")
-    check_hub_dataset(config)
