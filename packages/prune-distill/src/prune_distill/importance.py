@@ -130,15 +130,27 @@ def calibration_batches(
 
 
 def lm_targets(batch: Mapping[str, Any]) -> torch.Tensor:
-    """Next-token targets (B, S-1): `labels` if given, else `input_ids`, -100 on padding."""
+    """Next-token targets (B, S-1) of positions 0 .. S-2; -100 marks a target not scored.
+
+    The targets are `labels` if given, else `input_ids` with -100 on padding. A target is also
+    -100 where the position predicting it is padding (``attention_mask`` 0 there), with or
+    without `labels`: with left padding the first real token would otherwise be scored against
+    the logits of a padding position, which an unpadded run of the same sequence never scores.
+    Every LM loss here (the LM-loss layer metric, `contiguous_block_search`, `validation_loss`,
+    the cross-entropy of `distill` and `correct_teacher`) uses these targets, so they do not
+    depend on the padding side.
+    """
     labels = batch.get("labels")
+    mask = batch.get("attention_mask")
     if labels is None:
         labels = batch["input_ids"]
-        mask = batch.get("attention_mask")
         if mask is not None:
             labels = labels.masked_fill(mask == 0, -100)
     assert isinstance(labels, torch.Tensor)
-    return labels[:, 1:]
+    targets = labels[:, 1:]
+    if mask is not None:
+        targets = targets.masked_fill(mask[:, :-1] == 0, -100)
+    return targets
 
 
 _NOT_MODEL_INPUTS = frozenset(

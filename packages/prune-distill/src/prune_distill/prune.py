@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from prune_distill._config_rules import longrope_conflict, writes_head_dim
 from prune_distill.arch import ArchSpec, Axis, Dims, Resize, arch_of, dims_of
 from prune_distill.config import PruneTarget
 from prune_distill.importance import ImportanceScores
@@ -190,8 +191,10 @@ def _new_config(model: nn.Module, spec: ArchSpec, plan: _Plan) -> Any:
     }
     if spec.kv_field is not None:
         updates[spec.kv_field] = plan.kv_heads
-    if spec.head_dim_field is not None:
-        # The attention width no longer follows hidden_size / heads: write head_dim explicitly.
+    if spec.head_dim_field is not None and writes_head_dim(
+        config, spec.head_dim_field, int(plan.hidden.numel()), int(heads), d.head_dim
+    ):
+        # The attention width may no longer follow hidden_size / heads: state head_dim.
         updates[spec.head_dim_field] = d.head_dim
     for name in spec.layer_lists:
         value = getattr(config, name, None)
@@ -205,6 +208,11 @@ def _new_config(model: nn.Module, spec: ArchSpec, plan: _Plan) -> Any:
     try:
         type(config).from_dict(config.to_dict())
     except Exception as exc:
+        hint = longrope_conflict(config, d.head_dim)
+        if hint is not None:
+            raise ValueError(
+                f"{type(config).__name__} rejects the pruned shape {updates}: {hint}"
+            ) from exc
         reason = " ".join(str(exc).split()).rstrip(".")
         raise ValueError(
             f"{type(config).__name__} rejects the pruned shape {updates}: {reason}. "

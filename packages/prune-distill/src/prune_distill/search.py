@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from prune_distill._config_rules import longrope_conflict
 from prune_distill.arch import arch_of, dims_of
 from prune_distill.config import DistillConfig, PruneTarget
 from prune_distill.distill import distill
@@ -192,6 +193,9 @@ def _meta_params(model: nn.Module, spec: Any, d: Any, t: PruneTarget) -> int | S
         with torch.device("meta"):
             meta = type(model)(config)
     except Exception as err:  # a shape the config class rejects is not a candidate
+        hint = longrope_conflict(config, d.head_dim)
+        if hint is not None:
+            return "longrope", f"{type(config).__name__} rejects the shape: {hint}"
         return "config", f"{type(config).__name__} rejects the shape: {err}"
     return count_params(meta)
 
