@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -223,6 +224,12 @@ def test_a_stage_that_starts_over_drops_the_discarded_runs_tensorboard_events(tm
     run([5.0, 4.0, 3.0])  # the discarded run
     run([6.0, 5.5])  # started over (`--restart-changed`: resume_step 0)
     assert points() == [(1, 6.0), (2, 5.5)]
+    # TensorBoard reads event files in name order: whole seconds, then a per-process counter
+    # as a string ("...10" before "...9"); a resume is a later process (a later second) in a
+    # run, so wait for the next second as it would
+    start = int(time.time())
+    while int(time.time()) == start:
+        time.sleep(0.05)
     run([5.25], resume_step=2)  # a resume above step 0 keeps the steps up to it
     assert points() == [(1, 6.0), (2, 5.5), (3, 5.25)]
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
