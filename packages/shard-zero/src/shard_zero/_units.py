@@ -71,6 +71,8 @@ class Units:
         self.units: list[Unit] = []
         self.fwd_order: list[Unit] = []  # the units in the order the last forward ran them
         self.in_forward = False  # between the model's forward pre-hook and its forward hook
+        self._entered_by: nn.Module | None = None  # a submodule called outside the model's
+        self._fresh = True  # no forward since the last backward or step
         self.pinned = 0  # depth of `gathered()` blocks: units are not freed inside them
         # what autograd saves from a unit's storage in its forward (an aux loss's backward)
         self._saved = SavedWatch(self._pre_backward)
@@ -151,7 +153,22 @@ class Units:
             else:
                 module.register_forward_pre_hook(self._unit_pre_forward)
                 module.register_forward_hook(self._unit_post_forward, always_call=True)
+        self._hook_root_owners(model)
         self._make_grad_buckets(assigned)
+
+    def _hook_root_owners(self, model: nn.Module) -> None:
+        """Gather the root unit when a forward enters the model below the top (`_sub_*`).
+
+        Hooks every submodule holding root-unit parameters (e.g. `model.model`, its
+        embeddings and norm, the LM head): `model.model(...)` for a reward head or a chunked
+        loss, or an encoder-decoder's `generate` calling `get_encoder()(...)`, read those
+        parameters' NaN placeholders before (silently).
+        """
+        root = {id(e.param) for e in self.units[0].entries}
+        for module in model.modules():
+            if module is not model and any(id(p) in root for p in module.parameters()):
+                module.register_forward_pre_hook(self._sub_pre_forward)
+                module.register_forward_hook(self._sub_post_forward, always_call=True)
 
     def _make_grad_buckets(self, assigned: set[torch.Tensor]) -> None:
         engine = self.engine
@@ -239,23 +256,45 @@ class Units:
     def free_all(self) -> None:
         """Free every unit (end of backward, or after a step) and reset its gradient count.
 
+        A gather still in flight is finished and dropped (`_drop_gather`).
+
         The placeholders' NaN is written again: a `fill_` or `zero_` on a resting parameter
         (the in-place ops torch lets write through a stride-0 view) changes it.
         """
+        self._fresh = True
         for unit in self.units:
+            if unit.state == _GATHERING:  # prefetched for a unit the forward then skipped
+                self._drop_gather(unit)
             unit.free()
             unit.grads_left = len(unit.entries)
         for nan in self._nans.values():
             nan.fill_(float("nan"))
 
+    def _drop_gather(self, unit: Unit) -> None:
+        """Finish an all-gather in flight and drop what it gathered.
+
+        A unit prefetched in a forward that then skipped it (LayerDrop, a conditional layer)
+        still holds a gather launched before the step: its next use would install the old
+        values. Every rank launched it (the same forward), so every rank waits for it here.
+        """
+        assert unit.gather is not None
+        gather, unit.gather = unit.gather, None
+        gather.wait()
+        unit.state = _FREE
+
     # ------------------------------------------------------------------ hooks
     @torch.compiler.disable  # type: ignore[untyped-decorator]  # run eagerly under compile
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
-        if not in_backward():
+        self._begin_forward(new=True)
+
+    def _begin_forward(self, new: bool) -> None:
+        """Gather the root unit; a `new` forward (not a recompute) starts the forward order."""
+        if new and not in_backward():
             self.fwd_order = []
             self._saved.reset()
+        self._fresh = False
         self.in_forward = True
-        self.gather_wait(self.unit_of_module(module))
+        self.gather_wait(self.units[0])
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]  # run eagerly under compile
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -265,12 +304,34 @@ class Units:
         # a backward that begins at the model's outputs gathers the root unit again: the end
         # of an earlier backward through the same forward (`retain_graph=True`, two forwards
         # then two backwards) freed it
-        root = self.unit_of_module(module)
+        root = self.units[0]
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(  # type: ignore[no-untyped-call]
                     lambda grad, u=root: self._pre_backward(u, 0)
                 )
+
+    def _sub_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self.in_forward:  # inside the model's forward (traced under compile: no break)
+            return
+        self._enter_below_top(module, args)
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # run eagerly under compile
+    def _enter_below_top(self, module: nn.Module, args: Any) -> None:
+        if in_backward():  # a recompute: the root unit is kept through backward
+            self.gather_wait(self.units[0])
+            return
+        # a forward of the model below the top, as the model's own: the first since the last
+        # backward or step starts the forward order, later ones (`model.model(...)`, then
+        # `model.lm_head(...)`) add to it
+        self._entered_by = module
+        self._begin_forward(new=self._fresh)
+
+    def _sub_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._entered_by is not module:
+            return
+        self._entered_by = None
+        self._root_post_forward(module, args, output)
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]  # run eagerly under compile
     def _unit_pre_forward(self, module: nn.Module, args: Any) -> None:
