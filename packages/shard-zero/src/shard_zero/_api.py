@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 from shard_zero._config import ZeroConfig
 from shard_zero._deferred import fill, is_deferred, make_placeholders
 from shard_zero._engine import ZeroEngine, check_group
+from shard_zero._generate import install as install_generate
 from shard_zero._optimizer import ZeroOptimizer
 from shard_zero._shards import model_device
 
@@ -35,7 +36,9 @@ def prepare(
     The model is modified in place (hooks installed, parameters cast to `config.param_dtype`,
     stage 3 frees the full parameters) and returned; it gains a `no_sync()` context manager,
     and its `zero_grad()` also clears the gradients the optimizer steps (as
-    `optimizer.zero_grad()` does).
+    `optimizer.zero_grad()` does). At stage 3 over more than one rank, the `generate` of a
+    Hugging Face model (and of its submodules that have one) defaults to `synced_gpus=True`:
+    a rank whose sequences finish first keeps running forwards until every rank's have.
     Every rank must call this with the same model structure.
 
     Args:
@@ -102,6 +105,8 @@ def prepare(
     setattr(model, ENGINE_ATTR, engine)
     model.no_sync = engine.no_sync  # type: ignore[assignment]
     model.zero_grad = engine.model_zero_grad  # type: ignore[method-assign]
+    if engine.stage == 3:  # every forward gathers with the other ranks
+        install_generate(model, engine.group, engine.world, engine.device)
     return model, ZeroOptimizer(optimizer, engine)
 
 
