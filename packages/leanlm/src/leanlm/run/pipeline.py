@@ -18,7 +18,7 @@ from leanlm.report.downstream import Downstream
 from leanlm.report.markdown import write_report
 from leanlm.report.metrics import WandbRun, peak_memory_mib, require_wandb, reset_peak_memory
 from leanlm.run import interrupt
-from leanlm.run.datafiles import data_digests, data_fingerprint, write_record
+from leanlm.run.datafiles import data_fingerprint, scan_data, write_record
 from leanlm.run.rundir import CONFIG_FILE, check_reuse, holds_work, mark_run_dir, stage_hash
 from leanlm.stages import STAGES, StageContext, StageResult
 from leanlm.train.model import weights_stats
@@ -92,9 +92,10 @@ def run_pipeline(
     accelerator = make_accelerator(config)
     downstream = Downstream(config, accelerator)  # checks `[eval]`'s tasks before any work
     processes = accelerator.num_processes
-    # the content of the data files (a hub dataset's revision), read once by the main process:
-    # part of the stage hashes
-    mine = data_digests(config) if accelerator.is_main_process else {}
+    # the content of the data files (a hub dataset's revision), read once by the main process
+    # (a file unchanged since the run's `data-files.json` keeps its digest unread): part of the
+    # stage hashes
+    mine, stats = scan_data(config, out_dir) if accelerator.is_main_process else ({}, {})
     data = broadcast_object_list([mine])[0]
     check_reuse(
         out_dir,
@@ -111,7 +112,7 @@ def run_pipeline(
         for name in config.stages if fresh else ():  # logs of a start that failed early
             shutil.rmtree(out_dir / name, ignore_errors=True)
         (out_dir / CONFIG_FILE).write_text(dumps_toml(config))
-        write_record(out_dir, data)
+        write_record(out_dir, data, stats)
     accelerator.wait_for_everyone()
     resources = RunResources(config, accelerator)
     wandb_run = None

@@ -227,7 +227,7 @@ def check_reuse(
         )
     if restart_changed:
         return
-    data = data_digests(config) if data is None else data
+    data = data_digests(config, out_dir) if data is None else data
     stages = discarded_stages(out_dir, config, processes, data_fingerprint(data))
     if not stages:
         return
