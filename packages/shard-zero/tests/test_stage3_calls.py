@@ -161,3 +161,120 @@ def test_a_forward_entering_the_model_below_the_top_reads_the_root_units_values(
     tmp_path: Path,
 ) -> None:
     spawn(_below_top_worker, _llama_reference(), _generate(_t5()), world_size=2, tmp_path=tmp_path)
+
+
+# --- uneven experts, and a tensor passed through every unit -----------------------------------
+
+
+class Experts(nn.Module):
+    """Two experts; the second gets the rows of `mask` only (none on some ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(2))
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        out = self.experts[0](h)
+        if mask.any():
+            out = out.index_add(0, mask.nonzero()[:, 0], self.experts[1](h[mask]))
+        return torch.tanh(out + bias)
+
+
+class Stack(nn.Module):
+    """Four expert layers; `bias` (from the first) passes through all, as T5's position bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(5, WIDTH)
+        self.layers = nn.ModuleList(Experts() for _ in range(4))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        bias = h.mean(0)
+        for layer in self.layers:
+            h = layer(h, mask, bias)
+        return self.head(h).square().mean()
+
+
+def _expert_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """8 rows; the second expert gets rows of the first half only (rank 0's at world 2)."""
+    g = torch.Generator().manual_seed(300 + step)
+    mask = torch.zeros(8, dtype=torch.bool)
+    mask[:2] = True
+    return torch.randn(8, 5, generator=g), mask
+
+
+def _stack_loss(
+    model: nn.Module, x: torch.Tensor, mask: torch.Tensor, forwards: int
+) -> torch.Tensor:
+    """The mean of `forwards` forwards over equal parts of the rows (DPO-style for 2)."""
+    n = len(x) // forwards
+    parts = [model(x[i * n : (i + 1) * n], mask[i * n : (i + 1) * n]) for i in range(forwards)]
+    return sum(parts) / forwards
+
+
+def _stack_reference(forwards: int) -> dict[str, torch.Tensor]:
+    model = Stack()
+    opt = _sgd(list(model.parameters()))
+    for step in range(STEPS):
+        x, mask = _expert_batch(step)
+        halves = [_stack_loss(model, x[r * 4 : r * 4 + 4], mask[r * 4 : r * 4 + 4], forwards)
+                  for r in range(2)]  # fmt: skip
+        (sum(halves) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _stack_worker(
+    rank: int,
+    world: int,
+    prefetch: bool,
+    bucket_numel: int,
+    forwards: int,
+    want: dict[str, torch.Tensor],
+) -> None:
+    # the default wrap policy makes each layer a unit (its experts join it)
+    config = ZeroConfig(
+        stage=3, min_shard_numel=0, prefetch=prefetch, bucket_numel=bucket_numel, timeout=30
+    )
+    model, opt = prepare(Stack(), _sgd, config)
+    gathers = []
+    for step in range(STEPS):
+        x, mask = _expert_batch(step)
+        _stack_loss(
+            model, x[4 * rank : 4 * rank + 4], mask[4 * rank : 4 * rank + 4], forwards
+        ).backward()
+        opt.step()
+        gathers.append(memory_stats(model, opt)["communication"]["all_gather"]["calls"])
+        opt.zero_grad()
+    got = full_state_dict(model)
+    for key, value in want.items():
+        err = (got[key] - value).abs().max().item()
+        assert err < 1e-6, f"{key} is {err:.3g} from one process"
+    # the root once, each layer in each forward and once in backward: `bias`'s gradient
+    # reaches every layer's output last, which gathered each freed layer again (13, not 9)
+    assert gathers == [1 + (forwards + 1) * 4] * STEPS, gathers
+
+
+@pytest.mark.parametrize(
+    ("prefetch", "bucket_numel", "forwards"),
+    [(True, 64, 1), (True, 2**20, 1), (False, 64, 1), (True, 64, 2)],
+)
+def test_an_expert_idle_on_one_rank_and_a_tensor_through_every_unit(
+    tmp_path: Path, prefetch: bool, bucket_numel: int, forwards: int
+) -> None:
+    # before: rank 1 (no rows for the second expert) launched each layer's reduce-scatter at
+    # the end of backward, rank 0 right after the layer: the ranks issued the reduce-scatters
+    # and the next layers' all-gathers in other orders, and waited until the timeout
+    spawn(
+        _stack_worker,
+        prefetch,
+        bucket_numel,
+        forwards,
+        _stack_reference(forwards),
+        world_size=2,
+        tmp_path=tmp_path,
+    )

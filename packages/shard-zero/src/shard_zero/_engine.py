@@ -55,6 +55,7 @@ class ZeroEngine(Shards):
             grad_buckets = [b for u in self.units for b in u.grad_buckets]
             self.reducer = Reducer(self, grad_buckets, self.stage3)
             self.stage3.before_backward = self.reducer.queue_callback
+            self.stage3.launch_done = self.reducer.launch_done
         else:
             self.reducer = Reducer(self, self.buckets, None)
         for e in self.entries:

@@ -49,6 +49,13 @@ class Reducer(OffloadGrads):
             id(e): o for b in buckets for e, o in zip(b.entries, b.offsets, strict=True)
         }
         self._unit_of = {id(e): u for u in (units.units if units else []) for e in u.entries}
+        # stage 3: a wrapped unit's buckets, launched once complete or once its backward is
+        # over on every rank (`launch_done`); the root unit's once complete
+        self._wrapped_of = {
+            id(b): u for u in (units.units[1:] if units else []) for b in u.grad_buckets
+        }
+        self._done: set[Any] = set()
+        self._launched: set[int] = set()  # buckets launched in this backward (stage 3)
         self._pending: deque[tuple[Any, torch.Tensor, torch.Tensor, Bucket]] = deque()
         self._order: list[Bucket] = []
         self._cursor = 0
@@ -108,11 +115,15 @@ class Reducer(OffloadGrads):
         self._contributed.add(id(e))
         pieces = self._pieces_of.get(id(e))
         if pieces is not None:  # packed piece by piece at launch, then released
+            if any(id(piece) in self._launched for piece in pieces):
+                raise _late(e)
             e.held = g
             for piece in pieces:
                 piece.pending = 0
         else:
             bucket = self._bucket_of[id(e)]
+            if id(bucket) in self._launched:
+                raise _late(e)
             if bucket.buf is None:
                 bucket.buf = self._new_buffer(bucket)
             pack_full(bucket.buf, self._offset_of[id(e)], e, g)
@@ -124,13 +135,31 @@ class Reducer(OffloadGrads):
         self._launch_ready()
 
     def _launch_ready(self) -> None:
-        """Launch the complete buckets at the head of the order (never one out of order)."""
-        while self._cursor < len(self._order) and self._order[self._cursor].pending == 0:
-            self._launch(self._order[self._cursor])
+        """Launch the buckets at the head of the order that may go (never one out of order).
+
+        A bucket may go once complete, or (stage 3) once its unit's backward is over on every
+        rank: that is where a rank whose unit left a parameter without gradient (an expert no
+        token reached) launches it, between the same all-gathers as the ranks that completed
+        it during that unit's backward.
+        """
+        order = self._order
+        while self._cursor < len(order) and (
+            order[self._cursor].pending == 0
+            or self._wrapped_of.get(id(order[self._cursor])) in self._done
+        ):
+            self._launch(order[self._cursor])
+            self._launched.add(id(order[self._cursor]))
             self._cursor += 1
+
+    def launch_done(self, done: set[Any]) -> None:
+        """Stage 3: the wrapped units whose backward is over on every rank (`Units._done`)."""
+        self._done = done
+        self._launch_ready()
 
     def _end_backward(self) -> None:
         self._callback_queued = False
+        self._done = set()
+        self._launched.clear()
         engine = self.engine
         if self.units is not None:
             self.units.free_all()  # also units some of whose parameters got no gradient
@@ -378,3 +407,12 @@ def _all_full(
     """`full` for the replicated entries, None for the sharded ones, in `engine.entries` order."""
     by_id = {id(e): g for e, g in zip(rep, full, strict=True)}
     return [by_id.get(id(e)) for e in engine.entries]
+
+
+def _late(e: Entry) -> RuntimeError:
+    return RuntimeError(
+        f"shard-zero stage 3: the gradient of {e.name!r} arrived after its unit's backward "
+        "was taken as over (the unit's parameters are used again after the forward of a later "
+        "unit): its reduction has started without it. Put such a parameter outside the "
+        "wrapped modules (`wrap_policy`) or use stage 2"
+    )

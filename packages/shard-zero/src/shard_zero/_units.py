@@ -70,6 +70,16 @@ class Units:
         self.before_backward: Callable[[], None] = _nothing
         self.units: list[Unit] = []
         self.fwd_order: list[Unit] = []  # the units in the order the last forward ran them
+        # since the last backward: each forward's order, and the lowest position whose
+        # output's gradient hook ran (`_done`); the units whose backward began (`_seen`)
+        self._forward = 0
+        self._orders: dict[int, list[Unit]] = {}
+        self._reached: dict[int, int] = {}
+        self._seen: set[int] = set()
+        self._unknown = False  # a hook of a forward from before the last backward ran
+        # called with the units whose backward is over on every rank (the engine sets the
+        # reducer's `launch_done`)
+        self.launch_done: Callable[[set[Unit]], None] = _nothing_done
         self.in_forward = False  # between the model's forward pre-hook and its forward hook
         self._entered_by: nn.Module | None = None  # a submodule called outside the model's
         self._fresh = True  # no forward since the last backward or step
@@ -262,6 +272,10 @@ class Units:
         (the in-place ops torch lets write through a stride-0 view) changes it.
         """
         self._fresh = True
+        self._orders.clear()
+        self._reached.clear()
+        self._seen.clear()
+        self._unknown = False
         for unit in self.units:
             if unit.state == _GATHERING:  # prefetched for a unit the forward then skipped
                 self._drop_gather(unit)
@@ -291,6 +305,8 @@ class Units:
         """Gather the root unit; a `new` forward (not a recompute) starts the forward order."""
         if new and not in_backward():
             self.fwd_order = []
+            self._forward += 1
+            self._orders[self._forward] = self.fwd_order
             self._saved.reset()
         self._fresh = False
         self.in_forward = True
@@ -356,21 +372,61 @@ class Units:
             unit.free()
         if not torch.is_grad_enabled():
             return
-        position = len(self.fwd_order) - 1
+        position, forward = len(self.fwd_order) - 1, self._forward
         # every tensor of the output's pytree (tuples, lists, dicts, `ModelOutput`s), as FSDP2
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(  # type: ignore[no-untyped-call]
-                    lambda grad, u=unit, i=position: self._pre_backward(u, i)
+                    lambda grad, u=unit, f=forward, i=position: self._output_backward(u, f, i)
                 )
 
-    def _pre_backward(self, unit: Unit, position: int) -> None:
+    def _output_backward(self, unit: Unit, forward: int, position: int) -> None:
+        """The gradient of the unit's output at `position` of `forward` is here.
+
+        Everything created after that output in the forward has run its backward (autograd
+        runs a node only after every node created later that reads its output, and runs
+        parameters' gradient accumulation first), so the units that ran only after it are done
+        on every rank: their buckets launch now even where a parameter got no gradient (an
+        expert no token reached), so ranks issue each reduce-scatter between the same
+        all-gathers. Only with every forward since the last backward accounted for. A unit
+        whose backward began already (T5's `position_bias` passes through every block: its
+        gradient reaches each block's output last) is not gathered or prefetched again.
+        """
+        self._check_no_create_graph()
+        self.before_backward()
+        if forward in self._orders:
+            self._reached[forward] = min(self._reached.get(forward, position), position)
+        else:
+            self._unknown = True  # a graph from before the last backward: no inference
+        if not self._unknown:
+            self.launch_done(self._done())
+        if unit.ident in self._seen:
+            return
+        self._seen.add(unit.ident)
+        self.gather_wait(unit)
+        order = self._orders.get(forward, [])
+        if self.engine.config.prefetch and 0 < position <= len(order):
+            self.gather_start(order[position - 1])
+
+    def _done(self) -> set[Unit]:
+        """The units whose backward is over in every forward since the last backward."""
+        done = set(self.units[1:])
+        for forward, order in self._orders.items():
+            reached = self._reached.get(forward)
+            done -= set(order if reached is None else order[: reached + 1])
+        return done
+
+    def _check_no_create_graph(self) -> None:
         if torch.is_grad_enabled():  # the engine enables grad for `create_graph=True` only
             raise RuntimeError(
                 "shard-zero stage 3 does not support a backward with `create_graph=True` "
                 "(a gradient penalty, double backward): the units are freed when this backward "
                 "ends and the graph it creates reads them later; use stage 1 or 2"
             )
+
+    def _pre_backward(self, unit: Unit, position: int) -> None:
+        """Gather `unit` for a backward that reads it (the root's output, a saved tensor)."""
+        self._check_no_create_graph()
         self.before_backward()
         self.gather_wait(unit)
         if self.engine.config.prefetch and 0 < position <= len(self.fwd_order):
@@ -378,6 +434,10 @@ class Units:
 
 
 def _nothing() -> None:
+    pass
+
+
+def _nothing_done(done: set[Unit]) -> None:
     pass
 
 
