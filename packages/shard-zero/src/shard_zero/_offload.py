@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import torch
 
-from shard_zero._layout import Entry
+from shard_zero._layout import Entry, local_rows
 from shard_zero._shards import Shards
 
 
 class OffloadGrads:
-    """The `Reducer`'s gradient stores (a mixin: it sets `engine`, `_fresh` and `_host_new`)."""
+    """The `Reducer`'s gradient stores (a mixin: it sets `engine` and the sets below)."""
 
     engine: Shards
     _fresh: set[int]  # entries whose device accumulator this reduction created
     _host_new: set[int]  # offload: host gradients made of this reduction only
+    _host_fresh: set[int]  # entries whose host rows this reduction started
 
     def _set_acc(self, e: Entry, acc: torch.Tensor | None, low: bool) -> None:
         """Store a sharded parameter's device accumulator (`low_acc`, `dev_grad`, `master.grad`).
@@ -90,3 +91,33 @@ class OffloadGrads:
             e.master.grad = piece.clone()
         else:
             e.master.grad.add_(piece)
+
+    def _add_on_host(
+        self, e: Entry, piece: torch.Tensor, span: tuple[int, int], scale: float
+    ) -> None:
+        """`offload_accum`, a backward under `no_sync()`: add `piece * scale` into host rows.
+
+        Every transfer is an asynchronous copy on the current stream (the host buffer is
+        pinned on CUDA), ordered after the reduce-scatter it reads and before the next copy
+        of the same rows; the host never reads the buffer itself, so nothing waits for it.
+        """
+        engine = self.engine
+        if e.host_acc is None:
+            e.host_acc = torch.empty(
+                e.master.shape,
+                dtype=engine.accum_dtype,
+                device="cpu",
+                pin_memory=engine.device.type == "cuda",
+            )
+        first, n = local_rows(e, span)
+        rows = e.host_acc[first : first + n]
+        if not e.host_has or id(e) in self._host_fresh:  # its first rows since the boundary
+            e.host_has = True
+            self._host_fresh.add(id(e))
+            total = piece.to(torch.float32, copy=True)
+            if scale != 1.0:
+                total.mul_(scale)
+        else:
+            total = rows.to(engine.device, copy=True, non_blocking=True)
+            total.add_(piece, alpha=scale)
+        rows.copy_(total, non_blocking=True)  # one rounding to `accum_dtype`

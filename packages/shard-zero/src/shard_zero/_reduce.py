@@ -5,7 +5,8 @@ hook packs the gradient and frees `param.grad`), so communication overlaps compu
 not grow with the number of micro-batches; stage 1 (as DDP) reduces `param.grad` at the
 accumulation boundary. Buckets launch in one rank-invariant order, and the end of backward
 launches every bucket left, with or without a gradient on this rank, so ranks always issue the
-same collectives. `accum_dtype`, `offload_accum` and `offload_optimizer` only change where, and
+same collectives; at stage 3 a unit's buckets also launch once its backward is over on every
+rank (`_unit_progress`), so ranks issue them between the same all-gathers. `accum_dtype`, `offload_accum` and `offload_optimizer` only change where, and
 in which dtype, the reduced rows accumulate (`materialize`, `_add_on_host`, `_offload`). At
 world 1 a packed bucket is already the reduced one: no collective runs, no scaling by 1, and
 its fp32 rows become the master gradients as they are (views of the bucket's buffer).
@@ -268,36 +269,6 @@ class Reducer(OffloadGrads):
                 rows.add_(piece, alpha=scale)
             if offload and span[1] == e.chunk:  # its last piece: the gradient is complete
                 self._offload(e)
-
-    def _add_on_host(
-        self, e: Entry, piece: torch.Tensor, span: tuple[int, int], scale: float
-    ) -> None:
-        """`offload_accum`, a backward under `no_sync()`: add `piece * scale` into host rows.
-
-        Every transfer is an asynchronous copy on the current stream (the host buffer is
-        pinned on CUDA), ordered after the reduce-scatter it reads and before the next copy
-        of the same rows; the host never reads the buffer itself, so nothing waits for it.
-        """
-        engine = self.engine
-        if e.host_acc is None:
-            e.host_acc = torch.empty(
-                e.master.shape,
-                dtype=engine.accum_dtype,
-                device="cpu",
-                pin_memory=engine.device.type == "cuda",
-            )
-        first, n = local_rows(e, span)
-        rows = e.host_acc[first : first + n]
-        if not e.host_has or id(e) in self._host_fresh:  # its first rows since the boundary
-            e.host_has = True
-            self._host_fresh.add(id(e))
-            total = piece.to(torch.float32, copy=True)
-            if scale != 1.0:
-                total.mul_(scale)
-        else:
-            total = rows.to(engine.device, copy=True, non_blocking=True)
-            total.add_(piece, alpha=scale)
-        rows.copy_(total, non_blocking=True)  # one rounding to `accum_dtype`
 
     def materialize(self) -> None:
         """Add the side accumulators into the fp32 master gradients.

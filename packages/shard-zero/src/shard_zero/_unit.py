@@ -6,6 +6,8 @@ one unit is and which unit a parameter goes to.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -111,3 +113,32 @@ def _unit_dtype(name: str, members: list[Entry]) -> torch.dtype:
             "with uniform dtypes"
         )
     return next(iter(dtypes)) if dtypes else torch.float32
+
+
+_NOT_COPYABLE = (
+    "of a model prepared by shard_zero at stage 3 is not supported: its parameters are "
+    "placeholders outside forward and backward and its gathering hooks belong to this process "
+    "group. For a copy (an EMA model, a snapshot) build the model again and load "
+    "`shard_zero.full_state_dict(model)` into it; to save, use `shard_zero.save_checkpoint` or "
+    "`full_state_dict`"
+)
+
+
+def check_no_create_graph() -> None:
+    """Refuse a stage-3 backward that builds a graph (`create_graph=True`)."""
+    if torch.is_grad_enabled():  # the engine enables grad for `create_graph=True` only
+        raise RuntimeError(
+            "shard-zero stage 3 does not support a backward with `create_graph=True` "
+            "(a gradient penalty, double backward): the units are freed when this backward "
+            "ends and the graph it creates reads them later; use stage 1 or 2"
+        )
+
+
+def _default_wrap_policy(model: nn.Module) -> Any:
+    children = {
+        id(child)
+        for module in model.modules()
+        if isinstance(module, nn.ModuleList)
+        for child in module
+    }
+    return lambda name, module: id(module) in children

@@ -39,26 +39,21 @@ from shard_zero._shards import Shards
 from shard_zero._unit import (
     _FREE,
     _GATHERING,
+    _NOT_COPYABLE,
     _READY,
     Unit,
+    _default_wrap_policy,
     _shared_across_units,
     _unit_dtype,
+    check_no_create_graph,
     in_backward,
 )
+from shard_zero._unit_progress import BackwardProgress
 from shard_zero._unit_saved import SavedWatch
 
 __all__ = ["Unit", "Units", "in_backward"]
 
 _GRADS_OF_UNIT = 1_000_000  # + 10_000 * unit index + bucket index; a unit's gather: its index
-
-
-_NOT_COPYABLE = (
-    "of a model prepared by shard_zero at stage 3 is not supported: its parameters are "
-    "placeholders outside forward and backward and its gathering hooks belong to this process "
-    "group. For a copy (an EMA model, a snapshot) build the model again and load "
-    "`shard_zero.full_state_dict(model)` into it; to save, use `shard_zero.save_checkpoint` or "
-    "`full_state_dict`"
-)
 
 
 class Units:
@@ -70,13 +65,6 @@ class Units:
         self.before_backward: Callable[[], None] = _nothing
         self.units: list[Unit] = []
         self.fwd_order: list[Unit] = []  # the units in the order the last forward ran them
-        # since the last backward: each forward's order, and the lowest position whose
-        # output's gradient hook ran (`_done`); the units whose backward began (`_seen`)
-        self._forward = 0
-        self._orders: dict[int, list[Unit]] = {}
-        self._reached: dict[int, int] = {}
-        self._seen: set[int] = set()
-        self._unknown = False  # a hook of a forward from before the last backward ran
         # called with the units whose backward is over on every rank (the engine sets the
         # reducer's `launch_done`)
         self.launch_done: Callable[[set[Unit]], None] = _nothing_done
@@ -90,6 +78,7 @@ class Units:
         # per dtype, one NaN element for each resting parameter (built in `_build`)
         self._nans: dict[torch.dtype, torch.Tensor] = {}
         self._build()
+        self._progress = BackwardProgress(self.units)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Units:
         raise TypeError(f"copy.deepcopy {_NOT_COPYABLE}")
@@ -272,10 +261,7 @@ class Units:
         (the in-place ops torch lets write through a stride-0 view) changes it.
         """
         self._fresh = True
-        self._orders.clear()
-        self._reached.clear()
-        self._seen.clear()
-        self._unknown = False
+        self._progress.clear()
         for unit in self.units:
             if unit.state == _GATHERING:  # prefetched for a unit the forward then skipped
                 self._drop_gather(unit)
@@ -305,8 +291,7 @@ class Units:
         """Gather the root unit; a `new` forward (not a recompute) starts the forward order."""
         if new and not in_backward():
             self.fwd_order = []
-            self._forward += 1
-            self._orders[self._forward] = self.fwd_order
+            self._progress.new_forward(self.fwd_order)
             self._saved.reset()
         self._fresh = False
         self.in_forward = True
@@ -372,7 +357,7 @@ class Units:
             unit.free()
         if not torch.is_grad_enabled():
             return
-        position, forward = len(self.fwd_order) - 1, self._forward
+        position, forward = len(self.fwd_order) - 1, self._progress.forward
         # every tensor of the output's pytree (tuples, lists, dicts, `ModelOutput`s), as FSDP2
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -381,52 +366,27 @@ class Units:
                 )
 
     def _output_backward(self, unit: Unit, forward: int, position: int) -> None:
-        """The gradient of the unit's output at `position` of `forward` is here.
+        """The gradient of `unit`'s output at `position` of `forward` is here (`_unit_progress`).
 
-        Everything created after that output in the forward has run its backward (autograd
-        runs a node only after every node created later that reads its output, and runs
-        parameters' gradient accumulation first), so the units that ran only after it are done
-        on every rank: their buckets launch now even where a parameter got no gradient (an
-        expert no token reached), so ranks issue each reduce-scatter between the same
-        all-gathers. Only with every forward since the last backward accounted for. A unit
-        whose backward began already (T5's `position_bias` passes through every block: its
-        gradient reaches each block's output last) is not gathered or prefetched again.
+        The units done on every rank may launch their reductions; a unit whose backward began
+        already is not gathered or prefetched again.
         """
-        self._check_no_create_graph()
+        check_no_create_graph()
         self.before_backward()
-        if forward in self._orders:
-            self._reached[forward] = min(self._reached.get(forward, position), position)
-        else:
-            self._unknown = True  # a graph from before the last backward: no inference
-        if not self._unknown:
-            self.launch_done(self._done())
-        if unit.ident in self._seen:
+        first = self._progress.reach(unit, forward, position)
+        done = self._progress.done()
+        if done is not None:
+            self.launch_done(done)
+        if not first:
             return
-        self._seen.add(unit.ident)
         self.gather_wait(unit)
-        order = self._orders.get(forward, [])
+        order = self._progress.order(forward)
         if self.engine.config.prefetch and 0 < position <= len(order):
             self.gather_start(order[position - 1])
 
-    def _done(self) -> set[Unit]:
-        """The units whose backward is over in every forward since the last backward."""
-        done = set(self.units[1:])
-        for forward, order in self._orders.items():
-            reached = self._reached.get(forward)
-            done -= set(order if reached is None else order[: reached + 1])
-        return done
-
-    def _check_no_create_graph(self) -> None:
-        if torch.is_grad_enabled():  # the engine enables grad for `create_graph=True` only
-            raise RuntimeError(
-                "shard-zero stage 3 does not support a backward with `create_graph=True` "
-                "(a gradient penalty, double backward): the units are freed when this backward "
-                "ends and the graph it creates reads them later; use stage 1 or 2"
-            )
-
     def _pre_backward(self, unit: Unit, position: int) -> None:
         """Gather `unit` for a backward that reads it (the root's output, a saved tensor)."""
-        self._check_no_create_graph()
+        check_no_create_graph()
         self.before_backward()
         self.gather_wait(unit)
         if self.engine.config.prefetch and 0 < position <= len(self.fwd_order):
@@ -439,13 +399,3 @@ def _nothing() -> None:
 
 def _nothing_done(done: set[Unit]) -> None:
     pass
-
-
-def _default_wrap_policy(model: nn.Module) -> Any:
-    children = {
-        id(child)
-        for module in model.modules()
-        if isinstance(module, nn.ModuleList)
-        for child in module
-    }
-    return lambda name, module: id(module) in children
