@@ -9,6 +9,7 @@ root unit's parameters (embeddings, final norm, LM head) as their NaN placeholde
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,26 @@ def test_a_unit_prefetched_then_skipped_is_gathered_again_after_the_step(
 # --- a forward that enters the model below the top ----------------------------------------
 
 
+def _train_counting(
+    model: nn.Module, opt: torch.optim.Optimizer, loss: Callable[[int], torch.Tensor]
+) -> list[int]:
+    """`STEPS` steps of `loss(step)`; the all-gathers each step made."""
+    gathers = []
+    for step in range(STEPS):
+        loss(step).backward()
+        opt.step()
+        gathers.append(memory_stats(model, opt)["communication"]["all_gather"]["calls"])
+        opt.zero_grad()
+    return gathers
+
+
+def _assert_as_one_process(model: nn.Module, want: dict[str, torch.Tensor], tol: float) -> None:
+    got = full_state_dict(model)
+    for key, value in want.items():
+        err = (got[key] - value).abs().max().item()
+        assert err < tol, f"{key} is {err:.3g} from one process"
+
+
 def _ids(step: int) -> torch.Tensor:
     return torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(step))
 
@@ -140,16 +161,11 @@ def _below_top_worker(
     t5, _ = prepare(_t5(), _sgd, ZeroConfig(stage=3, min_shard_numel=0))
     assert torch.equal(_generate(t5), tokens)
     model, opt = prepare(tiny_llama().train(), _sgd, ZeroConfig(stage=3, min_shard_numel=0))
-    gathers = []
-    for step in range(STEPS):  # before: a NaN loss, NaN in every parameter after the step
-        _chunked_loss(model, _ids(step)[2 * rank : 2 * rank + 2]).backward()
-        opt.step()
-        gathers.append(memory_stats(model, opt)["communication"]["all_gather"]["calls"])
-        opt.zero_grad()
-    got = full_state_dict(model)
-    for key, value in want.items():
-        err = (got[key] - value).abs().max().item()
-        assert err < 1e-5, f"{key} is {err:.3g} from one process"
+    # before: a NaN loss, NaN in every parameter after the step
+    gathers = _train_counting(
+        model, opt, lambda step: _chunked_loss(model, _ids(step)[2 * rank : 2 * rank + 2])
+    )
+    _assert_as_one_process(model, want, 1e-5)
     # the root once, each layer in forward and backward (the root kept from `model.model` to
     # `model.lm_head` and through backward)
     assert gathers == [1 + 2 * 2] * STEPS, gathers
@@ -241,19 +257,14 @@ def _stack_worker(
         stage=3, min_shard_numel=0, prefetch=prefetch, bucket_numel=bucket_numel, timeout=30
     )
     model, opt = prepare(Stack(), _sgd, config)
-    gathers = []
-    for step in range(STEPS):
+    rows = slice(4 * rank, 4 * rank + 4)
+
+    def loss(step: int) -> torch.Tensor:
         x, mask = _expert_batch(step)
-        _stack_loss(
-            model, x[4 * rank : 4 * rank + 4], mask[4 * rank : 4 * rank + 4], forwards
-        ).backward()
-        opt.step()
-        gathers.append(memory_stats(model, opt)["communication"]["all_gather"]["calls"])
-        opt.zero_grad()
-    got = full_state_dict(model)
-    for key, value in want.items():
-        err = (got[key] - value).abs().max().item()
-        assert err < 1e-6, f"{key} is {err:.3g} from one process"
+        return _stack_loss(model, x[rows], mask[rows], forwards)
+
+    gathers = _train_counting(model, opt, loss)
+    _assert_as_one_process(model, want, 1e-6)
     # the root once, each layer in each forward and once in backward: `bias`'s gradient
     # reaches every layer's output last, which gathered each freed layer again (13, not 9)
     assert gathers == [1 + (forwards + 1) * 4] * STEPS, gathers

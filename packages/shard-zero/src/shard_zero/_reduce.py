@@ -6,8 +6,9 @@ not grow with the number of micro-batches; stage 1 (as DDP) reduces `param.grad`
 accumulation boundary. Buckets launch in one rank-invariant order, and the end of backward
 launches every bucket left, with or without a gradient on this rank, so ranks always issue the
 same collectives; at stage 3 a unit's buckets also launch once its backward is over on every
-rank (`_unit_progress`), so ranks issue them between the same all-gathers. `accum_dtype`, `offload_accum` and `offload_optimizer` only change where, and
-in which dtype, the reduced rows accumulate (`materialize`, `_add_on_host`, `_offload`). At
+rank (`_unit_progress`), so ranks issue them between the same all-gathers. `accum_dtype`,
+`offload_accum` and `offload_optimizer` only change where, and in which dtype, the reduced rows
+accumulate (`materialize`, `_add_on_host`, `_offload`). At
 world 1 a packed bucket is already the reduced one: no collective runs, no scaling by 1, and
 its fp32 rows become the master gradients as they are (views of the bucket's buffer).
 """
