@@ -132,7 +132,7 @@ def test_compiled_step_settles_on_a_few_graphs(make_opt) -> None:
     """Before, `beta2` used `math.pow(step, decay_rate)`, which burns the step into the graph:
     `torch.compile(opt.step)` recompiled every step (one graph per step up to the limit, then
     eager). With the int8 momentum, inductor flipped the codes' signs (the eager quantizer's
-    dtype views); the quantizer takes a functional form under compile."""
+    dtype views); the quantizer runs as a custom op under compile (`test_int8_compile.py`)."""
     basics.check_compiled_step(make_opt)
 
 

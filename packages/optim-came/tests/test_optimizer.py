@@ -148,7 +148,7 @@ def test_closure_is_called_with_grad_enabled() -> None:
 def test_compiled_step_settles_on_a_few_graphs(options) -> None:
     """`torch.compile(opt.step)`: the step count is not burnt into the graph. With the int8
     first moment, inductor failed to compile the quantizer (C++ error) or, in Adafactor,
-    flipped the codes' signs; the quantizer takes a functional form under compile."""
+    flipped the codes' signs; the quantizer runs as a custom op under compile."""
     basics.check_compiled_step(partial(CAME, lr=1e-3, weight_decay=1e-2, **options))
 
 

@@ -151,9 +151,9 @@ def test_the_kernels_encode_gives_the_pytorch_paths_codes_at_the_thresholds(sr_s
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")  # inductor's import
 @pytest.mark.parametrize("sr_seed", [None, 11])
 def test_the_quantizer_under_torch_compile_gives_the_same_codes(sr_seed) -> None:
-    # `torch.compile(opt.step)` traces `quantize_` / `hash_uniform`; the eager ones write through
+    # `torch.compile(opt.step)` calls `quantize_` / `hash_uniform`; the eager ones write through
     # dtype views of their workspaces, which inductor miscompiled (every sign flipped, or a C++
-    # compile error), so they take a functional form there, which must give the same bits
+    # compile error), so they run as custom ops there, which must give the same bits
     import torch._dynamo
 
     def encode(x, codes, scale, signs, scratch, sr_scratch):

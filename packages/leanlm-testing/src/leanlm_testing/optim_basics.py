@@ -9,6 +9,7 @@ optimizer (or a function that builds it) and its parameters.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -211,6 +212,7 @@ def check_compiled_step(
     steps: int = 5,
     max_graphs: int = 3,
     dtype: torch.dtype = torch.float32,
+    scheduler: Callable[[Any], Any] | None = None,
 ) -> None:
     """`torch.compile(opt.step)` settles on at most `max_graphs` graphs, within fp32 rounding.
 
@@ -219,6 +221,11 @@ def check_compiled_step(
     fp32 sum may round the other way). The step
     count must not be burnt into the graph (a graph per step until dynamo's recompile limit,
     then eager with a warning): torch's own compiled AdamW settles after one graph.
+
+    `scheduler` (a function of the optimizer, e.g. a `LambdaLR` factory) is built before the
+    step is compiled and stepped after every step, so that it writes a new float `lr` into the
+    group each step (dynamo makes it a symbolic float from the second compile). The
+    floating-point state must then agree too, to the same tolerance.
     """
     import warnings
 
@@ -229,21 +236,38 @@ def check_compiled_step(
     with warnings.catch_warnings():  # inductor imports torch.utils.mkldnn (torch.jit.script)
         warnings.filterwarnings("ignore", "`torch.jit.script_method` is deprecated")
         for compiled in (False, True):
-            results.append(_steps(make_opt, steps, compiled, dtype))
+            results.append(_steps(make_opt, steps, compiled, dtype, scheduler))
     graphs = counters["stats"]["unique_graphs"]
     assert 1 <= graphs <= max_graphs, f"{graphs} graphs over {steps} steps"
     tol = 1e-5 if dtype == torch.float32 else 2.0**-7  # bf16: one step of its 8-bit mantissa
-    for eager, compiled_p in zip(*results, strict=True):
-        assert compiled_p.dtype == dtype
-        torch.testing.assert_close(compiled_p, eager, atol=tol, rtol=tol)
+    (eager_p, eager_s), (compiled_p, compiled_s) = results
+    for eager, compiled_t in zip(eager_p, compiled_p, strict=True):
+        assert compiled_t.dtype == dtype
+        torch.testing.assert_close(compiled_t, eager, atol=tol, rtol=tol)
+    if scheduler is not None:
+        for i, (eager_state, compiled_state) in enumerate(zip(eager_s, compiled_s, strict=True)):
+            for key, value in eager_state.items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    name = f"param {i} state {key!r}"
+                    torch.testing.assert_close(
+                        compiled_state[key],
+                        value,
+                        atol=tol,
+                        rtol=tol,
+                        msg=functools.partial(_named_message, name),
+                    )
     if dtype != torch.float32:  # rounded alike (other roundings would differ in ~half)
-        differ = sum(int((e != c).sum()) for e, c in zip(*results, strict=True))
-        assert differ <= 0.05 * sum(p.numel() for p in results[0]), differ
+        differ = sum(int((e != c).sum()) for e, c in zip(eager_p, compiled_p, strict=True))
+        assert differ <= 0.05 * sum(p.numel() for p in eager_p), differ
 
 
 def _steps(
-    make_opt: Callable[[list[torch.Tensor]], Any], steps: int, compiled: bool, dtype: torch.dtype
-) -> list[torch.Tensor]:
+    make_opt: Callable[[list[torch.Tensor]], Any],
+    steps: int,
+    compiled: bool,
+    dtype: torch.dtype,
+    scheduler: Callable[[Any], Any] | None = None,
+) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -252,9 +276,16 @@ def _steps(
         counters.clear()
     params = [torch.randn(s, generator=torch.Generator().manual_seed(0)).to(dtype) for s in SHAPES]
     opt = make_opt(params)
+    sched = None if scheduler is None else scheduler(opt)
     step = torch.compile(opt.step) if compiled else opt.step
     for seed in range(steps):
         for p, g in zip(params, shape_grads(seed), strict=True):
             p.grad = g.to(dtype)
         step()
-    return params
+        if sched is not None:
+            sched.step()
+    return params, [dict(opt.state[p]) for p in params]
+
+
+def _named_message(name: str, message: str) -> str:
+    return f"{name}: {message}"

@@ -24,7 +24,7 @@ class LosslessState(Optimizer):
 
     `FactoredOptimizer` sets `_sr_seed` and `_generators` in its constructor and provides the
     hooks `_parse_group`, `_state_dtype` and `_convert_loaded_state` (and may refine
-    `_adapt_loaded_state`).
+    `_convert_loaded_group` and `_adapt_loaded_state`).
     """
 
     _sr_seed: int
@@ -70,6 +70,7 @@ class LosslessState(Optimizer):
 
     def _normalise_state(self) -> None:
         for group in self.param_groups:
+            self._convert_loaded_group(group)
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
             opts = self._parse_group(group)
@@ -85,6 +86,12 @@ class LosslessState(Optimizer):
                     if isinstance(value, Tensor) and key != "step":
                         dtype = self._state_dtype(key, p, opts)
                         state[key] = value.to(device=p.device, dtype=dtype)
+
+    def _convert_loaded_group(self, group: dict[str, Any]) -> None:
+        """Hook: rename the options of a loaded foreign param group, in place (no-op).
+
+        Runs before the options the group lacks are filled in from the constructor's defaults.
+        """
 
     def _adapt_loaded_state(self, p: Tensor, state: dict[str, Any], opts: Any) -> None:
         """Hook: convert a loaded parameter's state to `opts` before the dtype casts (no-op)."""

@@ -24,7 +24,7 @@ from optim_adafactor._state import LosslessState
 from optim_adafactor._stochastic import copy_stochastic_, copy_stochastic_seeded
 from optim_adafactor.checks import STEP, GroupCheck, Scalar
 from optim_adafactor.dtensor import local_tensor, localize
-from optim_adafactor.factored import chunk_shape
+from optim_adafactor.factored import chunk_shape, compile_safe_scalars
 from optim_adafactor.sharding import Bucket, RowShard, make_row_shard
 
 Backend = Literal["auto", "torch", "triton"]
@@ -42,10 +42,13 @@ def decay_(p: Tensor, weight_decay: float, lr: Scalar) -> None:
     `p.add_(p, alpha=-wd·lr)` keeps the decay exact to fp32 rounding of the product; the form
     `p.mul_(1 - wd·lr)` rounds `1 - wd·lr` to fp32 (spacing 2^-24 below 1) and is off by up to
     0.3% near wd·lr = 1e-5, always in the same direction. A tensor `lr` stays on the device
-    (no host sync).
+    (no host sync). Inside `torch.compile` a float `lr` (which a scheduler changes every step)
+    is not passed as `alpha` (`factored.compile_safe_scalars`): `p·(-wd·lr)` is added instead.
     """
     if isinstance(lr, Tensor):  # -wd·lr in float64, rounded once, as a float `alpha` is
         p.addcmul_(p, lr.to(torch.float64).mul(-weight_decay).to(p.dtype))
+    elif compile_safe_scalars():
+        p.add_(p.mul(-weight_decay * lr))
     else:
         p.add_(p, alpha=-weight_decay * lr)
 
@@ -95,8 +98,8 @@ class FactoredOptimizer(LosslessState):
     phases' module from `_kernels` (imported there, on first use: it imports Triton) and implement
     `_parse_group`, `_init_state`, `_is_factored`, `_make_work`, `_step_local` and
     `_step_sharded`; they may return a multi-tensor module from `_multi` and refine
-    `_step_fused`, `_fused_supported`, `_refresh_state`, `_state_dtype` and
-    `_convert_loaded_state`.
+    `_step_fused`, `_fused_supported`, `_refresh_state`, `_state_dtype`,
+    `_convert_loaded_state` and `_convert_loaded_group`.
     """
 
     _torch_path: ClassVar[ModuleType]

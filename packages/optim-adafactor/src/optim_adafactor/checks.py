@@ -2,6 +2,11 @@
 
 Each returns the checked value or raises a `TypeError`/`ValueError` naming the option.
 `Scalar` is the type of a checked learning rate: a float or a 0-dim tensor (kept on its device).
+
+Inside `torch.compile` (a compiled `step()`) the finiteness checks are skipped: a float that an LR
+scheduler changes every step becomes a symbolic float there, and `math.isfinite` on it breaks
+the graph (dynamo then ran the step eagerly and compiled its inner functions one by one, with
+wrong results). The constructor and `add_param_group` check it eagerly.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 Scalar = Tensor | float
@@ -41,12 +47,15 @@ def check_bool(name: str, value: object) -> bool:
 
 
 def check_number(name: str, value: object) -> float:
-    """`value` as a finite float, else a `TypeError`/`ValueError` naming `name`."""
+    """`value` as a finite float, else a `TypeError`/`ValueError` naming `name`.
+
+    Finiteness is not checked inside `torch.compile` (see the module docstring).
+    """
     # numbers.Real: also numpy scalars (np.float32 is not a Python float), as torch accepts
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"`{name}` must be a real number, got {value!r} ({type(value).__name__})")
     number = float(value)
-    if not math.isfinite(number):
+    if not torch.compiler.is_compiling() and not math.isfinite(number):
         raise ValueError(f"`{name}` ({number}) must be finite")
     return number
 

@@ -22,6 +22,7 @@ __all__ = [
     "as_3d",
     "chunk",
     "chunk_shape",
+    "compile_safe_scalars",
     "copy_stochastic_",
     "ema_",
     "factored_sumsq",
@@ -63,23 +64,45 @@ if _kernels.HAS_TRITON:
 def ema_(avg: Tensor, mean: Tensor, beta: float, eps: float) -> Tensor:
     """`avg ← β·avg + (1-β)·(mean + ε)` in place and return `avg`; `mean` is used as scratch.
 
+    Eagerly `add_(mean + ε, alpha=1-β)`, the references' form (HF, came-pytorch: same bits).
+    Inside `torch.compile` `(mean + ε)·(1-β)` is added instead (`compile_safe_scalars`).
+
     Args:
         avg: The running statistic (fp32), updated in place.
         mean: This step's mean of the statistic, same shape as `avg`; overwritten.
         beta: EMA coefficient in [0, 1).
         eps: Added to `mean` before the EMA (Adafactor's ε1, CAME's ε1 or ε2).
     """
+    if compile_safe_scalars():
+        return avg.mul_(beta).add_(mean.add_(eps).mul_(1.0 - beta))
     return avg.mul_(beta).add_(mean.add_(eps), alpha=1.0 - beta)
 
 
 def add_scaled_(target: Tensor, x: Tensor, coef: Tensor | float) -> Tensor:
     """`target += coef · x` in place for a host float or a 0-dim device tensor `coef`.
 
-    A tensor `coef` (a step size computed on the device) is used without a host sync.
+    A tensor `coef` (a step size computed on the device) is used without a host sync. A float
+    `coef` is `add_`'s `alpha` eagerly; inside `torch.compile` `x·coef` is added instead
+    (`compile_safe_scalars`).
     """
     if isinstance(coef, Tensor):
         return target.addcmul_(x, coef)
+    if compile_safe_scalars():
+        return target.add_(x.mul(coef))
     return target.add_(x, alpha=coef)
+
+
+def compile_safe_scalars() -> bool:
+    """Whether a step-varying float must not be an op's `alpha=` (inside `torch.compile`).
+
+    Under `torch.compile` a float that changes between steps (β2_t, a scheduled `lr`) is a
+    symbolic float. Where it is used both as a tensor operand (`x.mul_(β)`) and as `alpha=`,
+    torch 2.13's inductor keeps the `alpha` of an earlier call: the compiled `ema_` was 28% off
+    at the third call (pytorch/pytorch#194976, #197889). So the compiled step multiplies
+    instead: the same value but for one more fp32 rounding (of the product `alpha·x`). The eager
+    step keeps the references' `alpha=` form bit for bit.
+    """
+    return torch.compiler.is_compiling()
 
 
 def factors(row: Tensor, col: Tensor, row_mean: Tensor) -> tuple[Tensor, Tensor]:

@@ -17,6 +17,9 @@ from optim_adafactor.checks import STEP, GroupCheck, Scalar
 from optim_adafactor.dtensor import local_tensor
 from optim_adafactor.sharding import Bucket
 
+#: `torch.optim.Adafactor`'s param-group options and ours (`Adafactor.from_torch_args`).
+TORCH_GROUP_KEYS = {"beta2_decay": "decay_rate", "d": "clip_threshold"}
+
 
 class Adafactor(FactoredOptimizer):
     r"""Adafactor (Shazeer & Stern, 2018, arXiv:1804.04235) with the HF constructor and defaults.
@@ -223,6 +226,19 @@ class Adafactor(FactoredOptimizer):
         if "variance" in state:
             state["exp_avg_sq"] = state.pop("variance")
 
+    def _convert_loaded_group(self, group: dict[str, Any]) -> None:
+        """torch.optim.Adafactor's group options `beta2_decay` and `d`: our names for them.
+
+        They are `decay_rate` and `clip_threshold` (`from_torch_args`); renamed, not filled in
+        from the constructor, the resumed step uses the checkpoint's options as torch's does.
+        A group that holds both names (a state dict saved after loading torch's one into an
+        older version, which kept both) keeps ours, the values its steps used.
+        """
+        for theirs, ours in TORCH_GROUP_KEYS.items():
+            if theirs in group:
+                value = group.pop(theirs)
+                group.setdefault(ours, value)
+
     def _make_work(self, **common: Any) -> StepWork:
         p, opts = common["param"], common["opts"]
         eps1 = opts.eps1 if opts.eps1 is not None else torch.finfo(p.dtype).eps
@@ -240,7 +256,8 @@ class Adafactor(FactoredOptimizer):
         """The step size `lr_t` of the group's last step, as HF's `_get_lr`.
 
         HF's `AdafactorSchedule` reports it to the Trainer. It reads a device value: call it
-        outside `step()`.
+        outside `step()`. A float step size (no parameter scaling) is recomputed from the group
+        and the step count, as HF's is.
         """
         for p in param_group["params"]:
             key = local_tensor(p)  # the step runs on (and keys) a DTensor's local shard
@@ -256,7 +273,12 @@ class Adafactor(FactoredOptimizer):
 
     # ------------------------------------------------------------------ the step
     def _apply(self, w: Work, usq: Tensor | None, *, u_in_buf: bool) -> None:
-        self._step_sizes[w.param] = w.lr_t
+        if isinstance(w.lr_t, Tensor):
+            self._step_sizes[w.param] = w.lr_t
+        else:  # a float (no parameter scaling): `_get_lr` recomputes it, as HF's does. Kept,
+            # it is an output of a compiled step, and inductor burnt a scheduled `lr` into that
+            # output (step 3's, reported ever after) and recompiled once more for it
+            self._step_sizes.pop(w.param, None)
         if w.fused:
             self._kernels().apply(w, usq, seed=self._kernel_seed(w))
             return

@@ -131,11 +131,10 @@ def hash_uniform(
     shifts are masked into logical ones. `out` (fp32) and `scratch` (int32), `shape`-sized
     workspaces (None: allocated), receive the noise and hold the hash.
     """
+    if torch.compiler.is_compiling():  # the same noise, through a custom op
+        noise: Tensor = _hash_uniform_op(seed, offset, list(shape), device)
+        return noise
     numel = math.prod(shape)
-    if torch.compiler.is_compiling():  # no dtype views (`_quant_compile`)
-        from optim_adafactor._quant_compile import hash_functional
-
-        return hash_functional(seed, offset, numel, device).view(*shape)
     if numel >= 1 << 31:  # int64 -> int32 keeps the low 32 bits
         h = torch.arange(numel, dtype=torch.int64, device=device).to(torch.int32)
     elif scratch is not None:
@@ -186,10 +185,8 @@ def quantize_(
     - stochastic: `lo` corrected to the exact floor, then the fp32 quotient as written,
       compared with the noise.
     """
-    if torch.compiler.is_compiling():
-        from optim_adafactor._quant_compile import quantize_functional
-
-        quantize_functional(x, codes, scale, noise)
+    if torch.compiler.is_compiling():  # the same codes, through a custom op
+        _quantize_op(x, codes, scale, noise)
         return
     if scratch is None or x.dtype != torch.float32 or scratch.dtype != torch.float32:
         x = x.to(torch.float32, copy=True)
@@ -220,6 +217,34 @@ def quantize_(
         q = lo.add_(torch.lt(noise, frac, out=frac)).clamp_(max=QMAX)
     codes.copy_(q)  # truncates toward zero
     codes.mul_(negative.mul_(-2).add_(1))  # the signs, as ±1 int8
+
+
+# `torch.compile(opt.step)` calls `hash_uniform` and `quantize_` as these custom ops (opaque to
+# the compiler, no graph break), which run the eager functions: the same noise, codes and scales.
+# Inductor (torch 2.13, CPU) miscompiled the eager ones' in-place dtype views (flipped signs, a C++
+# compile error), then functional forms of them on tensors whose leading dimensions are all 1:
+# each element's block factor gathered by index read outside the scales when the last block was
+# partial, and the hash of a static (1, 100) tensor gave wrong noise and corrupted the heap.
+@torch.library.custom_op("optim_adafactor::hash_uniform", mutates_args=())
+def _hash_uniform_op(seed: int, offset: int, shape: list[int], device: torch.device) -> Tensor:
+    """`hash_uniform(seed, offset, shape, device)` in a new tensor."""
+    return hash_uniform(seed, offset, shape, device)
+
+
+@_hash_uniform_op.register_fake
+def _(seed: int, offset: int, shape: list[int], device: torch.device) -> Tensor:
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+@torch.library.custom_op("optim_adafactor::quantize", mutates_args=("codes", "scale"))
+def _quantize_op(x: Tensor, codes: Tensor, scale: Tensor, noise: Tensor | None) -> None:
+    """`quantize_(x, codes, scale, noise=noise)`; `x` is left intact."""
+    quantize_(x, codes, scale, noise=noise)
+
+
+@_quantize_op.register_fake
+def _(x: Tensor, codes: Tensor, scale: Tensor, noise: Tensor | None) -> None:
+    return None
 
 
 def quant_seed(seed: int | None, offset: int = 0) -> int:

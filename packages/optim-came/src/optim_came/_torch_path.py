@@ -135,7 +135,7 @@ def momentum(w: Work, usq: Tensor, buf: Tensor, *, u_in_buf: bool) -> None:
         # b = m_old - û, with û = g · (rf · clip) ⊗ cf
         torch.mul(g[rows], (w.rf[rows] * w.clip).unsqueeze(-1), out=b)
         torch.addcmul(m, b, w.cf.unsqueeze(-2), value=-1.0, out=b)
-        m.add_(b, alpha=-(1.0 - o.beta1))  # m_new = m_old - (1-β1)(m_old - û)
+        add_scaled_(m, b, -(1.0 - o.beta1))  # m_new = m_old - (1-β1)(m_old - û)
         # instability (û - m_new)² = β1² (m_old - û)²; its ε2 is added to the means by `ema_`
         b.square_()
         if rowsum is None:
