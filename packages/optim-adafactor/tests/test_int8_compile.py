@@ -19,6 +19,7 @@ from functools import partial
 import pytest
 import torch
 
+from leanlm_testing.optim_basics import check_compiled_int8_step
 from optim_adafactor import Adafactor, factored, quant
 
 pytestmark = pytest.mark.filterwarnings(
@@ -58,52 +59,6 @@ def test_the_compiled_quantizer_gives_the_eager_codes_at_one_row_shapes(dynamic,
         assert torch.equal(scale.view(torch.int32), want_scale.view(torch.int32)), shape
 
 
-def _steps(make_opt, shapes, *, compiled: bool, dtype: torch.dtype, steps: int = 3):
-    """Parameters and states after `steps` steps, the number of graphs and of graph breaks."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
-    torch.manual_seed(0)  # the stochastic-rounding seed is drawn at construction
-    opt = make_opt(params)
-    step = torch.compile(opt.step) if compiled else opt.step
-    for _ in range(steps):  # step 1: a static graph; from step 2 the step count is dynamic
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
-        step()
-    graphs = int(counters["stats"]["unique_graphs"])
-    return params, [opt.state[p] for p in params], graphs, sum(counters["graph_break"].values())
-
-
-def check_compiled_step_matches_eager(make_opt, shapes, dtype: torch.dtype) -> None:
-    """Over 3 steps: 3 graphs at most, no graph break, the eager step's int8 state to ulps.
-
-    Codes: equal but for at most one per tensor, by one. Scales: within 1e-6 relative (one fp32
-    ulp is 1.2e-7). Parameters: fp32 within 1e-6 (lr 1e-3); bf16 within one bf16 step, at most
-    1% of the elements differing.
-    """
-    eager_p, eager_s, _, _ = _steps(make_opt, shapes, compiled=False, dtype=dtype)
-    comp_p, comp_s, graphs, breaks = _steps(make_opt, shapes, compiled=True, dtype=dtype)
-    assert 1 <= graphs <= 3, f"{graphs} graphs over 3 steps"
-    assert breaks == 0
-    for shape, pe, pc, se, sc in zip(shapes, eager_p, comp_p, eager_s, comp_s, strict=True):
-        assert not pc.isnan().any(), shape
-        if len(shape) >= 2:  # a vector's momentum stays fp32
-            assert se["exp_avg"].dtype == sc["exp_avg"].dtype == torch.int8
-            off = (sc["exp_avg"].int() - se["exp_avg"].int()).abs()
-            assert int((off > 0).sum()) <= 1, (shape, off.nonzero())
-            assert int(off.max()) <= 1, (shape, off.nonzero())
-            torch.testing.assert_close(sc["exp_avg_scale"], se["exp_avg_scale"], rtol=1e-6, atol=0)
-        if dtype == torch.float32:
-            torch.testing.assert_close(pc, pe, rtol=0, atol=1e-6)
-        else:
-            torch.testing.assert_close(pc, pe, rtol=2.0**-7, atol=2.0**-7)
-            assert int((pc != pe).sum()) <= 0.01 * pc.numel(), shape
-
-
 @pytest.mark.parametrize(
     ("dtype", "sr"),
     [
@@ -114,7 +69,7 @@ def check_compiled_step_matches_eager(make_opt, shapes, dtype: torch.dtype) -> N
 def test_compiled_int8_step_matches_eager_at_one_row_shapes(dtype, sr) -> None:
     """Before, fp32: the partial blocks' codes were garbage (44 of 300 at (1, 300)); bf16 with
     stochastic rounding: the scales NaN, 256 NaN parameters of 300, or an abort."""
-    check_compiled_step_matches_eager(partial(MAKE, stochastic_rounding=sr), SHAPES, dtype)
+    check_compiled_int8_step(partial(MAKE, stochastic_rounding=sr), SHAPES, dtype)
 
 
 @pytest.mark.parametrize("sr", [False, True], ids=["nearest", "stochastic"])
@@ -125,4 +80,4 @@ def test_compiled_int8_step_matches_eager_on_a_one_row_last_chunk(monkeypatch, s
     monkeypatch.setattr(factored, "CPU_CHUNK", 1000)
     assert factored.row_chunks(torch.empty(7, 300))[-1] == slice(6, 7)
     make = partial(MAKE, stochastic_rounding=sr)
-    check_compiled_step_matches_eager(make, [(7, 300)], torch.float32)
+    check_compiled_int8_step(make, [(7, 300)], torch.float32)

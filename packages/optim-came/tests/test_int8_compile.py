@@ -17,6 +17,7 @@ from functools import partial
 import pytest
 import torch
 
+from leanlm_testing.optim_basics import check_compiled_int8_step
 from optim_adafactor import factored
 from optim_came import CAME
 
@@ -29,57 +30,11 @@ SHAPES = [(1, 300), (1, 130), (1, 257), (300,), (3, 300)]
 MAKE = partial(CAME, lr=1e-3, weight_decay=1e-2, state_dtype=torch.int8)
 
 
-def _steps(make_opt, shapes, *, compiled: bool, dtype: torch.dtype, steps: int = 3):
-    """Parameters and states after `steps` steps, the number of graphs and of graph breaks."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
-    torch.manual_seed(0)  # the stochastic-rounding seed is drawn at construction
-    opt = make_opt(params)
-    step = torch.compile(opt.step) if compiled else opt.step
-    for _ in range(steps):  # step 1: a static graph; from step 2 the step count is dynamic
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
-        step()
-    graphs = int(counters["stats"]["unique_graphs"])
-    return params, [opt.state[p] for p in params], graphs, sum(counters["graph_break"].values())
-
-
-def check_compiled_step_matches_eager(make_opt, shapes, dtype: torch.dtype) -> None:
-    """Over 3 steps: 3 graphs at most, no graph break, the eager step's int8 state to ulps.
-
-    Codes: equal but for at most one per tensor, by one. Scales: within 1e-6 relative (one fp32
-    ulp is 1.2e-7). Parameters: fp32 within 1e-6 (lr 1e-3); bf16 within one bf16 step, at most
-    1% of the elements differing.
-    """
-    eager_p, eager_s, _, _ = _steps(make_opt, shapes, compiled=False, dtype=dtype)
-    comp_p, comp_s, graphs, breaks = _steps(make_opt, shapes, compiled=True, dtype=dtype)
-    assert 1 <= graphs <= 3, f"{graphs} graphs over 3 steps"
-    assert breaks == 0
-    for shape, pe, pc, se, sc in zip(shapes, eager_p, comp_p, eager_s, comp_s, strict=True):
-        assert not pc.isnan().any(), shape
-        if len(shape) >= 2:  # a vector's exp_avg stays fp32
-            assert se["exp_avg"].dtype == sc["exp_avg"].dtype == torch.int8
-            off = (sc["exp_avg"].int() - se["exp_avg"].int()).abs()
-            assert int((off > 0).sum()) <= 1, (shape, off.nonzero())
-            assert int(off.max()) <= 1, (shape, off.nonzero())
-            torch.testing.assert_close(sc["exp_avg_scale"], se["exp_avg_scale"], rtol=1e-6, atol=0)
-        if dtype == torch.float32:
-            torch.testing.assert_close(pc, pe, rtol=0, atol=1e-6)
-        else:
-            torch.testing.assert_close(pc, pe, rtol=2.0**-7, atol=2.0**-7)
-            assert int((pc != pe).sum()) <= 0.01 * pc.numel(), shape
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_compiled_int8_step_matches_eager_at_one_row_shapes(dtype) -> None:
     """With stochastic rounding (of the codes; and of bf16 parameters). Before: the partial
     blocks' codes were garbage (all 44 of (1, 300)'s, up to 250 codes off)."""
-    check_compiled_step_matches_eager(partial(MAKE, stochastic_rounding=True), SHAPES, dtype)
+    check_compiled_int8_step(partial(MAKE, stochastic_rounding=True), SHAPES, dtype)
 
 
 @pytest.mark.parametrize(
@@ -101,4 +56,4 @@ def test_compiled_int8_step_matches_eager_on_a_one_row_last_chunk(
     monkeypatch.setattr(factored, "CPU_CHUNK", chunk)
     assert factored.row_chunks(torch.empty(shape))[-1] == slice(shape[0] - 1, shape[0])
     make = partial(MAKE, stochastic_rounding=sr)
-    check_compiled_step_matches_eager(make, [shape], torch.float32)
+    check_compiled_int8_step(make, [shape], torch.float32)

@@ -289,3 +289,62 @@ def _steps(
 
 def _named_message(name: str, message: str) -> str:
     return f"{name}: {message}"
+
+
+def _int8_steps(
+    make_opt: Callable[[list[torch.Tensor]], Any],
+    shapes: Sequence[tuple[int, ...]],
+    *,
+    compiled: bool,
+    dtype: torch.dtype,
+    steps: int = 3,
+) -> tuple[list[torch.Tensor], list[Any], int, int]:
+    """Parameters and states after `steps` steps, the number of graphs and of graph breaks."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    torch.manual_seed(0)  # the stochastic-rounding seed is drawn at construction
+    opt = make_opt(params)
+    step = torch.compile(opt.step) if compiled else opt.step
+    for _ in range(steps):  # step 1: a static graph; from step 2 the step count is dynamic
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+        step()
+    graphs = int(counters["stats"]["unique_graphs"])
+    breaks = sum(counters["graph_break"].values())
+    return params, [opt.state[p] for p in params], graphs, breaks
+
+
+def check_compiled_int8_step(
+    make_opt: Callable[[list[torch.Tensor]], Any],
+    shapes: Sequence[tuple[int, ...]],
+    dtype: torch.dtype,
+) -> None:
+    """Over 3 steps: 3 graphs at most, no graph break, the eager step's int8 state to ulps.
+
+    For an optimizer whose int8 first moment is `state["exp_avg"]` with `exp_avg_scale`
+    (optim-adafactor's momentum, optim-came's first moment). Codes: equal but for at most one
+    per tensor, by one. Scales: within 1e-6 relative (one fp32 ulp is 1.2e-7). Parameters: fp32
+    within 1e-6 (lr 1e-3); bf16 within one bf16 step, at most 1% of the elements differing.
+    """
+    eager_p, eager_s, _, _ = _int8_steps(make_opt, shapes, compiled=False, dtype=dtype)
+    comp_p, comp_s, graphs, breaks = _int8_steps(make_opt, shapes, compiled=True, dtype=dtype)
+    assert 1 <= graphs <= 3, f"{graphs} graphs over 3 steps"
+    assert breaks == 0
+    for shape, pe, pc, se, sc in zip(shapes, eager_p, comp_p, eager_s, comp_s, strict=True):
+        assert not pc.isnan().any(), shape
+        if len(shape) >= 2:  # a vector's first moment stays fp32
+            assert se["exp_avg"].dtype == sc["exp_avg"].dtype == torch.int8
+            off = (sc["exp_avg"].int() - se["exp_avg"].int()).abs()
+            assert int((off > 0).sum()) <= 1, (shape, off.nonzero())
+            assert int(off.max()) <= 1, (shape, off.nonzero())
+            torch.testing.assert_close(sc["exp_avg_scale"], se["exp_avg_scale"], rtol=1e-6, atol=0)
+        if dtype == torch.float32:
+            torch.testing.assert_close(pc, pe, rtol=0, atol=1e-6)
+        else:
+            torch.testing.assert_close(pc, pe, rtol=2.0**-7, atol=2.0**-7)
+            assert int((pc != pe).sum()) <= 0.01 * pc.numel(), shape
