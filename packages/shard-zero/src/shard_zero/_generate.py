@@ -7,14 +7,15 @@ every rank has finished. transformers turns it on by itself only under DeepSpeed
 so without it a rank whose prompts end first leaves the others waiting in their next gather.
 
 `install` gives each `GenerationMixin` module of a stage-3 model (group of more than one rank) an
-instance-level `generate` that defaults `synced_gpus` to True (an explicit `synced_gpus` wins).
+instance-level `generate` that runs with `synced_gpus=True`: absent or None silently, an explicit
+False (what `Seq2SeqTrainer` passes outside DeepSpeed / FSDP) with a warning.
 The synced loop decides when to stop with one all-reduce of a "still running" flag per step, in
 `GenerationMixin._has_unfinished_sequences`, over the default process group; `install` replaces
 that method on the instance by the same reduction over shard-zero's group, so that with a
 `group` smaller than the world the ranks outside it need not call `generate` (and the flag waits
 at most `ZeroConfig.timeout`, like every shard-zero collective). When transformers' method does
 not have the signature this was written against, the flag stays on the default group: then
-`synced_gpus` is defaulted only when shard-zero's group spans the whole world.
+`synced_gpus` is forced on only when shard-zero's group spans the whole world.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import warnings
 from collections.abc import Callable
 from types import MethodType
 from typing import Any
@@ -35,7 +37,7 @@ _FLAG_PARAMS = ["self", "this_peer_finished", "synced_gpus", "device"]
 
 
 def install(model: nn.Module, group: Any, world: int, device: torch.device) -> None:
-    """Default `synced_gpus=True` in the `generate` of every transformers model in `model`.
+    """Run `synced_gpus=True` in the `generate` of every transformers model in `model`.
 
     Args:
         model: the prepared (stage-3) model; it and its submodules that derive from
@@ -99,18 +101,38 @@ def _synced_gpus_position(generate: Callable[..., Any]) -> int | None:
 
 
 def _synced_generate(generate: Callable[..., Any], position: int) -> Callable[..., Any]:
-    """`generate` with `synced_gpus` None or absent -> True (same signature and docstring)."""
+    """`generate` always run with `synced_gpus=True` (same signature and docstring).
+
+    Absent or None becomes True silently; any other value (False: what `Seq2SeqTrainer` passes
+    outside DeepSpeed / FSDP) becomes True with a warning, since without it the ranks' gathers
+    fall out of step as soon as one rank's sequences end before another's.
+    """
 
     @functools.wraps(generate)
     def synced_generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if 0 <= position < len(args):
-            if args[position] is None:  # None: transformers' own choice, False here
+            if args[position] is not True:
+                _warn_if_false(args[position])
                 args = (*args[:position], True, *args[position + 1 :])
-        elif kwargs.get("synced_gpus") is None:
+        elif kwargs.get("synced_gpus") is not True:
+            _warn_if_false(kwargs.get("synced_gpus"))
             kwargs["synced_gpus"] = True
         return generate(self, *args, **kwargs)
 
     return synced_generate
+
+
+def _warn_if_false(synced_gpus: object) -> None:
+    """Warn that an explicit `synced_gpus=False` (Seq2SeqTrainer's own default) is run as True."""
+    if synced_gpus is None:
+        return  # None: "transformers decides", which is False outside DeepSpeed / FSDP
+    warnings.warn(
+        f"synced_gpus={synced_gpus!r} given to generate() of a shard-zero stage-3 model over "
+        "more than one rank: running with synced_gpus=True (every forward gathers parameters "
+        "with the other ranks, so a rank that stopped early would leave them waiting; "
+        "transformers' Seq2SeqTrainer passes False unless DeepSpeed ZeRO-3 or FSDP is on)",
+        stacklevel=3,
+    )
 
 
 def _group_flag(group: Any, where: torch.device) -> Callable[..., bool]:
