@@ -2,6 +2,7 @@ import dataclasses
 import hashlib
 import os
 import shutil
+import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -57,6 +58,40 @@ def tiny_config(cache_dir):
         if pretrain:
             changes["pretrain"] = dataclasses.replace(base.pretrain, **pretrain)
         return dataclasses.replace(base, **changes)
+
+    return make
+
+
+#: The Python standard library's folder: its sources are the local text of `files_config`.
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+@pytest.fixture(scope="session")
+def files_config(tiny_config):
+    """The tiny run on local copies of a few standard library files (`source = "files"`).
+
+    `make(folder, validation_text=None, **pretrain)` copies four modules as training files and
+    json's decoder (or writes `validation_text`) as the validation file into `folder`.
+    """
+
+    def make(folder: Path, *, validation_text: str | None = None, **pretrain):
+        folder.mkdir(parents=True, exist_ok=True)
+        names = ["argparse.py", "ast.py", "inspect.py", "typing.py"]
+        train = [shutil.copy(STDLIB / name, folder / f"{name}.txt") for name in names]
+        val = folder / "val.txt"
+        if validation_text is None:
+            shutil.copy(STDLIB / "json" / "decoder.py", val)
+        else:
+            val.write_text(validation_text)
+        data = DataConfig(
+            source="files",
+            files=tuple(map(str, train)),
+            validation_files=(str(val),),
+            seq_len=32,
+            eval_windows=8,
+        )
+        settings = {"steps": 4, "warmup_steps": 1, "eval_every": 4, "checkpoint_every": 2}
+        return tiny_config(data=data, pretrain=settings | pretrain)
 
     return make
 

@@ -12,14 +12,10 @@ from safetensors.torch import load_file
 from leanlm.config import TrainConfig
 from leanlm.run.pipeline import run_pipeline
 
-# inductor imports torch.utils.mkldnn, which uses the deprecated torch.jit.script_method, and
-# dynamo reads `.grad` of non-leaf tensors while it builds its guards (warnings of torch's own)
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
-    pytest.mark.filterwarnings(
-        "ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"
-    ),
-]
+# dynamo reads `.grad` of non-leaf tensors while it builds its guards (a warning of torch's own)
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"
+)
 
 STEPS = {"steps": 4, "warmup_steps": 1, "eval_every": 4, "checkpoint_every": 0}
 

@@ -33,23 +33,6 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 STAT_RECORD = "data-files-stat.json"
 
 
-def _files_config(tiny_config, folder: Path):
-    """The tiny run on local copies of a few standard library files (`source = "files"`)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    names = ["argparse.py", "ast.py", "inspect.py", "typing.py"]
-    train = [shutil.copy(STDLIB / name, folder / f"{name}.txt") for name in names]
-    val = shutil.copy(STDLIB / "json" / "decoder.py", folder / "val.txt")
-    data = DataConfig(
-        source="files",
-        files=tuple(map(str, train)),
-        validation_files=(str(val),),
-        seq_len=32,
-        eval_windows=8,
-    )
-    settings = {"steps": 4, "warmup_steps": 1, "eval_every": 4, "checkpoint_every": 2}
-    return tiny_config(data=data, pretrain=settings)
-
-
 def _settle() -> None:
     """Wait until the files written so far are older than the window a start does not trust."""
     time.sleep(getattr(datafiles, "RECENT_NS", 2 * 10**9) / 1e9 + 0.2)
@@ -73,9 +56,9 @@ def _paths(config) -> list[str]:
 
 
 def test_a_second_start_with_unchanged_files_reuses_their_digests_unread(
-    tiny_config, tmp_path, reads, capsys
+    files_config, tmp_path, reads, capsys
 ):
-    config = _files_config(tiny_config, tmp_path / "data")
+    config = files_config(tmp_path / "data")
     out = tmp_path / "run"
     _settle()
     first = run_pipeline(config, out)[0]
@@ -117,9 +100,9 @@ def test_a_second_start_with_unchanged_files_reuses_their_digests_unread(
 
 @pytest.mark.parametrize("change", ["size", "mtime"])
 def test_a_file_changed_in_size_or_mtime_is_read_again_and_resume_names_it(
-    tiny_config, tmp_path, reads, change
+    files_config, tmp_path, reads, change
 ):
-    config = _files_config(tiny_config, tmp_path / "data")
+    config = files_config(tmp_path / "data")
     out = tmp_path / "run"
     _settle()
     run_pipeline(config, out)
@@ -150,8 +133,8 @@ def test_a_file_changed_in_size_or_mtime_is_read_again_and_resume_names_it(
 
 
 @pytest.mark.parametrize("how", ["in place", "renamed over"])
-def test_a_same_size_rewrite_given_its_old_mtime_is_read_again(tiny_config, tmp_path, reads, how):
-    config = _files_config(tiny_config, tmp_path / "data")
+def test_a_same_size_rewrite_given_its_old_mtime_is_read_again(files_config, tmp_path, reads, how):
+    config = files_config(tmp_path / "data")
     out = tmp_path / "run"
     _settle()
     run_pipeline(config, out)
@@ -187,9 +170,9 @@ def test_a_same_size_rewrite_given_its_old_mtime_is_read_again(tiny_config, tmp_
 
 @pytest.mark.parametrize("record", ["missing", "unreadable", "another digest"])
 def test_a_record_without_usable_stat_data_reads_the_files(
-    tiny_config, tmp_path, reads, capsys, record
+    files_config, tmp_path, reads, capsys, record
 ):
-    config = _files_config(tiny_config, tmp_path / "data")
+    config = files_config(tmp_path / "data")
     out = tmp_path / "run"
     _settle()
     first = run_pipeline(config, out)[0]

@@ -11,8 +11,6 @@
 import dataclasses
 import json
 import os
-import shutil
-import sysconfig
 import time
 from pathlib import Path
 
@@ -22,7 +20,6 @@ import torch
 from leanlm.config import (
     ConfigError,
     ControlConfig,
-    DataConfig,
     DistillConfig,
     PruneConfig,
 )
@@ -31,29 +28,6 @@ from leanlm.run.pipeline import run_pipeline
 from leanlm.run.rundir import ConfigChangedError, holds_work, stage_hash
 from leanlm.stages import StageResult
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-
-
-def _files_config(tiny_config, folder: Path, *, validation_text: str | None = None, **pretrain):
-    """The tiny run on local copies of a few standard library files (`source = "files"`)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    names = ["argparse.py", "ast.py", "inspect.py", "typing.py"]
-    train = [shutil.copy(STDLIB / name, folder / f"{name}.txt") for name in names]
-    val = folder / "val.txt"
-    if validation_text is None:
-        shutil.copy(STDLIB / "json" / "decoder.py", val)
-    else:
-        val.write_text(validation_text)
-    data = DataConfig(
-        source="files",
-        files=tuple(map(str, train)),
-        validation_files=(str(val),),
-        seq_len=32,
-        eval_windows=8,
-    )
-    settings = {"steps": 4, "warmup_steps": 1, "eval_every": 4, "checkpoint_every": 2}
-    return tiny_config(data=data, pretrain=settings | pretrain)
-
 
 def _loss_steps(stage_dir: Path) -> list[int]:
     rows = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines()]
@@ -61,9 +35,9 @@ def _loss_steps(stage_dir: Path) -> list[int]:
 
 
 def test_a_changed_data_file_changes_the_stage_hash_and_resume_names_it(
-    tiny_config, tmp_path, capsys
+    files_config, tmp_path, capsys
 ):
-    config = _files_config(tiny_config, tmp_path / "data")
+    config = files_config(tmp_path / "data")
     out = tmp_path / "run"
     first = run_pipeline(config, out)[0]
     digests = file_digests(config.data)
@@ -183,10 +157,8 @@ def test_control_counts_the_teacher_correction_tokens(prune_distill_config, tmp_
     ) in log
 
 
-def test_a_validation_split_shorter_than_one_window_stops_before_training(tiny_config, tmp_path):
-    config = _files_config(
-        tiny_config, tmp_path / "data", validation_text="too short", checkpoint_every=1
-    )
+def test_a_validation_split_shorter_than_one_window_stops_before_training(files_config, tmp_path):
+    config = files_config(tmp_path / "data", validation_text="too short", checkpoint_every=1)
     out = tmp_path / "run"
     with pytest.raises(ConfigError) as err:
         run_pipeline(config, out)

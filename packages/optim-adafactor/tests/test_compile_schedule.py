@@ -19,10 +19,6 @@ import transformers.optimization as hf_optimization
 from leanlm_testing import optim_basics as basics
 from optim_adafactor import Adafactor
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:`torch.jit.script_method` is deprecated"  # inductor imports torch.utils.mkldnn
-)
-
 STEPS = 12
 
 

@@ -19,15 +19,9 @@ from functools import partial
 import pytest
 import torch
 
-from leanlm_testing.optim_basics import check_compiled_int8_step
+from leanlm_testing.optim_basics import INT8_COMPILE_SHAPES, check_compiled_int8_step
 from optim_adafactor import Adafactor, factored, quant
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:`torch.jit.script_method` is deprecated"  # inductor imports torch.utils.mkldnn
-)
-
-#: one row (or 1-D) with a partial block after full ones; several rows with partial blocks
-SHAPES = [(1, 300), (1, 130), (1, 257), (300,), (3, 300)]
 MAKE = partial(Adafactor, lr=1e-3, beta1=0.9, relative_step=False, state_dtype=torch.int8)
 
 
@@ -43,7 +37,7 @@ def test_the_compiled_quantizer_gives_the_eager_codes_at_one_row_shapes(dynamic,
         return noise
 
     gen = torch.Generator().manual_seed(0)
-    for shape in [*SHAPES, (1, 1, 300), (1, 100), (1, 127), (1, 129)]:
+    for shape in [*INT8_COMPILE_SHAPES, (1, 1, 300), (1, 100), (1, 127), (1, 129)]:
         torch._dynamo.reset()  # static: 9 shapes would pass the recompile limit (8)
         compiled = torch.compile(encode, fullgraph=True, dynamic=dynamic)
         x = torch.randn(shape, generator=gen)
@@ -69,7 +63,7 @@ def test_the_compiled_quantizer_gives_the_eager_codes_at_one_row_shapes(dynamic,
 def test_compiled_int8_step_matches_eager_at_one_row_shapes(dtype, sr) -> None:
     """Before, fp32: the partial blocks' codes were garbage (44 of 300 at (1, 300)); bf16 with
     stochastic rounding: the scales NaN, 256 NaN parameters of 300, or an abort."""
-    check_compiled_int8_step(partial(MAKE, stochastic_rounding=sr), SHAPES, dtype)
+    check_compiled_int8_step(partial(MAKE, stochastic_rounding=sr), dtype)
 
 
 @pytest.mark.parametrize("sr", [False, True], ids=["nearest", "stochastic"])
@@ -80,4 +74,4 @@ def test_compiled_int8_step_matches_eager_on_a_one_row_last_chunk(monkeypatch, s
     monkeypatch.setattr(factored, "CPU_CHUNK", 1000)
     assert factored.row_chunks(torch.empty(7, 300))[-1] == slice(6, 7)
     make = partial(MAKE, stochastic_rounding=sr)
-    check_compiled_int8_step(make, [(7, 300)], torch.float32)
+    check_compiled_int8_step(make, torch.float32, [(7, 300)])

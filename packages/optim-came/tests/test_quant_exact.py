@@ -148,7 +148,6 @@ def test_the_kernels_encode_gives_the_pytorch_paths_codes_at_the_thresholds(sr_s
     assert torch.equal(codes, want_codes)
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")  # inductor's import
 @pytest.mark.parametrize("sr_seed", [None, 11])
 def test_the_quantizer_under_torch_compile_gives_the_same_codes(sr_seed) -> None:
     # `torch.compile(opt.step)` calls `quantize_` / `hash_uniform`; the eager ones write through

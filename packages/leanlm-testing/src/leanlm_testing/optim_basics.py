@@ -227,16 +227,10 @@ def check_compiled_step(
     group each step (dynamo makes it a symbolic float from the second compile). The
     floating-point state must then agree too, to the same tolerance.
     """
-    import warnings
-
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    results = []
-    with warnings.catch_warnings():  # inductor imports torch.utils.mkldnn (torch.jit.script)
-        warnings.filterwarnings("ignore", "`torch.jit.script_method` is deprecated")
-        for compiled in (False, True):
-            results.append(_steps(make_opt, steps, compiled, dtype, scheduler))
+    results = [_steps(make_opt, steps, compiled, dtype, scheduler) for compiled in (False, True)]
     graphs = counters["stats"]["unique_graphs"]
     assert 1 <= graphs <= max_graphs, f"{graphs} graphs over {steps} steps"
     tol = 1e-5 if dtype == torch.float32 else 2.0**-7  # bf16: one step of its 8-bit mantissa
@@ -319,10 +313,15 @@ def _int8_steps(
     return params, [opt.state[p] for p in params], graphs, breaks
 
 
+#: One row (or 1-D) with a partial 128-block after full ones; several rows with partial blocks:
+#: the shapes inductor miscompiled the int8 quantizer's functional forms on (torch 2.13, CPU).
+INT8_COMPILE_SHAPES: tuple[tuple[int, ...], ...] = ((1, 300), (1, 130), (1, 257), (300,), (3, 300))
+
+
 def check_compiled_int8_step(
     make_opt: Callable[[list[torch.Tensor]], Any],
-    shapes: Sequence[tuple[int, ...]],
     dtype: torch.dtype,
+    shapes: Sequence[tuple[int, ...]] = INT8_COMPILE_SHAPES,
 ) -> None:
     """Over 3 steps: 3 graphs at most, no graph break, the eager step's int8 state to ulps.
 
