@@ -262,3 +262,77 @@ def test_teacher_correction_then_distill(make, data):
     result = distill(student, corrected, data(2), DistillConfig(lr=0.0))
     assert result.steps == 2
     assert min(result.kl) > 0  # the corrected teacher differs from the original
+
+
+class _ClippingSGD(torch.optim.SGD):
+    """SGD over an engine's own copies of the parameters (written back to the model after each
+    step), with the engine-style `clip_grad_norm_`."""
+
+    def __init__(self, copies: dict[str, torch.Tensor], model: torch.nn.Module, lr: float) -> None:
+        super().__init__(list(copies.values()), lr=lr)
+        self.copies, self.model = copies, model
+        self.clipped: list[float] = []
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        super().step(closure)
+        for name, copy_ in self.copies.items():
+            self.model.get_parameter(name).copy_(copy_)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        self.clipped.append(max_norm)
+        return torch.nn.utils.clip_grad_norm_(self.copies.values(), max_norm)
+
+
+def _keep_gradients_elsewhere(student: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient moves into a copy on the side (as shard-zero's buckets take it).
+
+    Returns the side copies (one per parameter, each with its gradient in `.grad`), so an
+    optimizer over them is what an engine's own optimizer over its shards is.
+    """
+    copies = {n: p.detach().clone() for n, p in student.named_parameters()}
+
+    def hook(name: str, p: torch.Tensor) -> None:
+        side = copies[name]
+        side.grad = p.grad if side.grad is None else side.grad + p.grad
+        p.grad = None
+
+    for name, p in student.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: hook(name, p))
+    return copies
+
+
+def test_a_student_whose_gradients_are_kept_elsewhere_is_refused(make, data):
+    """Before: the default AdamW over `student.parameters()` stepped nothing (no `.grad`), the
+    losses looked normal and the weights did not move (shard-zero's `prepare`, review finding)."""
+    teacher = make("llama")
+    student = copy.deepcopy(teacher)
+    _keep_gradients_elsewhere(student)
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"no parameter of `student` received a gradient"):
+        distill(student, teacher, data(2), DistillConfig(lr=1e-2))
+    for n, p in student.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def test_an_engine_optimizer_clips_through_its_own_clip_grad_norm(make, data):
+    """Before: `max_grad_norm` clipped `student.parameters()`, which hold no gradient under such an
+    engine, so nothing was clipped (7e-2 off one process under shard-zero, review finding)."""
+    teacher = make("llama", initializer_range=0.1)
+    student = copy.deepcopy(teacher)
+    for p in student.parameters():  # a student unlike its teacher: gradients worth clipping
+        p.data.add_(0.05 * torch.randn_like(p))
+    plain = copy.deepcopy(student)
+    start = {n: p.detach().clone() for n, p in student.named_parameters()}
+    copies = _keep_gradients_elsewhere(student)
+    engine = _ClippingSGD(copies, student, lr=0.5)
+    cfg = DistillConfig(max_grad_norm=1e-3, optimizer=lambda params: engine)
+    distill(student, teacher, data(2), cfg)
+    reference = DistillConfig(max_grad_norm=1e-3, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+    distill(plain, teacher, data(2), reference)
+    assert engine.clipped == [1e-3, 1e-3]
+    moved = 0.0
+    for (n, p), q in zip(plain.named_parameters(), student.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=n)
+        moved = max(moved, float((q - start[n]).abs().max().detach()))
+    assert 0 < moved <= 2 * 0.5 * 1e-3  # two clipped SGD steps: |Δ| <= lr * max_norm each

@@ -337,8 +337,14 @@ def _step(
     sums: torch.Tensor,
     result: DistillResult,
 ) -> None:
+    if result.steps == 0:
+        _check_gradients_reached(opt, params)
     if cfg.max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        clip = getattr(opt, "clip_grad_norm_", None)
+        if callable(clip):  # an engine's optimizer over gradients it keeps itself (shard-zero)
+            clip(cfg.max_grad_norm)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
     opt.step()
     if sched is not None:
         sched.step()
@@ -349,6 +355,26 @@ def _step(
     result.lm_loss.append(ce)
     result.hidden_loss.append(hs)
     sums.zero_()
+
+
+def _check_gradients_reached(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+    """Raise unless a parameter of `params` that `opt` steps got a gradient (first step only).
+
+    An engine that keeps the gradients in its own buffers (shard-zero's `prepare`: the model's
+    parameters never get a `.grad`) leaves an optimizer over `student.parameters()` stepping
+    nothing while the losses look normal. Its own optimizer holds other tensors (its shards),
+    so it is not checked.
+    """
+    ids = {id(p) for group in opt.param_groups for p in group["params"]}
+    held = [p for p in params if id(p) in ids]
+    if held and all(p.grad is None for p in held):
+        raise RuntimeError(
+            "no parameter of `student` received a gradient in the first backward, so the "
+            "optimizer would step nothing: the student's gradients are kept elsewhere (e.g. by "
+            "shard-zero's `prepare`, which reduces them into its own shards). Pass that "
+            "engine's optimizer as `DistillConfig.optimizer` (e.g. `optimizer=lambda params: "
+            "zero_optimizer`); `max_grad_norm` then clips through its `clip_grad_norm_`"
+        )
 
 
 @torch.no_grad()
