@@ -2,96 +2,35 @@
 
 Both optimizers step every parameter through phases (statistics, clip, update) that a
 row-sharded parameter interleaves with bucketed all-reduces, on a PyTorch path or on fused
-Triton kernels. Everything that does not depend on the algorithm lives here: the per-parameter
-record of a step (`StepWork`) and its preparation, the step loop, the `backend=` choice, the
-row-sharding registry and the bucketed reduction of named partial sums; lossless state comes
-from `_state.LosslessState`, option checks from `checks`. Nothing here syncs with the host in
-`step()`.
+Triton kernels. Everything that does not depend on the algorithm lives here: the preparation
+of the per-parameter record of a step (`StepWork`, with `stat_dtype` and `decay_`, defined in
+`_work` and re-exported here), the step loop, the row-sharding registry and the bucketed
+reduction of named partial sums; the `backend=` choice, the phase modules and the workspaces
+come from `_dispatch.KernelDispatch`, lossless state from `_state.LosslessState`, option
+checks from `checks`. Nothing here syncs with the host in `step()`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, ClassVar, Literal, cast, get_args
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor
 
-from optim_adafactor._state import LosslessState
+from optim_adafactor._dispatch import BACKENDS, Backend, KernelDispatch
 from optim_adafactor._stochastic import copy_stochastic_, copy_stochastic_seeded
-from optim_adafactor.checks import STEP, GroupCheck, Scalar
+from optim_adafactor._work import StepWork, decay_, stat_dtype
+from optim_adafactor.checks import STEP, GroupCheck
 from optim_adafactor.dtensor import local_tensor, localize
-from optim_adafactor.factored import chunk_shape, compile_safe_scalars
 from optim_adafactor.sharding import Bucket, RowShard, make_row_shard
 
-Backend = Literal["auto", "torch", "triton"]
-BACKENDS: tuple[str, ...] = get_args(Backend)
+__all__ = ["BACKENDS", "Backend", "FactoredOptimizer", "StepWork", "decay_", "stat_dtype"]
 
 
-def stat_dtype(param: Tensor) -> torch.dtype:
-    """Dtype of the statistics and of the math: float64 for float64 params, else fp32."""
-    return torch.float64 if param.dtype == torch.float64 else torch.float32
-
-
-def decay_(p: Tensor, weight_decay: float, lr: Scalar) -> None:
-    """`p ← p - weight_decay·lr·p` in the references' form (HF, came-pytorch).
-
-    `p.add_(p, alpha=-wd·lr)` keeps the decay exact to fp32 rounding of the product; the form
-    `p.mul_(1 - wd·lr)` rounds `1 - wd·lr` to fp32 (spacing 2^-24 below 1) and is off by up to
-    0.3% near wd·lr = 1e-5, always in the same direction. A tensor `lr` stays on the device
-    (no host sync). Inside `torch.compile` a float `lr` (which a scheduler changes every step)
-    is not passed as `alpha` (`factored.compile_safe_scalars`): `p·(-wd·lr)` is added instead.
-    """
-    if isinstance(lr, Tensor):  # -wd·lr in float64, rounded once, as a float `alpha` is
-        p.addcmul_(p, lr.to(torch.float64).mul(-weight_decay).to(p.dtype))
-    elif compile_safe_scalars():
-        p.add_(p.mul(-weight_decay * lr))
-    else:
-        p.add_(p, alpha=-weight_decay * lr)
-
-
-@dataclass(slots=True, kw_only=True)
-class StepWork:
-    """One parameter's step in flight: inputs, resolved constants and shared phase results."""
-
-    param: Tensor
-    p32: Tensor  # the parameter itself, or a copy in the compute dtype (bf16/fp16 params)
-    grad: Tensor  # compute-dtype gradient on the PyTorch path; the raw gradient when fused
-    state: dict[str, Any]
-    opts: Any
-    step: int
-    factored: bool
-    shard: RowShard | None
-    rows: int  # global size of dim -2 (the column-mean divisor) of factored tensors
-    numel: int  # global number of elements
-    index: int  # position in the step (seeds stochastic rounding)
-    fused: bool = False  # the phases run as Triton kernels
-    colsum: Tensor | None = None
-    rowema_sum: Tensor | None = None
-    rf: Tensor | None = None
-    cf: Tensor | None = None
-    gsq_over_row: Tensor | None = None  # column sums of g² / r (PyTorch path: gives Σ u²)
-    # an int8 first moment (`quant`): stochastic-rounding seed of its codes, and workspaces of
-    # the PyTorch path (dequantized values, signs, fp32 noise and int32 hash; None: allocate)
-    quant_seed: int | None = None
-    m_buf: Tensor | None = None
-    sign_buf: Tensor | None = None
-    noise_buf: Tensor | None = None
-    hash_buf: Tensor | None = None
-
-    @property
-    def reduce_factors(self) -> bool:
-        """Whether column sums and row-EMA sums are reduced over the shard group (2-D only).
-
-        For >= 3-D tensors dim 0 is a batch dim, so the factored dims are local to a rank.
-        """
-        return self.shard is not None and self.factored and self.param.dim() == 2
-
-
-class FactoredOptimizer(LosslessState):
+class FactoredOptimizer(KernelDispatch):
     """Base class of `Adafactor` and `CAME`: everything but the algorithm's phases.
 
     Subclasses set `_torch_path` (the module of their PyTorch phases), return their fused
@@ -99,7 +38,8 @@ class FactoredOptimizer(LosslessState):
     `_parse_group`, `_init_state`, `_is_factored`, `_make_work`, `_step_local` and
     `_step_sharded`; they may return a multi-tensor module from `_multi` and refine
     `_step_fused`, `_fused_supported`, `_refresh_state`, `_state_dtype`,
-    `_convert_loaded_state` and `_convert_loaded_group`.
+    `_convert_loaded_state` and `_convert_loaded_group`. `_kernels`, `_multi`, `_chunked` and
+    the rest of the dispatch to the kernels or PyTorch are `_dispatch.KernelDispatch`'s.
     """
 
     _torch_path: ClassVar[ModuleType]
@@ -257,106 +197,7 @@ class FactoredOptimizer(LosslessState):
         self.__dict__.setdefault("last_step_collectives", 0)
         self.__dict__.setdefault("_sr_seed", 0)
 
-    # ------------------------------------------------------------------ resources
-    def _kernel_seed(self, w: StepWork) -> int:
-        """Seed of the stochastic rounding of `w` (a function of seed, step and index).
-
-        The kernels and the PyTorch path both draw their noise from it (different generators,
-        so their noise differs), which makes the noise reproducible from the state dict.
-        """
-        return (self._sr_seed + 1_000_003 * w.step + 7919 * w.index) % (2**31 - 1)
-
-    def _workspace(
-        self,
-        like: Tensor,
-        *,
-        dtype: torch.dtype | None = None,
-        slot: int = 0,
-        shape: torch.Size | None = None,
-    ) -> Tensor:
-        """A reusable scratch buffer on `like`'s device (grown to the largest request).
-
-        `dtype`: the buffer's (default: `like`'s); `slot`: which of several buffers of that
-        device and dtype (a step that needs two at once asks for slots 0 and 1); `shape`: the
-        view's (default: `like`'s).
-        """
-        dtype = like.dtype if dtype is None else dtype
-        shape = like.shape if shape is None else shape
-        numel = math.prod(shape)
-        key = (like.device, dtype, slot)
-        buf = self._workspaces.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(max(numel, 1), dtype=dtype, device=like.device)
-            self._workspaces[key] = buf
-        return buf[:numel].view(shape)
-
-    def _chunked(self, w: StepWork) -> bool:
-        """Whether the PyTorch path runs `w`'s phases by chunks of rows (`factored.row_chunks`)."""
-        return w.factored
-
-    def _buf_shape(self, w: StepWork) -> torch.Size:
-        """Shape of `w`'s PyTorch-path workspaces: one chunk of rows where it is chunked."""
-        return chunk_shape(w.grad) if self._chunked(w) else w.grad.shape
-
-    def _kernels(self) -> ModuleType:
-        """The module of the fused phases (a subclass imports it here: it imports Triton)."""
-        raise NotImplementedError
-
-    def _multi(self) -> ModuleType | None:
-        """The multi-tensor fused step's module, imported on first use, or None.
-
-        It provides `eligible`, `batch_key`, `step_batch` and `fuse_vector`; without it the
-        fused parameters step one by one.
-        """
-        return None
-
-    def _phases(self, w: StepWork) -> Any:
-        """The module implementing the element-wise phases of `w`: the kernels or PyTorch."""
-        return self._kernels() if w.fused else self._torch_path
-
-    def _buf(self, w: StepWork) -> Tensor | None:
-        """The PyTorch path's workspace for `w` (None on the fused path)."""
-        return None if w.fused else self._workspace(w.grad, shape=self._buf_shape(w))
-
     # ------------------------------------------------------------------ the step
-    def _use_triton(self, p: Tensor, opts: Any, factored: bool) -> bool:
-        """Fused kernels for factored, contiguous, non-float64 parameters (`backend` allowing).
-
-        Unfactored parameters only where the multi-tensor module batches them (`_fuses_vector`).
-        """
-        if self.backend == "torch":
-            return False
-        if self.backend == "auto" and p.device.type != "cuda":
-            return False
-        if not self._kernels().available(p.device):
-            if self.backend == "triton":
-                raise RuntimeError(
-                    f"backend='triton' but Triton cannot run on {p.device} (install the "
-                    "`triton` extra, use a CUDA device, or set TRITON_INTERPRET=1 for CPU)"
-                )
-            return False
-        if not factored:  # small unfactored tensors: the batched vector step, where there is one
-            return self._fuses_vector(p) and self._fused_supported(p, opts)
-        return (
-            p.is_contiguous()
-            and p.dtype != torch.float64  # the kernels accumulate in fp32
-            and self._fused_supported(p, opts)
-        )
-
-    def _fuses_vector(self, p: Tensor) -> bool:
-        """Whether the multi-tensor module steps unfactored `p` (`fuse_vector`; unsharded)."""
-        multi = self._multi() if self.multi_tensor else None
-        if multi is None:
-            return False
-        from optim_adafactor.sharding import row_shard_of
-
-        if (
-            type(p) not in (Tensor, torch.nn.Parameter)
-            or row_shard_of(p, self._row_shards) is not None
-        ):
-            return False
-        return bool(multi.fuse_vector(p))
-
     def _prepare(self, p: Tensor, opts: Any, index: int) -> StepWork:
         name = type(self).__name__
         grad = cast(Tensor, p.grad)
