@@ -13,10 +13,17 @@ stay on the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 from torch import Tensor
 
 from optim_adafactor._torch_path import Work
+from optim_adafactor.checks import Scalar
+from optim_adafactor.factored import compile_safe_scalars
+
+_T = TypeVar("_T")
 
 #: Whether CPU tensors take this path. No: on the CPU a list op is a loop over the tensors anyway,
 #: and the per-tensor path, whose ops on one tensor stay in cache and reuse one workspace, was
@@ -30,7 +37,15 @@ def wanted(w: Work) -> bool:
 
 
 def batch_key(w: Work) -> tuple[object, ...]:
-    """The works that `step` takes together: the same group options, step, device and dtype."""
+    """The works that `step` takes together: the same options, device, dtype (eagerly: step).
+
+    Inside `torch.compile` the step count, a symbolic int, is left out: hashed, it was burnt into
+    the graph (one recompile per step); compared between works (`==`), torch 2.13's inductor
+    returned the new step counts through a symbol it never bound (`NameError: name 's37' is not
+    defined`). The compiled `step` takes each work's own step count instead.
+    """
+    if compile_safe_scalars():
+        return (id(w.opts), w.grad.device, w.grad.dtype, w.eps1)
     return (id(w.opts), w.step, w.grad.device, w.grad.dtype, w.eps1)
 
 
@@ -40,12 +55,17 @@ def step(works: list[Work]) -> tuple[list[Work], list[Tensor]]:
     Updates `w.p32` and the state of every work; the caller writes bf16/fp16 parameters back.
     Returns the works (reordered: factored first) and each one's step size
     `lr_t = max(ε2, RMS(p)) · min(lr, 1/√t)`, a 0-dim tensor.
+
+    Inside `torch.compile` the step-varying floats (`1 - β2_t` and `min(lr, 1/√t)` of each
+    work's own step count, a float `lr` in the weight decay) scale one tensor at a time, as in
+    the per-tensor path: as the scalar of a `torch._foreach_*` op a scheduled `lr`, which dynamo
+    makes a symbolic float, was burnt into the graph (one recompile per step).
     """
-    o, t, eps1 = works[0].opts, works[0].step, works[0].eps1
+    o, eps1 = works[0].opts, works[0].eps1
     assert o.clip_threshold is not None
-    weight = 1.0 - o.beta2(t)
     mats = [w for w in works if w.factored]
     works = mats + [w for w in works if not w.factored]  # the order of `updates`
+    weights = _per_work(works, lambda t: 1.0 - o.beta2(t))
     params = [w.p32 for w in works]
     numels = [w.numel for w in works]
     # phases 1-2, scalars: lr_t = clamp(sqrt(Σp² / N), ε2) · rho_t (before the weight decay)
@@ -54,12 +74,14 @@ def step(works: list[Work]) -> tuple[list[Work], list[Tensor]]:
     torch._foreach_div_(lr_ts, numels)
     torch._foreach_sqrt_(lr_ts)
     torch._foreach_clamp_min_(lr_ts, o.eps2)
-    rel = o.relative_step_size(t)
-    if isinstance(rel, Tensor):  # a float64 lr tensor rounds to fp32 first, as a float lr does
-        rel = rel.to(lr_ts[0].dtype)
-    torch._foreach_mul_(lr_ts, rel)
-    updates = _matrix_updates(mats, weight, eps1) + _vector_updates(
-        works[len(mats) :], weight, eps1
+
+    def rho(t: int) -> Scalar:  # a float64 lr tensor rounds to fp32 first, as a float lr does
+        rel = o.relative_step_size(t)
+        return rel.to(lr_ts[0].dtype) if isinstance(rel, Tensor) else rel
+
+    _mul_(lr_ts, _per_work(works, rho))
+    updates = _matrix_updates(mats, weights[: len(mats)], eps1) + _vector_updates(
+        works[len(mats) :], weights[len(mats) :], eps1
     )
     # phase 3: 1 / max(1, RMS(u) / d) · lr_t, negated to descend
     scales = torch._foreach_norm(updates)
@@ -79,12 +101,40 @@ def step(works: list[Work]) -> tuple[list[Work], list[Tensor]]:
             factor = o.lr.mul(-o.weight_decay).add_(1.0).to(params[0].dtype)  # as a float's
             torch._foreach_mul_(params, factor)
         else:
-            torch._foreach_mul_(params, 1.0 - o.lr * o.weight_decay)
+            _mul_(params, [1.0 - o.lr * o.weight_decay] * len(params))
     torch._foreach_addcmul_(params, updates, scales)
     return works, lr_ts
 
 
-def _matrix_updates(works: list[Work], weight: float, eps1: float) -> list[Tensor]:
+def _per_work(works: list[Work], fn: Callable[[int], _T]) -> list[_T]:
+    """`fn` of each work's step count; eagerly of the first's (a batch has one step count)."""
+    if compile_safe_scalars():
+        return [fn(w.step) for w in works]
+    return [fn(works[0].step)] * len(works)
+
+
+def _mul_(xs: list[Tensor], coefs: list[Scalar]) -> None:
+    """`x *= coef` for each pair: eagerly one `_foreach_mul_` by the (shared) first coefficient.
+
+    Inside `torch.compile` one tensor at a time: see `step`.
+    """
+    if compile_safe_scalars():
+        for x, coef in zip(xs, coefs, strict=True):
+            x.mul_(coef)
+    else:
+        torch._foreach_mul_(xs, coefs[0])
+
+
+def _lerp_(avgs: list[Tensor], targets: list[Tensor], weights: list[float]) -> None:
+    """`avg.lerp_(target, weight)` for each: eagerly one `_foreach_lerp_` (see `_mul_`)."""
+    if compile_safe_scalars():
+        for avg, target, weight in zip(avgs, targets, weights, strict=True):
+            avg.lerp_(target, weight)
+    else:
+        torch._foreach_lerp_(avgs, targets, weights[0])
+
+
+def _matrix_updates(works: list[Work], weights: list[float], eps1: float) -> list[Tensor]:
     """Row/column EMAs of mean g² lerped in; `u = g · rsqrt(clamp(r⊗c / max(mean r, ε1), ε1²))`."""
     if not works:
         return []
@@ -94,10 +144,10 @@ def _matrix_updates(works: list[Work], weight: float, eps1: float) -> list[Tenso
     gsq = list(torch._foreach_mul(grads, grads))  # becomes u (the same shapes)
     row_in = [x.sum(dim=-1) for x in gsq]
     torch._foreach_div_(row_in, [g.shape[-1] for g in grads])
-    torch._foreach_lerp_(rows, row_in, weight)
+    _lerp_(rows, row_in, weights)
     col_in = [x.sum(dim=-2) for x in gsq]
     torch._foreach_div_(col_in, [w.rows for w in works])
-    torch._foreach_lerp_(cols, col_in, weight)
+    _lerp_(cols, col_in, weights)
     norms = [r.sum(dim=-1) for r in rows]
     torch._foreach_div_(norms, [w.rows for w in works])
     torch._foreach_clamp_min_(norms, eps1)
@@ -110,14 +160,14 @@ def _matrix_updates(works: list[Work], weight: float, eps1: float) -> list[Tenso
     return gsq
 
 
-def _vector_updates(works: list[Work], weight: float, eps1: float) -> list[Tensor]:
+def _vector_updates(works: list[Work], weights: list[float], eps1: float) -> list[Tensor]:
     """The full second moment `v` lerped to g²; `u = g · rsqrt(clamp(v, ε1²))`."""
     if not works:
         return []
     grads = [w.grad for w in works]
     variances = [w.state["exp_avg_sq"] for w in works]
     gsq = torch._foreach_mul(grads, grads)
-    torch._foreach_lerp_(variances, gsq, weight)
+    _lerp_(variances, list(gsq), weights)
     updates = list(torch._foreach_clamp_min(variances, eps1 * eps1))
     torch._foreach_rsqrt_(updates)
     torch._foreach_mul_(updates, grads)
