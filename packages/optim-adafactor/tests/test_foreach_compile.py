@@ -17,10 +17,6 @@ import torch
 from leanlm_testing import optim_basics as basics
 from optim_adafactor import Adafactor, _foreach_path
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:`torch.jit.script_method` is deprecated"  # inductor imports torch.utils.mkldnn
-)
-
 STEPS = 12
 
 
