@@ -36,7 +36,8 @@ The autograd Function and the per-call kernel choice live in `_bsr_autograd`.
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, Self
 
 import torch
 from torch import Tensor, nn
@@ -99,7 +100,8 @@ def block_sparse_linear(
         dtype (x, values and bias are cast to it first, as `nn.Linear`'s are).
 
     Raises:
-        ValueError: if x's last dimension is not `layout.in_features`, or `bias` is not of shape
+        ValueError: if x's last dimension is not `layout.in_features`, `values` is not of shape
+            (layout.nnzb, b, b) or not on x's device, or `bias` is not of shape
             (out_features,) or not on `values`' device (every backend).
         TypeError: if x's dtype (after an autocast cast) is not `values`' dtype, as on the
             Triton backend (every backend; `nn.Linear` raises too).
@@ -124,9 +126,18 @@ def block_sparse_linear(
 
 
 def _check_operands(x2: Tensor, values: Tensor, bias: Tensor | None, layout: BlockLayout) -> None:
-    """The checks every backend shares (the Triton launcher's dtype rule, the bias's shape)."""
+    """The checks every backend shares (the Triton launcher's `values` rules, the bias's).
+
+    The torch backend builds its BSR tensor without checking it, so `values` that do not match
+    `layout` would be read out of bounds there.
+    """
+    b = layout.block_size
+    if tuple(values.shape) != (layout.nnzb, b, b):
+        raise ValueError(f"`values` shape {tuple(values.shape)} must be ({layout.nnzb}, {b}, {b})")
     if x2.dtype != values.dtype:
         raise TypeError(f"`x` dtype {x2.dtype} must equal `values` dtype {values.dtype}")
+    if x2.device != values.device:
+        raise ValueError(f"`x` is on {x2.device} but `values` on {values.device}")
     if bias is None:
         return
     if tuple(bias.shape) != (layout.out_features,):
@@ -160,8 +171,20 @@ class BlockSparseLinear(nn.Module):
         block_size: tile edge b.
         bias: whether to add a bias.
         backend: `"auto"`, `"torch"` or `"triton"`.
-        device: device of the parameters.
+        device: device of the parameters and index buffers (None: torch's default, which
+            `with torch.device(...)` sets).
         dtype: dtype of the parameters.
+
+    On the meta device (FSDP2 / torchtitan init) the layer keeps a host copy of its tile index:
+    `to_empty()` off the meta device restores the index from it, so `to_empty()` then
+    `reset_parameters()` (or `load_state_dict`) gives a working layer, the same as building
+    on that device with the same RNG state.
+
+    Raises:
+        TypeError: if `in_features`, `out_features` or `block_size` is not an int, or
+            `block_mask` is not a bool tensor.
+        ValueError: for negative features, `block_size` < 1, an unknown `backend`, or a
+            `block_mask` of the wrong shape or on the meta device.
     """
 
     row_ptr: Tensor
@@ -183,6 +206,10 @@ class BlockSparseLinear(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            check_int(name, value)
+            if value < 0:
+                raise ValueError(f"`{name}` ({value}) must be >= 0")
         check_int("block_size", block_size)
         if block_size < 1:
             raise ValueError(f"`block_size` ({block_size}) must be >= 1")
@@ -193,12 +220,17 @@ class BlockSparseLinear(nn.Module):
         self.block_size = block_size
         self.backend: Backend = backend
         layout = BlockLayout.from_block_mask(
-            block_mask.cpu(), out_features=out_features, in_features=in_features,
+            block_mask, out_features=out_features, in_features=in_features,
             block_size=block_size,
         )  # fmt: skip
+        # the device the factories pick (`device`, else a `with torch.device(...)` context)
+        target = torch.empty(0, device=device).device
         for name in INDEX_FIELDS:
-            self.register_buffer(name, getattr(layout, name).to(device))
-        factory: dict[str, Any] = {"device": device, "dtype": dtype}
+            self.register_buffer(name, getattr(layout, name).to(target))
+        self._host_index: tuple[Tensor, ...] | None = None
+        if target.type == "meta":  # the meta buffers hold no data: `_apply` restores from this
+            self._host_index = tuple(t.cpu() for t in layout.index)
+        factory: dict[str, Any] = {"device": target, "dtype": dtype}
         self.values = nn.Parameter(torch.empty(layout.nnzb, block_size, block_size, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.reset_parameters()
@@ -211,6 +243,31 @@ class BlockSparseLinear(nn.Module):
             if self.bias is not None:
                 self.bias.uniform_(-bound, bound)
             self._zero_padding()
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Self:
+        """`nn.Module._apply` (`.to()`, `to_empty()`, ...), keeping the tile index's data.
+
+        The index buffers are structure, which `reset_parameters` cannot redraw: going onto
+        the meta device keeps a host copy of them; coming off it (only `to_empty()` can,
+        leaving uninitialised memory) copies that back into the new buffers.
+        """
+        old = [self._buffers[name] for name in INDEX_FIELDS]
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        new: list[Tensor] = [self._buffers[name] for name in INDEX_FIELDS]  # type: ignore[misc]
+        was_meta, is_meta = old[0].is_meta, new[0].is_meta  # type: ignore[union-attr]
+        if is_meta and not was_meta:
+            self._host_index = tuple(t.cpu() for t in old)  # type: ignore[union-attr]
+        elif was_meta and not is_meta:
+            host = self.__dict__.get("_host_index")
+            if host is None or [h.shape for h in host] != [t.shape for t in new]:
+                raise RuntimeError(
+                    "BlockSparseLinear: its tile index left the meta device without a host "
+                    "copy of the same shapes; load it with load_state_dict(assign=True)"
+                )
+            with torch.no_grad():
+                for t, h in zip(new, host, strict=True):
+                    t.copy_(h)
+        return self
 
     @torch.no_grad()
     def _zero_padding(self) -> None:
@@ -261,12 +318,15 @@ class BlockSparseLinear(nn.Module):
             linear: the dense layer (weight copied, bias kept).
             block_size: tile edge.
             sparsity: fraction of tiles dropped (exactly `round(sparsity · tiles)`).
-            block_mask: explicit (row_blocks, col_blocks) tile mask instead of magnitude.
+            block_mask: explicit (row_blocks, col_blocks) bool tile mask instead of magnitude.
             backend: `"auto"`, `"torch"` or `"triton"`.
 
         Raises:
+            TypeError: if `linear` is not an `nn.Linear`, or `block_size` is not an int.
             ValueError: for `block_size` < 1 or `sparsity` outside [0, 1).
         """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"`linear` must be an nn.Linear, got {type(linear).__name__}")
         check_int("block_size", block_size)
         if block_size < 1:
             raise ValueError(f"`block_size` ({block_size}) must be >= 1")

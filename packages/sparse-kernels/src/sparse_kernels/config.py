@@ -109,8 +109,7 @@ class SparsityConfig:
             raise ValueError(f"`dampening` ({self.dampening}) must be >= 0")
         if self.sparsegpt_block < 1:
             raise ValueError(f"`sparsegpt_block` ({self.sparsegpt_block}) must be >= 1")
-        if isinstance(self.targets, str):
-            raise TypeError("`targets` must be a sequence of regexes, not a single string")
+        check_targets_type(self.targets)
 
     @property
     def parsed(self) -> Pattern:
@@ -128,3 +127,12 @@ def check_int(name: str, value: object) -> None:
     """TypeError naming `name` unless `value` is an int (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"`{name}` must be an int, got {value!r}")
+
+
+def check_targets_type(targets: object) -> None:
+    """TypeError if `targets` is a single string (each character would be taken as a regex)."""
+    if isinstance(targets, str):
+        raise TypeError(
+            f"`targets` must be a sequence of regexes, not a single string, got {targets!r}: "
+            f"pass [{targets!r}]"
+        )

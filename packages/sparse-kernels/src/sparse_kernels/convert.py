@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from torch import nn
+from torch import Tensor, nn
 
 from sparse_kernels.block_sparse import Backend, BlockSparseLinear
+from sparse_kernels.config import check_int
 from sparse_kernels.masks import block_scores, expand_blocks
 from sparse_kernels.sparsify import apply_mask_, get_mask, select_targets
 
@@ -39,13 +40,18 @@ def to_block_sparse_(
 
     Raises:
         ValueError: if a target has no mask (with `sparsity=None`) or its mask is not made of
-            whole `block_size` tiles, or `block_size` < 1.
+            whole `block_size` tiles, or `block_size` < 1. Every target is checked before any
+            is replaced, so on an error the model is unchanged.
+        TypeError: if `block_size` is not an int or `targets` is a single string.
     """
+    check_int("block_size", block_size)
     if block_size < 1:
         raise ValueError(f"`block_size` ({block_size}) must be >= 1")
-    out = {}
-    for name, linear in select_targets(model, targets).items():
-        block_mask = None
+    # every target is checked (and its tiles read) before any is replaced
+    block_masks: dict[str, Tensor | None] = {}
+    linears = select_targets(model, targets)
+    for name, linear in linears.items():
+        block_masks[name] = None
         if sparsity is None:
             mask = get_mask(linear)
             if mask is None:
@@ -57,12 +63,14 @@ def to_block_sparse_(
                 raise ValueError(
                     f"the mask of {name} is not made of whole {block_size}x{block_size} tiles"
                 )
-            block_mask = tiles == 1
+            block_masks[name] = tiles == 1
+    out = {}
+    for name, linear in linears.items():
         new = BlockSparseLinear.from_dense(
             linear,
             block_size=block_size,
             sparsity=0.0 if sparsity is None else sparsity,
-            block_mask=block_mask,
+            block_mask=block_masks[name],
             backend=backend,
         )
         _replace(model, name, new)

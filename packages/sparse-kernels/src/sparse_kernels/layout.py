@@ -94,17 +94,37 @@ class BlockLayout:
     def from_block_mask(
         cls, block_mask: Tensor, *, out_features: int, in_features: int, block_size: int
     ) -> BlockLayout:
-        """Build the layout from a (row_blocks, col_blocks) boolean tile mask."""
+        """Build the layout from a (row_blocks, col_blocks) boolean tile mask.
+
+        The index is computed on the host and placed on `block_mask`'s device.
+
+        Raises:
+            TypeError: if `block_mask` is not a bool tensor (a float score tensor would keep
+                every nonzero tile).
+            ValueError: if `block_mask` has the wrong shape or is on the meta device (no data).
+        """
+        if not isinstance(block_mask, Tensor) or block_mask.dtype != torch.bool:
+            got = (
+                f"dtype {block_mask.dtype}"
+                if isinstance(block_mask, Tensor)
+                else type(block_mask).__name__
+            )
+            raise TypeError(f"`block_mask` must be a bool tensor (True = stored tile), got {got}")
+        if block_mask.device.type == "meta":
+            raise ValueError(
+                "`block_mask` is on the meta device, which holds no data: build it on a real "
+                "device (outside `with torch.device('meta')`); the layer's tensors may be meta"
+            )
         rb, cb = -(-out_features // block_size), -(-in_features // block_size)
         if tuple(block_mask.shape) != (rb, cb):
             raise ValueError(
                 f"`block_mask` shape {tuple(block_mask.shape)} must be ({rb}, {cb}) for a "
                 f"({out_features}, {in_features}) weight with block_size {block_size}"
             )
-        mask = block_mask.to(torch.bool).cpu()
+        mask = block_mask.cpu()
         nz = mask.nonzero()
         row_idx, col_idx = nz[:, 0], nz[:, 1]
-        zero = torch.zeros(1, dtype=torch.long)
+        zero = torch.zeros(1, dtype=torch.long, device="cpu")  # host, also under a meta context
         row_ptr = torch.cat([zero, mask.sum(1).cumsum(0)])
         col_ptr = torch.cat([zero, mask.sum(0).cumsum(0)])
         t_perm = torch.argsort(col_idx * rb + row_idx)
@@ -123,7 +143,7 @@ class BlockLayout:
 
     def block_mask(self) -> Tensor:
         """The (row_blocks, col_blocks) boolean tile mask."""
-        mask = torch.zeros(self.row_blocks, self.col_blocks, dtype=torch.bool)
+        mask = torch.zeros(self.row_blocks, self.col_blocks, dtype=torch.bool, device="cpu")
         mask[self.row_idx.long().cpu(), self.col_idx.long().cpu()] = True
         return mask.to(self.row_idx.device)
 

@@ -13,7 +13,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from sparse_kernels.config import Pattern, SparsityConfig
+from sparse_kernels.config import Pattern, SparsityConfig, check_int
 
 
 def _ranked(scores: Tensor) -> Tensor:
@@ -63,7 +63,13 @@ def nm_mask(scores: Tensor, n: int, m: int) -> Tensor:
         scores: (out, in) importance scores; `in` must be a multiple of `m`.
         n: weights kept per group (0 < n < m).
         m: group size along the last (input) dimension.
+
+    Raises:
+        TypeError: if `n` or `m` is not an int.
+        ValueError: unless 0 < n < m, or if `in` is not a multiple of `m`.
     """
+    check_int("n", n)
+    check_int("m", m)
     if not 0 < n < m:
         raise ValueError(f"`n` ({n}) must satisfy 0 < n < `m` ({m}) for N:M sparsity")
     s = _ranked(scores)
@@ -108,7 +114,12 @@ def block_mask(scores: Tensor, block_size: int, sparsity: float) -> Tensor:
         scores: (out, in) importance scores (any shape; edge tiles may be partial).
         block_size: tile edge.
         sparsity: fraction of tiles pruned, in [0, 1).
+
+    Raises:
+        TypeError: if `block_size` is not an int.
+        ValueError: for a non-2-D `scores`, `block_size` < 1 or `sparsity` outside [0, 1).
     """
+    check_int("block_size", block_size)
     if scores.dim() != 2:
         raise ValueError(f"block sparsity needs a 2-D weight, got shape {tuple(scores.shape)}")
     if block_size < 1:

@@ -2,6 +2,7 @@
 
 ```python
 schedule = GradualPruning(model, final_sparsity=0.9, start_step=0, end_step=1000, frequency=50)
+opt = torch.optim.AdamW(model.parameters())  # after the schedule
 for batch in loader:
     loss = model(**batch).loss
     loss.backward()
@@ -16,13 +17,16 @@ for batch in loader:
   parametrization zeroes them and their gradient), so the masks only grow.
 * `SparseFromStart`: one mask (`sparsify_` with a `SparsityConfig`) before the first step,
   held for the whole run, as in SambaNova's sparse GPT pre-training (arXiv 2304.05511).
-* `SparseThenDense`: the same, then at `dense_step` the masks are removed and training
+* `SparseThenDense`: the same, then at `dense_step` its masks are removed and training
   continues dense on the same Parameter objects (the optimizer keeps working), the
   "sparse then dense finish" of SPDF (arXiv 2303.10464) and torchao's 2:4 training recipe.
 
 Each schedule has `state_dict()` / `load_state_dict()` for its step counter; the masks live in
-the model's own state_dict. To resume, rebuild the model and the schedule with the same
-arguments, then load the model's and the schedule's state_dicts (in either order). The
+the model's own state_dict. A schedule attaches its masks when it is built (`GradualPruning`:
+all ones until `start_step`), so the model's parameter order is fixed from then on: build the
+optimizer after the schedule. To resume, rebuild the model and the schedule with the same
+arguments, then load the model's and the schedule's state_dicts (in either order); the
+optimizer may be built before or after the model's state_dict is loaded. The
 schedule's targeted Linears adapt their structure to the checkpoint being loaded (a mask is
 attached, all ones until the checkpoint's mask is copied in, or removed when the checkpoint
 is dense), and the schedule's `load_state_dict` brings the model to the structure of the
@@ -37,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparse_kernels.config import SparsityConfig, parse_pattern
+from sparse_kernels.config import SparsityConfig, check_int, parse_pattern
 from sparse_kernels.masks import block_mask, unstructured_mask, warn_if_empty
 from sparse_kernels.sparsify import (
     apply_mask_,
@@ -45,6 +49,7 @@ from sparse_kernels.sparsify import (
     remove_masks_,
     select_targets,
     sparsify_,
+    warn_dense_weights,
 )
 
 
@@ -96,9 +101,44 @@ class _Schedule:
         """Act at `step` (masks or none)."""
 
     def step(self) -> None:
-        """Call once after every optimizer step."""
+        """Call once after every optimizer step.
+
+        Raises:
+            RuntimeError: if a Linear the schedule still has to change is no longer in the model
+                (e.g. `to_block_sparse_` replaced it).
+        """
         self.step_count += 1
+        if self._pending(self.step_count):
+            self._check_modules()
         self._update(self.step_count)
+
+    def _pending(self, step: int) -> bool:
+        """Whether the schedule still changes masks at `step` or later."""
+        return False
+
+    def _targets(self) -> Mapping[str, nn.Module]:
+        """Qualified name -> the Linear the schedule acts on."""
+        return {}
+
+    def _check_modules(self) -> None:
+        model: nn.Module = getattr(self, "model")  # noqa: B009 - set by every subclass
+        for name, linear in self._targets().items():
+            try:
+                current: nn.Module | None = model.get_submodule(name)
+            except AttributeError:
+                current = None
+            if current is not linear:
+                now = "gone" if current is None else f"now a {type(current).__name__}"
+                raise RuntimeError(
+                    f"{type(self).__name__}: {name} is no longer the nn.Linear this schedule "
+                    f"masks ({now}, e.g. replaced by to_block_sparse_), and the schedule still "
+                    f"has to change its mask ({self._work()}); replace modules only after that "
+                    f"step, or convert back with to_masked_linear_ and rebuild the schedule"
+                )
+
+    def _work(self) -> str:
+        """What is left to do, for the error of `_check_modules`."""
+        return ""
 
     def state_dict(self) -> dict[str, Any]:
         """The step counter (masks are in the model's state_dict)."""
@@ -124,7 +164,7 @@ class GradualPruning(_Schedule):
         final_sparsity: s_f, fraction of zeros at and after `end_step`.
         end_step: t1, the step at which s_f is reached.
         initial_sparsity: s_i, applied at `start_step`.
-        start_step: t0; before it the model is dense.
+        start_step: t0; before it the masks are all ones (the model trains dense).
         frequency: Δ, re-mask every `frequency` steps (and at `end_step`).
         pattern: `"unstructured"` or `"block"` (N:M has a fixed sparsity: use SparseFromStart).
         block_size: tile edge of the block pattern.
@@ -147,6 +187,14 @@ class GradualPruning(_Schedule):
         targets: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
+        ints: tuple[tuple[str, object], ...] = (
+            ("end_step", end_step),
+            ("start_step", start_step),
+            ("frequency", frequency),
+            ("block_size", block_size),
+        )
+        for name, value in ints:
+            check_int(name, value)
         if parse_pattern(pattern).kind == "nm":
             raise ValueError(
                 f"`pattern` ({pattern!r}): N:M has a fixed sparsity; use SparseFromStart"
@@ -170,6 +218,11 @@ class GradualPruning(_Schedule):
             raise ValueError(f"`block_size` ({block_size}) must be >= 1")
         if granularity not in ("layer", "row"):
             raise ValueError(f"`granularity` ({granularity!r}) must be 'layer' or 'row'")
+        if granularity == "row" and pattern == "block":
+            raise ValueError(
+                f"`granularity` ({granularity!r}) applies to the unstructured pattern only: "
+                f"`pattern` {pattern!r} ranks whole tiles over the layer"
+            )
         self.model = model
         self.initial_sparsity = initial_sparsity
         self.final_sparsity = final_sparsity
@@ -182,8 +235,30 @@ class GradualPruning(_Schedule):
         self.modules = select_targets(model, targets)
         if not self.modules:
             raise ValueError(f"no nn.Linear matched `targets` ({targets!r})")
+        warn_dense_weights(model, self.modules, "GradualPruning")
         _follow_checkpoints(self.modules.values())
+        # every target is masked from now on (all ones until start_step: w * 1 == w exactly), so
+        # the model's parameter order is the same at every step, and after a resume whatever
+        # the order of building the optimizer and loading the model's checkpoint
+        self._attach_ones()
         self._update(0)
+
+    @torch.no_grad()
+    def _attach_ones(self) -> None:
+        """An all-ones mask on every target that has none."""
+        for linear in self.modules.values():
+            if get_mask(linear) is None:
+                ones = torch.ones(linear.out_features, linear.in_features, dtype=torch.bool)
+                apply_mask_(linear, ones)
+
+    def _pending(self, step: int) -> bool:
+        return step <= self.end_step
+
+    def _targets(self) -> Mapping[str, nn.Module]:
+        return self.modules
+
+    def _work(self) -> str:
+        return f"re-masks up to `end_step` ({self.end_step}), now at step {self.step_count}"
 
     def sparsity_at(self, step: int) -> float:
         """The cubic target at the last re-masking step <= `step` (0 before `start_step`)."""
@@ -212,16 +287,10 @@ class GradualPruning(_Schedule):
             warn_if_empty(mask, name, sparsity)
             apply_mask_(linear, mask)
 
-    @torch.no_grad()
     def _restore(self, step: int) -> None:
-        # from start_step on every target is masked: attach all-ones masks where none is yet
-        # (the model's state_dict holds the real ones)
-        if step < self.start_step:
-            return
-        for linear in self.modules.values():
-            if get_mask(linear) is None:
-                ones = torch.ones(linear.out_features, linear.in_features, dtype=torch.bool)
-                apply_mask_(linear, ones)
+        # every target is masked at every step: attach all-ones masks where none is (a dense
+        # checkpoint, saved before the schedule existed); the model's state_dict holds the rest
+        self._attach_ones()
 
 
 class SparseFromStart(_Schedule):
@@ -244,14 +313,24 @@ class SparseFromStart(_Schedule):
         dense_step: int | None = None,
     ) -> None:
         super().__init__()
-        if dense_step is not None and dense_step < 1:
-            raise ValueError(f"`dense_step` ({dense_step}) must be >= 1")
+        if not isinstance(config, SparsityConfig):
+            raise TypeError(
+                f"`config` must be a SparsityConfig, got {type(config).__name__} {config!r}: "
+                f"pass SparsityConfig(**config) for a dict"
+            )
+        if dense_step is not None:
+            check_int("dense_step", dense_step)
+            if dense_step < 1:
+                raise ValueError(f"`dense_step` ({dense_step}) must be >= 1")
         self.model = model
         self.config = config
         self.dense_step = dense_step
         self.masks = sparsify_(model, config, calibration=calibration)
+        self.modules: dict[str, nn.Module] = {
+            name: model.get_submodule(name) for name in self.masks
+        }
         self._dense = False
-        _follow_checkpoints(model.get_submodule(name) for name in self.masks)
+        _follow_checkpoints(self.modules.values())
 
     def sparsity_at(self, step: int) -> float:
         """`config.target_sparsity` while sparse, 0 once dense."""
@@ -259,9 +338,20 @@ class SparseFromStart(_Schedule):
             return 0.0
         return self.config.target_sparsity
 
+    def _pending(self, step: int) -> bool:
+        return self.dense_step is not None and not self._dense
+
+    def _targets(self) -> Mapping[str, nn.Module]:
+        return self.modules
+
+    def _work(self) -> str:
+        return f"removes it at `dense_step` ({self.dense_step}), now at step {self.step_count}"
+
     def _update(self, step: int) -> None:
+        # only this schedule's masks: another schedule's (or sparsify_'s) stay
         if self.dense_step is not None and step >= self.dense_step and not self._dense:
-            remove_masks_(self.model)
+            for linear in self.modules.values():
+                remove_masks_(linear)
             self._dense = True
 
     def _restore(self, step: int) -> None:

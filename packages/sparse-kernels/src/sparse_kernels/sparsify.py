@@ -17,6 +17,7 @@ shapes, bias kept). Because the effective weight is a product with a fixed 0/1 m
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from sparse_kernels.calibration import InputStats, collect_input_stats
-from sparse_kernels.config import SparsityConfig
+from sparse_kernels.config import SparsityConfig, check_targets_type
 from sparse_kernels.masks import mask_for_config, warn_if_empty
 from sparse_kernels.sequential import prune_sequential_
 from sparse_kernels.sparsegpt import sparsegpt_prune
@@ -84,13 +85,92 @@ def select_targets(model: nn.Module, targets: Iterable[str] | None = None) -> di
         targets: regexes matched with `re.search` against qualified names; `None` selects
             every Linear inside an `nn.ModuleList` (the decoder blocks of HF models), which
             never includes embeddings or `lm_head`.
+
+    Raises:
+        TypeError: if `targets` is a single string (its characters would be the regexes).
     """
+    check_targets_type(targets)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     if targets is None:
         inside = _in_module_list(model)
         return {n: m for n, m in linears.items() if n in inside}
     patterns = [re.compile(t) for t in targets]
     return {n: m for n, m in linears.items() if any(p.search(n) for p in patterns)}
+
+
+def _blocks_of(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """The outermost `nn.ModuleList` elements (decoder blocks) that contain the modules `names`."""
+    blocks = sorted(
+        {
+            f"{list_name}.{child}" if list_name else child
+            for list_name, module in model.named_modules()
+            if isinstance(module, nn.ModuleList)
+            for child, _ in module.named_children()
+        },
+        key=len,
+    )
+    found: list[str] = []
+    for name in names:
+        block = next((b for b in blocks if name.startswith(f"{b}.")), None)
+        if block is not None and block not in found:
+            found.append(block)
+    return found
+
+
+def dense_weights(model: nn.Module, names: Iterable[str]) -> tuple[dict[str, Tensor], float]:
+    """The matrix weights in the decoder blocks of `names` that no mask can cover.
+
+    These are the trainable Parameters with two or more dimensions inside the decoder blocks
+    (elements of an `nn.ModuleList`) holding the modules `names` that are neither an
+    `nn.Linear`'s weight nor a `BlockSparseLinear`'s tiles: e.g. the experts of a transformers-5
+    MoE block, stored as 3-D tensors, or its router. `sparsify_` and the schedules prune only
+    `nn.Linear` modules, so these stay dense.
+
+    Args:
+        model: the model.
+        names: qualified names of the targeted modules.
+
+    Returns:
+        Qualified parameter name -> Parameter, and the share of the blocks' matrix weights
+        (elements of trainable Parameters with two or more dimensions) these hold.
+    """
+    from sparse_kernels.block_sparse import BlockSparseLinear  # torch-heavy: only here
+
+    covered: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            covered.add(id(stored_weight(module)))
+        elif isinstance(module, BlockSparseLinear):
+            covered.update(id(p) for p in module.parameters())
+    seen: set[int] = set()
+    dense: dict[str, Tensor] = {}
+    total = 0
+    for block in _blocks_of(model, names):
+        for name, param in model.get_submodule(block).named_parameters(prefix=block):
+            if param.dim() < 2 or not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            total += param.numel()
+            if id(param) not in covered:
+                dense[name] = param
+    share = sum(p.numel() for p in dense.values()) / total if total else 0.0
+    return dense, share
+
+
+def warn_dense_weights(model: nn.Module, names: Iterable[str], caller: str) -> None:
+    """UserWarning naming the `dense_weights` of the targeted blocks, if there are any."""
+    dense, share = dense_weights(model, names)
+    if not dense:
+        return
+    listed = ", ".join(list(dense)[:4]) + (", ..." if len(dense) > 4 else "")
+    warnings.warn(
+        f"{caller} prunes nn.Linear modules only: {len(dense)} weight Parameter(s) in the "
+        f"targeted decoder blocks are not nn.Linear weights and stay dense ({listed}), "
+        f"{share:.1%} of those blocks' matrix weights (e.g. MoE experts stored as 3-D tensors); "
+        f"`sparsity_report` lists them",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 @torch.no_grad()
@@ -144,13 +224,22 @@ def remove_masks_(model: nn.Module) -> None:
 
 
 def sparsity_report(model: nn.Module) -> dict[str, float]:
-    """Qualified name -> fraction of zeros of the effective weight, for every masked Linear."""
+    """Qualified name -> fraction of zeros, for every masked Linear and every dense weight.
+
+    The masked Linears are listed by module name (zeros of the effective weight). The matrix
+    weights that no mask can cover in the decoder blocks holding them (`dense_weights`: e.g.
+    MoE experts stored as 3-D tensors) are listed too, by parameter name, so the report shows
+    how much of the blocks stays dense.
+    """
     out = {}
     for name, module in model.named_modules():
         if get_mask(module) is not None:
             w = module.weight
             assert isinstance(w, Tensor)
             out[name] = float((w == 0).float().mean())
+    dense, _ = dense_weights(model, list(out))
+    for name, param in dense.items():
+        out[name] = float((param.detach() == 0).float().mean())
     return out
 
 
@@ -255,6 +344,7 @@ def sparsify_(
             f"no nn.Linear matched `targets` ({config.targets!r}); pass regexes on module names"
         )
     check_targets(modules, config)
+    warn_dense_weights(model, modules, "sparsify_")
     if config.method == "magnitude":
         return {name: _prune_with_stats(name, lin, config, None) for name, lin in modules.items()}
     if calibration is None:

@@ -133,13 +133,21 @@ class Sparsify(Stage):
             if not sequential or "sequential" not in str(err):
                 raise
             raise ConfigError("sparsify.sequential", f"{err} (here: `sequential = false`)") from err
+        # masked Linears by module name; matrix weights no mask covers (3-D MoE experts) by name
         report = sparsity_report(model)
-        target = sum(model.get_submodule(n).weight.numel() for n in report)
-        zeros = sum(frac * model.get_submodule(n).weight.numel() for n, frac in report.items())
+        params = dict(model.named_parameters())
+        sizes = {
+            n: params[n].numel() if n in params else model.get_submodule(n).weight.numel()
+            for n in report
+        }
+        target = sum(sizes.values())
+        zeros = sum(frac * sizes[n] for n, frac in report.items())
+        dense = sum(n in params for n in report)
         one_shot = evaluate_validation(ctx, model, batch_size=cfg.eval_batch_size)
         acc.print(
-            f"[sparsify] {cfg.pattern} {cfg.method}: {len(report)} Linears, "
-            f"{zeros / target:.1%} of their weights zero; one-shot validation perplexity "
+            f"[sparsify] {cfg.pattern} {cfg.method}: {len(report) - dense} Linears"
+            + (f" and {dense} weights left dense" if dense else "")
+            + f", {zeros / target:.1%} of their weights zero; one-shot validation perplexity "
             f"{one_shot.perplexity:.2f}"
         )
         metrics: dict[str, Any]
