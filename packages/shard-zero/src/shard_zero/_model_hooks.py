@@ -15,7 +15,9 @@ A forward pre-hook (first of the model's) checks that the model still has the pa
 `prepare` saw, with their shapes, dtypes and devices: `model.half()`, `model.to(device)` or
 `resize_token_embeddings()` after `prepare` would otherwise be undone silently at stage 3 (the
 gathers write the compute parameters back) or fail later with an unrelated shape or index error
-(the masters, buckets and optimizer keep the old parameters). It raises naming the parameter.
+(the masters, buckets and optimizer keep the old parameters). It raises naming the parameter;
+a Parameter that is still there under another name (a parametrization registered or removed
+after `prepare`, e.g. a sparsity mask) is named as renamed, with that remedy.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ from torch import nn
 from shard_zero._layout import Entry
 from shard_zero._shards import Shards
 from shard_zero._units import Unit, Units
+
+_RENAMED = (
+    ", by name: register parametrizations (e.g. sparse_kernels' masks: `sparsify_`, a "
+    "schedule) before `prepare` and keep them to the end. Adding or removing one mid-run (e.g. "
+    "SparseThenDense at `dense_step`, `remove_masks_`) is not supported under shard-zero; to go "
+    "dense, keep the parametrizations and fill their masks with ones instead (`for m in "
+    "sparse_kernels.masks(model).values(): m.fill_(True)` on every rank: masks are buffers, "
+    "which shard-zero does not shard)"
+)
 
 
 class ModelHooks:
@@ -79,6 +90,10 @@ class ModelHooks:
             was = {n: p for n, p, *_ in self._signature}
             new = [n for n, p in now if was.get(n) is not p]
             gone = set(was) - {n for n, _ in now}
+            if new:
+                old = [n for n, p in was.items() if p is dict(now)[new[0]] and n != new[0]]
+                if old:  # the same object, renamed: `parametrize` added or removed a layer
+                    self._changed(f"{new[0]!r} is {old[0]!r} renamed", _RENAMED)
             self._changed(
                 f"{new[0]!r} is a new Parameter" if new else f"{sorted(gone)[0]!r} is gone"
             )
@@ -88,12 +103,16 @@ class ModelHooks:
         return [[p.shape, p.dtype, p.device] for _, p, *_ in self._signature]
 
     @staticmethod
-    def _changed(change: str) -> None:
+    def _changed(change: str, remedy: str = "") -> None:
         raise RuntimeError(
             f"shard-zero: the model's parameters changed after `prepare` ({change}). Its "
-            "masters, gradient buckets and optimizer hold the parameters `prepare` saw: cast, "
-            "move or resize the model (`.half()`, `.to()`, `resize_token_embeddings()`, a new "
-            "module) before `prepare`; `ZeroConfig(param_dtype=...)` sets the compute dtype"
+            "masters, gradient buckets and optimizer hold the parameters `prepare` saw"
+            + (
+                remedy
+                or ": cast, move or resize the model (`.half()`, `.to()`, "
+                "`resize_token_embeddings()`, a new module) before `prepare`; "
+                "`ZeroConfig(param_dtype=...)` sets the compute dtype"
+            )
         )
 
     @contextmanager

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparse_kernels._remask import check_weight, full_weight, set_mask_
 from sparse_kernels.config import SparsityConfig, check_int, parse_pattern
 from sparse_kernels.masks import block_mask, unstructured_mask, warn_if_empty
 from sparse_kernels.sparsify import (
@@ -105,12 +106,16 @@ class _Schedule:
 
         Raises:
             RuntimeError: if a Linear the schedule still has to change is no longer in the model
-                (e.g. `to_block_sparse_` replaced it).
+                (e.g. `to_block_sparse_` replaced it), or if a re-mask finds a weight that is
+                not materialised (a ZeRO-3 placeholder: call `step()` inside the engine's
+                gather, e.g. `shard_zero.gathered(model, writeback=True)`). Then the model,
+                the masks and `step_count` are unchanged.
         """
-        self.step_count += 1
-        if self._pending(self.step_count):
-            self._check_modules()
-        self._update(self.step_count)
+        step = self.step_count + 1
+        if self._pending(step):
+            self._check_modules(step)
+        self._update(step)
+        self.step_count = step
 
     def _pending(self, step: int) -> bool:
         """Whether the schedule still changes masks at `step` or later."""
@@ -120,7 +125,7 @@ class _Schedule:
         """Qualified name -> the Linear the schedule acts on."""
         return {}
 
-    def _check_modules(self) -> None:
+    def _check_modules(self, step: int) -> None:
         model: nn.Module = getattr(self, "model")  # noqa: B009 - set by every subclass
         for name, linear in self._targets().items():
             try:
@@ -132,12 +137,12 @@ class _Schedule:
                 raise RuntimeError(
                     f"{type(self).__name__}: {name} is no longer the nn.Linear this schedule "
                     f"masks ({now}, e.g. replaced by to_block_sparse_), and the schedule still "
-                    f"has to change its mask ({self._work()}); replace modules only after that "
-                    f"step, or convert back with to_masked_linear_ and rebuild the schedule"
+                    f"has to change its mask ({self._work(step)}); replace modules only after "
+                    f"that step, or convert back with to_masked_linear_ and rebuild the schedule"
                 )
 
-    def _work(self) -> str:
-        """What is left to do, for the error of `_check_modules`."""
+    def _work(self, step: int) -> str:
+        """What is left to do at `step`, for the error of `_check_modules`."""
         return ""
 
     def state_dict(self) -> dict[str, Any]:
@@ -257,8 +262,8 @@ class GradualPruning(_Schedule):
     def _targets(self) -> Mapping[str, nn.Module]:
         return self.modules
 
-    def _work(self) -> str:
-        return f"re-masks up to `end_step` ({self.end_step}), now at step {self.step_count}"
+    def _work(self, step: int) -> str:
+        return f"re-masks up to `end_step` ({self.end_step}), now at step {step}"
 
     def sparsity_at(self, step: int) -> float:
         """The cubic target at the last re-masking step <= `step` (0 before `start_step`)."""
@@ -278,14 +283,18 @@ class GradualPruning(_Schedule):
         if (step - self.start_step) % self.frequency and step != self.end_step:
             return
         sparsity = self.sparsity_at(step)
+        # every weight checked first (a placeholder raises here, before any mask changes), then
+        # one Linear at a time: a second full set of masks would double their memory
         for name, linear in self.modules.items():
-            score = linear.weight.detach().abs()
+            check_weight("GradualPruning", name, linear, step)
+        for name, linear in self.modules.items():
+            score = full_weight(linear).abs()
             if self.pattern.kind == "block":
                 mask = block_mask(score, self.block_size, sparsity)
             else:
                 mask = unstructured_mask(score, sparsity, per_row=self.per_row)
             warn_if_empty(mask, name, sparsity)
-            apply_mask_(linear, mask)
+            set_mask_(linear, mask)
 
     def _restore(self, step: int) -> None:
         # every target is masked at every step: attach all-ones masks where none is (a dense
@@ -344,8 +353,8 @@ class SparseFromStart(_Schedule):
     def _targets(self) -> Mapping[str, nn.Module]:
         return self.modules
 
-    def _work(self) -> str:
-        return f"removes it at `dense_step` ({self.dense_step}), now at step {self.step_count}"
+    def _work(self, step: int) -> str:
+        return f"removes it at `dense_step` ({self.dense_step}), now at step {step}"
 
     def _update(self, step: int) -> None:
         # only this schedule's masks: another schedule's (or sparsify_'s) stay
