@@ -336,3 +336,31 @@ def test_an_engine_optimizer_clips_through_its_own_clip_grad_norm(make, data):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=n)
         moved = max(moved, float((q - start[n]).abs().max().detach()))
     assert 0 < moved <= 2 * 0.5 * 1e-3  # two clipped SGD steps: |Δ| <= lr * max_norm each
+
+
+def test_with_a_hidden_projection_gradients_kept_elsewhere_are_still_refused(make, data):
+    """Before: the projection (width-pruned student) got a gradient, so the check passed while
+    no student weight moved (review of the first fix, with shard-zero: 0 of 21 tensors)."""
+    teacher, student, _ = _width_and_depth_students(make, data)["width"]
+    _keep_gradients_elsewhere(student)
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    cfg = DistillConfig(lr=1e-2, hidden_loss_weight=1.0)
+    with pytest.raises(RuntimeError, match=r"no parameter of `student` received a gradient"):
+        distill(student, teacher, data(2), cfg)
+    for n, p in student.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def test_an_optimizer_without_the_hidden_projection_is_refused(make, data):
+    """An engine's optimizer holds its shards, not the projection `distill` creates: before, the
+    projection was never stepped and its gradient grew every step, unclipped."""
+    teacher, student, _ = _width_and_depth_students(make, data)["width"]
+    engine = torch.optim.SGD(list(student.parameters()), lr=0.1)
+    cfg = DistillConfig(hidden_loss_weight=1.0, optimizer=lambda params: engine)
+    with pytest.raises(ValueError, match=r"hidden-state projection .* not among the parameters"):
+        distill(student, teacher, data(2), cfg)
+    # equal widths: no projection, the same optimizer trains
+    same = copy.deepcopy(teacher)
+    engine = torch.optim.SGD(list(same.parameters()), lr=0.1)
+    cfg = DistillConfig(hidden_loss_weight=1.0, optimizer=lambda params: engine)
+    assert distill(same, teacher, data(2), cfg).projection is None

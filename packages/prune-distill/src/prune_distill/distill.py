@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prune_distill import _engine_optim
 from prune_distill.arch import model_device
 from prune_distill.cache import TEACHER_VOCAB, TOPK_INDICES, TOPK_VALUES, check_cached_vocab
 from prune_distill.config import DistillConfig
@@ -143,8 +144,10 @@ def distill(
 
     Raises:
         ValueError: no trainable parameters, no teacher where one is needed, a teacher (or
-            cache) of another vocabulary size than the student's, or a `hidden_layer_map`
-            outside the models' layers.
+            cache) of another vocabulary size than the student's, a `hidden_layer_map`
+            outside the models' layers, or an optimizer without the hidden-state projection.
+        RuntimeError: no student parameter that the optimizer steps got a gradient in the
+            first backward (an engine keeps them: pass its optimizer).
     """
     cfg = config or DistillConfig()
     many_batches(batches)
@@ -166,11 +169,10 @@ def distill(
             kind=cfg.hidden_loss_type,
             seed=cfg.hidden_projection_seed,
         )
-        params += list(hidden.parameters())  # the projection, if the widths differ
-    if cfg.optimizer is not None:
-        opt = cfg.optimizer(params)
-    else:
-        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    student_params = list(params)
+    projection = list(hidden.parameters()) if hidden is not None else []  # widths differ
+    params += projection
+    opt = _engine_optim.build(cfg, student_params, projection)
     sched = cfg.scheduler(opt) if cfg.scheduler is not None else None
 
     result = DistillResult(projection=hidden.projection if hidden is not None else None)
@@ -242,7 +244,15 @@ def distill(
                 loss.backward()  # type: ignore[no-untyped-call]
                 sums += torch.stack([loss.detach(), kl.detach(), ce.detach(), hs.detach()]).double()
                 result.tokens += tokens
-            _step(opt=opt, sched=sched, params=params, cfg=cfg, sums=sums, result=result)
+            _step(
+                opt=opt,
+                sched=sched,
+                params=params,
+                student_params=student_params,
+                cfg=cfg,
+                sums=sums,
+                result=result,
+            )
             if cfg.max_steps is not None and result.steps >= cfg.max_steps:
                 break
     finally:
@@ -333,18 +343,15 @@ def _step(
     opt: torch.optim.Optimizer,
     sched: torch.optim.lr_scheduler.LRScheduler | None,
     params: list[nn.Parameter],
+    student_params: list[nn.Parameter],
     cfg: DistillConfig,
     sums: torch.Tensor,
     result: DistillResult,
 ) -> None:
     if result.steps == 0:
-        _check_gradients_reached(opt, params)
+        _engine_optim.check_gradients_reached(opt, student_params)
     if cfg.max_grad_norm is not None:
-        clip = getattr(opt, "clip_grad_norm_", None)
-        if callable(clip):  # an engine's optimizer over gradients it keeps itself (shard-zero)
-            clip(cfg.max_grad_norm)
-        else:
-            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        _engine_optim.clip_(opt, params, cfg.max_grad_norm)
     opt.step()
     if sched is not None:
         sched.step()
@@ -355,26 +362,6 @@ def _step(
     result.lm_loss.append(ce)
     result.hidden_loss.append(hs)
     sums.zero_()
-
-
-def _check_gradients_reached(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
-    """Raise unless a parameter of `params` that `opt` steps got a gradient (first step only).
-
-    An engine that keeps the gradients in its own buffers (shard-zero's `prepare`: the model's
-    parameters never get a `.grad`) leaves an optimizer over `student.parameters()` stepping
-    nothing while the losses look normal. Its own optimizer holds other tensors (its shards),
-    so it is not checked.
-    """
-    ids = {id(p) for group in opt.param_groups for p in group["params"]}
-    held = [p for p in params if id(p) in ids]
-    if held and all(p.grad is None for p in held):
-        raise RuntimeError(
-            "no parameter of `student` received a gradient in the first backward, so the "
-            "optimizer would step nothing: the student's gradients are kept elsewhere (e.g. by "
-            "shard-zero's `prepare`, which reduces them into its own shards). Pass that "
-            "engine's optimizer as `DistillConfig.optimizer` (e.g. `optimizer=lambda params: "
-            "zero_optimizer`); `max_grad_norm` then clips through its `clip_grad_norm_`"
-        )
 
 
 @torch.no_grad()
