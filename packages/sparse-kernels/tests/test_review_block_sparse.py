@@ -12,11 +12,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from sparse_kernels import BlockLayout, BlockSparseLinear, block_mask, block_sparse_linear, nm_mask
+from leanlm_testing import spawn
+from sparse_kernels import (
+    BlockLayout,
+    BlockSparseLinear,
+    GradualPruning,
+    block_mask,
+    block_sparse_linear,
+    nm_mask,
+)
 from sparse_kernels._triton import available
-from sparse_kernels.layout import blocks_to_dense
+from sparse_kernels.layout import blocks_to_dense, dense_to_blocks
 
 # 4 of 16 tiles of 16 on a 64 x 64 weight (below the torch path's 0.3 dense crossover)
 _SPARSE = torch.zeros(4, 4, dtype=torch.bool)
@@ -174,3 +183,69 @@ def test_meta_round_trip_keeps_a_loaded_index():
 def test_meta_block_mask_is_refused():
     with torch.device("meta"), pytest.raises(ValueError, match=r"`block_mask` is on the meta"):
         BlockSparseLinear(13, 20, block_mask=torch.ones(3, 2, dtype=torch.bool), block_size=8)
+
+
+def test_numpy_and_tensor_integers_are_ints():
+    """`operator.index` integers, as nn.Linear and torch's sizes take them (a NumPy step count);
+    the int checks of the review fixes refused them at first."""
+    import numpy as np
+
+    layer = BlockSparseLinear(
+        np.int64(32), np.int64(16), block_mask=torch.ones(1, 2, dtype=torch.bool), block_size=16
+    )
+    assert (layer.in_features, layer.out_features) == (32, 16)
+    schedule = GradualPruning(
+        nn.Sequential(nn.Linear(8, 8)),
+        final_sparsity=0.5,
+        start_step=np.int64(0),
+        end_step=np.int64(4),
+        frequency=np.int64(2),
+        targets=["0"],
+    )
+    assert schedule.sparsity_at(4) == 0.5
+    with pytest.raises(TypeError, match=r"`end_step` must be an int, got 4.0"):
+        GradualPruning(
+            nn.Sequential(nn.Linear(8, 8)), final_sparsity=0.5, end_step=4.0, targets=["0"]
+        )
+
+
+def _fsdp2_meta_init_worker(rank: int, world_size: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    mask = torch.tensor([[True, False], [True, True], [False, True]])  # 48 x 20: edge tiles
+    with torch.device("meta"):
+        layer = BlockSparseLinear(20, 48, block_mask=mask, block_size=16, backend="torch")
+    fully_shard(layer, mesh=mesh)
+    layer.to_empty(device="cpu")
+    torch.manual_seed(3)
+    layer.reset_parameters()  # before: "mixed torch.Tensor and DTensor"
+    full = layer.values.full_tensor()  # type: ignore[operator]
+    bias = layer.bias.full_tensor()  # type: ignore[union-attr,operator]
+    x = torch.randn(5, 20, generator=torch.Generator().manual_seed(0))
+    y = layer(x)
+    if rank == 0:
+        torch.save(
+            {"values": full, "bias": bias, "y": y.detach(), "index": layer.layout.index}, path
+        )
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fsdp2_meta_init_reset_parameters_zeroes_the_padding(tmp_path, world_size):
+    """The torchtitan order (meta, `fully_shard`, `to_empty`, `reset_parameters`): the tiles'
+    entries outside the 48 x 20 weight are exactly zero, and the forward equals the dense
+    masked product of the same tiles."""
+    path = str(tmp_path / "out.pt")
+    spawn(_fsdp2_meta_init_worker, path, world_size=world_size, tmp_path=tmp_path)
+    out = torch.load(path)
+    mask = torch.tensor([[True, False], [True, True], [False, True]])
+    want = BlockSparseLinear(20, 48, block_mask=mask, block_size=16, backend="torch")
+    assert all(torch.equal(a, b) for a, b in zip(out["index"], want.layout.index, strict=True))
+    layout = want.layout
+    dense = blocks_to_dense(out["values"], layout)  # (48, 20): the padding is cut off
+    assert torch.equal(dense_to_blocks(dense, layout), out["values"])  # padding exactly zero
+    assert (out["values"] != 0).sum() == (dense != 0).sum() > 0
+    x = torch.randn(5, 20, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(out["y"], x @ dense.T + out["bias"], rtol=1e-5, atol=1e-6)

@@ -119,9 +119,12 @@ MOE_WARNING = re.escape(
 )
 
 
-def test_sparsify_warns_and_reports_the_weights_it_leaves_dense():
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_sparsify_warns_and_reports_the_weights_it_leaves_dense(frozen):
+    """Frozen (one-shot pruning of a model with requires_grad off): before the second fix the
+    dense experts were neither warned about nor reported."""
     assert f"{3136 / 3392:.1%}" == "92.5%"
-    model = _MoE()
+    model = _MoE().requires_grad_(not frozen)
     with pytest.warns(UserWarning, match="sparsify_ " + MOE_WARNING) as record:
         sparsify_(model, SparsityConfig(pattern="2:4"))
     assert len(record) == 1

@@ -178,7 +178,8 @@ class BlockSparseLinear(nn.Module):
     On the meta device (FSDP2 / torchtitan init) the layer keeps a host copy of its tile index:
     `to_empty()` off the meta device restores the index from it, so `to_empty()` then
     `reset_parameters()` (or `load_state_dict`) gives a working layer, the same as building
-    on that device with the same RNG state.
+    on that device with the same RNG state. After `fully_shard` (tiles a DTensor),
+    `reset_parameters()` gathers the tiles to zero the edge padding: call it on every rank.
 
     Raises:
         TypeError: if `in_features`, `out_features` or `block_size` is not an int, or
@@ -272,8 +273,17 @@ class BlockSparseLinear(nn.Module):
     @torch.no_grad()
     def _zero_padding(self) -> None:
         # Edge tiles of non-multiple shapes: entries outside the weight stay exactly zero.
-        dense = blocks_to_dense(self.values, self.layout)
-        self.values.copy_(dense_to_blocks(dense, self.layout))
+        values: Any = self.values
+        if hasattr(values, "full_tensor"):  # FSDP2 (a DTensor of tiles): the whole, then the
+            from torch.distributed.tensor import distribute_tensor  # shard of this rank
+
+            dense = blocks_to_dense(values.full_tensor(), self.layout)
+            padded = dense_to_blocks(dense, self.layout)
+            mesh, placements = values.device_mesh, values.placements
+            values.copy_(distribute_tensor(padded, mesh, placements, src_data_rank=None))
+            return
+        dense = blocks_to_dense(values, self.layout)
+        values.copy_(dense_to_blocks(dense, self.layout))
 
     @property
     def layout(self) -> BlockLayout:

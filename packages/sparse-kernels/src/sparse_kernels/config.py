@@ -124,8 +124,12 @@ class SparsityConfig:
 
 
 def check_int(name: str, value: object) -> None:
-    """TypeError naming `name` unless `value` is an int (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """TypeError naming `name` unless `value` is an integer (not a bool).
+
+    An integer is what `operator.index` takes, as torch's size arguments do: an `int`, a NumPy
+    integer scalar or a 0-dim integer tensor (not a float, even an integral one).
+    """
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise TypeError(f"`{name}` must be an int, got {value!r}")
 
 

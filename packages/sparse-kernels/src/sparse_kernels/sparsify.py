@@ -120,7 +120,8 @@ def _blocks_of(model: nn.Module, names: Iterable[str]) -> list[str]:
 def dense_weights(model: nn.Module, names: Iterable[str]) -> tuple[dict[str, Tensor], float]:
     """The matrix weights in the decoder blocks of `names` that no mask can cover.
 
-    These are the trainable Parameters with two or more dimensions inside the decoder blocks
+    These are the Parameters (frozen or not: one-shot pruning often runs on a frozen model)
+    with two or more dimensions inside the decoder blocks
     (elements of an `nn.ModuleList`) holding the modules `names` that are neither an
     `nn.Linear`'s weight nor a `BlockSparseLinear`'s tiles: e.g. the experts of a transformers-5
     MoE block, stored as 3-D tensors, or its router. `sparsify_` and the schedules prune only
@@ -132,7 +133,7 @@ def dense_weights(model: nn.Module, names: Iterable[str]) -> tuple[dict[str, Ten
 
     Returns:
         Qualified parameter name -> Parameter, and the share of the blocks' matrix weights
-        (elements of trainable Parameters with two or more dimensions) these hold.
+        (elements of Parameters with two or more dimensions) these hold.
     """
     from sparse_kernels.block_sparse import BlockSparseLinear  # torch-heavy: only here
 
@@ -147,7 +148,7 @@ def dense_weights(model: nn.Module, names: Iterable[str]) -> tuple[dict[str, Ten
     total = 0
     for block in _blocks_of(model, names):
         for name, param in model.get_submodule(block).named_parameters(prefix=block):
-            if param.dim() < 2 or not param.requires_grad or id(param) in seen:
+            if param.dim() < 2 or id(param) in seen:
                 continue
             seen.add(id(param))
             total += param.numel()
