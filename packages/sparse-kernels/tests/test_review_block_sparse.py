@@ -249,3 +249,9 @@ def test_fsdp2_meta_init_reset_parameters_zeroes_the_padding(tmp_path, world_siz
     assert (out["values"] != 0).sum() == (dense != 0).sum() > 0
     x = torch.randn(5, 20, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(out["y"], x @ dense.T + out["bias"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("value", [4.0, torch.tensor(4.0), True], ids=["float", "float-0d", "bool"])
+def test_non_integers_stay_refused(value):
+    with pytest.raises(TypeError, match=r"`end_step` must be an int"):
+        GradualPruning(nn.Sequential(nn.Linear(8, 8)), final_sparsity=0.5, end_step=value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -129,8 +130,12 @@ def check_int(name: str, value: object) -> None:
     An integer is what `operator.index` takes, as torch's size arguments do: an `int`, a NumPy
     integer scalar or a 0-dim integer tensor (not a float, even an integral one).
     """
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+    if isinstance(value, bool):
         raise TypeError(f"`{name}` must be an int, got {value!r}")
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"`{name}` must be an int, got {value!r}") from None
 
 
 def check_targets_type(targets: object) -> None:
